@@ -1,0 +1,73 @@
+"""Map every error to OpenAI's error JSON in one place: {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vlmserve.errors import Overloaded, ServiceUnavailable, VlmserveError
+
+__all__ = ["error_body", "error_response", "install_error_handlers"]
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(exc: VlmserveError) -> JSONResponse:
+    headers = {}
+    if isinstance(exc, ServiceUnavailable | Overloaded):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    body = error_body(exc.message, exc.error_type, exc.code, exc.param)
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out
+
+
+def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = _location(tuple(first.get("loc", ())))
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    return JSONResponse(
+        error_body(message, "invalid_request_error", "invalid_value", param or None),
+        status_code=422,
+    )
+
+
+def _http_response(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(
+        error_body(str(exc.detail), type_, None, None),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
+
+
+def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    rid = getattr(request.state, "request_id", "-")
+    log.exception("unhandled error in request %s", rid)
+    message = f"internal server error (request id {rid}); the server log has the details"
+    return JSONResponse(error_body(message, "internal_error", "internal_error"), status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(VlmserveError, lambda r, e: error_response(e))  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_response)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_response)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected)

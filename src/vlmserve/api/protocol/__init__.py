@@ -1,0 +1,1 @@
+"""Wire models (pydantic, OpenAI shapes); converted to engine dataclasses in one place."""

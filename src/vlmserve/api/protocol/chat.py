@@ -1,0 +1,154 @@
+"""`/v1/chat/completions` request shapes: OpenAI's, seed 003's media parts, vLLM extras."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessageIn",
+    "ContentPart",
+    "ImageUrlPart",
+    "InputImagePart",
+    "InputVideoPart",
+    "StreamOptions",
+    "TextContentPart",
+    "VideoUrlPart",
+]
+
+_INT64 = 2**63 - 1
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UrlRef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    url: str
+    detail: str | None = None
+
+
+class TextContentPart(_Part):
+    type: Literal["text", "input_text"]
+    text: str
+
+
+class ImageUrlPart(_Part):
+    type: Literal["image_url"]
+    image_url: str | UrlRef
+    uuid: str | None = None
+
+    @property
+    def source(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+class InputImagePart(_Part):
+    type: Literal["input_image"]
+    b64_json: str | None = None
+    image: str | None = None
+    image_url: str | UrlRef | None = None
+
+    @property
+    def source(self) -> str:
+        ref = self.b64_json or self.image or self.image_url
+        if ref is None:
+            raise ValueError("input_image needs one of b64_json, image or image_url")
+        return ref if isinstance(ref, str) else ref.url
+
+
+class VideoUrlPart(_Part):
+    type: Literal["video_url"]
+    video_url: str | UrlRef
+
+    @property
+    def source(self) -> str:
+        return self.video_url if isinstance(self.video_url, str) else self.video_url.url
+
+
+class InputVideoPart(_Part):
+    type: Literal["input_video"]
+    b64_json: str | None = None
+    video: str | None = None
+    video_url: str | UrlRef | None = None
+
+    @property
+    def source(self) -> str:
+        ref = self.b64_json or self.video or self.video_url
+        if ref is None:
+            raise ValueError("input_video needs one of b64_json, video or video_url")
+        return ref if isinstance(ref, str) else ref.url
+
+
+ContentPart = Annotated[
+    TextContentPart | ImageUrlPart | InputImagePart | VideoUrlPart | InputVideoPart,
+    Field(discriminator="type"),
+]
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, max_length=512)
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=4096)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=1_000_000)
+    n: int = Field(default=1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-_INT64 - 1, le=_INT64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    logprobs: bool = False
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    user: str | None = None
+    # vLLM-compatible extras (benchmarks need fixed output lengths)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    # seed 003: resumable streams
+    session_id: str | None = Field(default=None, min_length=1, max_length=128)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str] | None:
+        stops = [value] if isinstance(value, str) else value
+        if stops is not None and (len(stops) > 16 or any(len(s) > 256 for s in stops)):
+            raise ValueError("at most 16 stop strings of at most 256 characters each")
+        return stops
+
+    @field_validator("session_id")
+    @classmethod
+    def _session_id(cls, value: str | None) -> str | None:
+        if value is not None and not all(c.isalnum() or c in "-_." for c in value):
+            raise ValueError("session_id may contain only letters, digits, '-', '_' and '.'")
+        return value
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})

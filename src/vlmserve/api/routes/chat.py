@@ -1,0 +1,40 @@
+"""``POST /v1/chat/completions``: JSON, or an SSE stream (new, or resumed with Last-Event-ID)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request, Response
+
+from vlmserve.api.protocol.chat import ChatCompletionRequest
+from vlmserve.api.serving.sse import ClientGone, run_until_disconnect, sse_response
+from vlmserve.errors import InvalidRequest
+from vlmserve.streaming import parse_event_id
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    request: Request,
+    body: ChatCompletionRequest,
+    last_event_id: str | None = Query(default=None, max_length=300),
+) -> Any:
+    state = request.app.state
+    request_id = request.state.request_id
+    resume_from = request.headers.get("last-event-id") or last_event_id
+    if resume_from:
+        session_id, after = parse_event_id(resume_from)
+        if body.session_id and body.session_id != session_id:
+            raise InvalidRequest(
+                f"Last-Event-ID names session {session_id!r} but session_id is {body.session_id!r}",
+                param="session_id",
+            )
+        return await sse_response(state.sessions, session_id, after)
+    if body.stream:
+        start = await state.chat.start_stream(body, request_id)
+        return await sse_response(state.sessions, start.session_id, -1)
+    try:
+        return await run_until_disconnect(request, state.chat.complete(body, request_id))
+    except ClientGone:
+        return Response(status_code=499)

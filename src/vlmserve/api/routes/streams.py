@@ -1,0 +1,50 @@
+"""Stream control (seed 003): cancel by session or completion id, resume with a plain GET."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
+from vlmserve.api.serving.sse import sse_response
+from vlmserve.errors import NotFound
+from vlmserve.streaming import parse_event_id
+
+router = APIRouter()
+
+
+async def _cancel(request: Request, key: str) -> dict[str, object]:
+    if not await request.app.state.sessions.cancel(key):
+        raise NotFound(
+            f"no running stream {key!r} (unknown, finished or already cancelled)",
+            code="session_not_found",
+        )
+    return {"id": key, "object": "stream.cancel", "cancelled": True}
+
+
+@router.post("/v1/cancel/{session_id}")
+async def cancel_session(request: Request, session_id: str) -> dict[str, object]:
+    """Cancel a running generation by session id (or chat-completion id)."""
+    return await _cancel(request, session_id)
+
+
+@router.post("/v1/chat/completions/{completion_id}/cancel")
+async def cancel_completion(request: Request, completion_id: str) -> dict[str, object]:
+    """Cancel a running generation by its ``chatcmpl-...`` id."""
+    return await _cancel(request, completion_id)
+
+
+@router.get("/v1/streams/{session_id}", response_model=None)
+async def resume_stream(
+    request: Request,
+    session_id: str,
+    last_event_id: str | None = Query(default=None, max_length=300),
+) -> StreamingResponse:
+    """Resume (or replay) a stream; works with browsers' EventSource, which reconnects with
+    a GET and the ``Last-Event-ID`` header by itself."""
+    given = request.headers.get("last-event-id") or last_event_id
+    after = -1
+    if given:
+        named, after = parse_event_id(given)
+        if named != session_id:
+            raise NotFound(f"Last-Event-ID is for session {named!r}, not {session_id!r}")
+    return await sse_response(request.app.state.sessions, session_id, after)

@@ -1,0 +1,1 @@
+"""Serving logic behind the routers."""

@@ -1,0 +1,136 @@
+"""Chat completions: JSON answers, and SSE streams that run as resumable sessions."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from vlmserve.api.protocol.chat import ChatCompletionRequest
+from vlmserve.api.protocol.responses import CompletionIds, chunk_json, completion_body, usage
+from vlmserve.api.serving.convert import Converter
+from vlmserve.engine.types import Chunk, FinishReason
+from vlmserve.errors import InvalidRequest, VlmserveError
+from vlmserve.registry.manager import ModelManager
+from vlmserve.streaming import Emit, Event, Resumption, SessionManager, SessionRecord, error_emit
+
+__all__ = ["ChatService", "StreamStart"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StreamStart:
+    session_id: str
+    completion_id: str
+
+
+def _new_ids(model: str) -> CompletionIds:
+    return CompletionIds(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+
+
+async def _emits(
+    chunks: AsyncIterator[Chunk], ids: CompletionIds, include_usage: bool, first: bool
+) -> AsyncIterator[Emit]:
+    """Engine chunks -> OpenAI ``chat.completion.chunk`` events (token ids kept in meta)."""
+    if first:
+        yield Emit(chunk_json(ids, {"role": "assistant", "content": ""}))
+    async for c in chunks:
+        if c.text or c.token_ids:
+            yield Emit(chunk_json(ids, {"content": c.text}), meta={"token_ids": c.token_ids})
+        if c.finish_reason is not None:
+            yield Emit(chunk_json(ids, {}, c.finish_reason.value))
+            if include_usage:
+                yield Emit(
+                    chunk_json(ids, None, usage_=usage(c.prompt_tokens, c.completion_tokens))
+                )
+
+
+def _on_cancel(ids: CompletionIds) -> Any:
+    return lambda: [Emit(chunk_json(ids, {}, FinishReason.CANCELLED.value))]
+
+
+def _on_error(exc: BaseException) -> list[Emit]:
+    if isinstance(exc, VlmserveError) and exc.status_code < 500:
+        return [error_emit(exc.message, exc.code or "invalid_request", exc.error_type)]
+    log.error("stream failed: %r", exc)
+    return [error_emit("generation failed; the server log has the details", "internal_error")]
+
+
+class ChatService:
+    def __init__(self, models: ModelManager, converter: Converter, sessions: SessionManager):
+        self.models = models
+        self.converter = converter
+        self.sessions = sessions
+        sessions.set_resumer(self._resume)
+
+    async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
+        handle = self.models.resolve(body.model)
+        backend = handle.backend
+        prepared = await backend.prepare(await self.converter.to_request(body, request_id))
+        ids = _new_ids(handle.name)
+        text, last = [], None
+        async for chunk in backend.generate(prepared):
+            text.append(chunk.text)
+            last = chunk
+        if last is None or last.finish_reason is None:
+            raise VlmserveError("generation ended without a result")
+        return completion_body(
+            ids,
+            "".join(text),
+            last.finish_reason.value,
+            usage(last.prompt_tokens, last.completion_tokens),
+        )
+
+    async def start_stream(self, body: ChatCompletionRequest, request_id: str) -> StreamStart:
+        """Validate and prepare (4xx before any byte is sent), then start the session."""
+        handle = self.models.resolve(body.model)
+        session_id = body.session_id or uuid.uuid4().hex
+        if body.session_id and await self.sessions.exists(session_id):
+            raise InvalidRequest(
+                f"session {session_id!r} already exists; resume it with a Last-Event-ID header "
+                "or start a new one with another session_id",
+                param="session_id",
+                code="session_exists",
+            )
+        prepared = await handle.backend.prepare(await self.converter.to_request(body, request_id))
+        ids = _new_ids(handle.name)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        record = {
+            "body": body.model_dump(mode="json"),
+            "id": ids.id,
+            "created": ids.created,
+            "model": ids.model,
+        }
+        producer = _emits(handle.backend.generate(prepared), ids, include_usage, first=True)
+        await self.sessions.start(
+            session_id,
+            record,
+            producer,
+            on_cancel=_on_cancel(ids),
+            on_error=_on_error,
+            aliases=[ids.id],
+        )
+        return StreamStart(session_id=session_id, completion_id=ids.id)
+
+    async def _resume(self, record: SessionRecord, events: list[Event]) -> Resumption | None:
+        """After a restart: continue a stored generation after exactly the tokens already sent."""
+        stored = record.request
+        try:
+            body = ChatCompletionRequest.model_validate(stored["body"])
+            handle = self.models.resolve(stored["model"])
+            request = await self.converter.to_request(body, f"resume-{record.session_id}")
+        except (KeyError, VlmserveError, ValueError) as exc:
+            log.warning("cannot continue session %s: %s", record.session_id, exc)
+            return None
+        request.prefix_token_ids = [
+            t for e in events if e.meta for t in e.meta.get("token_ids", [])
+        ]
+        prepared = await handle.backend.prepare(request)
+        ids = CompletionIds(id=stored["id"], created=stored["created"], model=stored["model"])
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        producer = _emits(handle.backend.generate(prepared), ids, include_usage, first=not events)
+        return Resumption(producer=producer, on_cancel=_on_cancel(ids), on_error=_on_error)

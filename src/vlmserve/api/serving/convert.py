@@ -1,0 +1,157 @@
+"""Wire request -> engine request, in one place: limits first, then media fetch and decode."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from vlmserve.api.protocol.chat import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    ImageUrlPart,
+    InputImagePart,
+    InputVideoPart,
+    TextContentPart,
+    VideoUrlPart,
+)
+from vlmserve.config import Settings
+from vlmserve.engine.types import (
+    ChatMessage,
+    GenerateRequest,
+    ImagePart,
+    Part,
+    SamplingParams,
+    TextPart,
+    VideoPart,
+)
+from vlmserve.errors import InvalidRequest, UnsupportedFeature, VlmserveError
+from vlmserve.media import MediaPolicy, load_image, load_video
+
+__all__ = ["Converter", "media_policy"]
+
+
+def media_policy(settings: Settings) -> MediaPolicy:
+    return MediaPolicy(
+        max_bytes=settings.max_media_bytes,
+        max_image_pixels=settings.max_image_pixels,
+        max_video_frames=settings.max_video_frames,
+        max_video_pixels=settings.max_video_pixels,
+        max_video_decode_frames=settings.max_video_decode_frames,
+        image_formats=tuple(f.upper() for f in settings.media_image_formats),
+        fetch_timeout=settings.media_fetch_timeout,
+        max_redirects=settings.media_max_redirects,
+        allowed_local_roots=tuple(settings.allowed_local_media_path),
+        allow_private_networks=settings.media_allow_private_networks,
+    )
+
+
+def _unsupported(body: ChatCompletionRequest, max_n: int) -> None:
+    if body.n > max_n:
+        raise UnsupportedFeature(f"n={body.n} is not supported; the limit is {max_n}", param="n")
+    if body.presence_penalty or body.frequency_penalty:
+        raise UnsupportedFeature(
+            "presence_penalty and frequency_penalty are not supported; use repetition_penalty",
+            param="presence_penalty" if body.presence_penalty else "frequency_penalty",
+        )
+    if body.logprobs:
+        raise UnsupportedFeature("logprobs are not supported yet", param="logprobs")
+    if body.tools:
+        raise UnsupportedFeature("tool calls are not supported", param="tools")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise UnsupportedFeature(
+            f"response_format {body.response_format.type!r} is not supported by this server yet",
+            param="response_format",
+        )
+
+
+def _media_count(messages: list[ChatMessageIn]) -> int:
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.content, list)
+        for p in m.content
+        if not isinstance(p, TextContentPart)
+    )
+
+
+@dataclass(slots=True)
+class Converter:
+    settings: Settings
+    policy: MediaPolicy
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Converter:
+        return cls(settings=settings, policy=media_policy(settings))
+
+    def check(self, body: ChatCompletionRequest) -> None:
+        """Every check that needs no I/O; runs before any media is fetched."""
+        _unsupported(body, self.settings.max_n)
+        count = _media_count(body.messages)
+        if count > self.settings.max_media_per_request:
+            raise InvalidRequest(
+                f"{count} media items in one request; the limit is "
+                f"{self.settings.max_media_per_request} (VLMSERVE_MAX_MEDIA_PER_REQUEST)",
+                param="messages",
+                code="too_many_media_items",
+            )
+        limit = self.settings.max_model_len
+        if self.max_tokens(body) >= limit:
+            raise InvalidRequest(
+                f"max_tokens={self.max_tokens(body)} is not below the context limit of {limit} "
+                "tokens (VLMSERVE_MAX_MODEL_LEN)",
+                param="max_tokens",
+            )
+
+    def max_tokens(self, body: ChatCompletionRequest) -> int:
+        return body.max_completion_tokens or body.max_tokens or self.settings.max_tokens
+
+    def sampling(self, body: ChatCompletionRequest) -> SamplingParams:
+        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        return SamplingParams(
+            max_tokens=self.max_tokens(body),
+            temperature=self.settings.temperature if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=top_k,
+            stop=list(body.stop or []),
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            repetition_penalty=body.repetition_penalty or 1.0,
+        )
+
+    async def to_request(self, body: ChatCompletionRequest, request_id: str) -> GenerateRequest:
+        self.check(body)
+        messages = await asyncio.gather(*(self._message(i, m) for i, m in enumerate(body.messages)))
+        return GenerateRequest(
+            request_id=request_id, messages=list(messages), sampling=self.sampling(body)
+        )
+
+    async def _message(self, index: int, message: ChatMessageIn) -> ChatMessage:
+        role = "system" if message.role == "developer" else message.role
+        if message.content is None:
+            return ChatMessage(role=role, content=[])
+        if isinstance(message.content, str):
+            return ChatMessage(role=role, content=[TextPart(message.content)])
+        parts = await asyncio.gather(
+            *(
+                self._part(f"messages[{index}].content[{j}]", p)
+                for j, p in enumerate(message.content)
+            )
+        )
+        return ChatMessage(role=role, content=list(parts))
+
+    async def _part(self, where: str, part: object) -> Part:
+        try:
+            if isinstance(part, TextContentPart):
+                return TextPart(part.text)
+            if isinstance(part, ImageUrlPart | InputImagePart):
+                return ImagePart(await load_image(part.source, self.policy))
+            if isinstance(part, VideoUrlPart | InputVideoPart):
+                video = await load_video(part.source, self.policy)
+                return VideoPart(frames=video.frames, fps=video.fps)
+            raise InvalidRequest(f"unsupported content part {type(part).__name__}", param=where)
+        except ValueError as exc:  # a part missing its payload (e.g. input_image without data)
+            raise InvalidRequest(str(exc), param=where) from exc
+        except VlmserveError as exc:
+            exc.param = exc.param or where
+            raise

@@ -1,0 +1,1 @@
+"""The ``vlmserve`` command line (typer)."""

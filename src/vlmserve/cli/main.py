@@ -1,0 +1,134 @@
+"""``vlmserve``: serve a model, or try the API offline with a tiny random-weight demo model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from vlmserve.config import Settings, load_settings
+from vlmserve.errors import ConfigError
+
+app = typer.Typer(
+    help=(
+        "vlmserve: an OpenAI-compatible server for vision-language models (chat with images "
+        "and video, resumable streams).\n\n"
+        "Start with `vlmserve demo` (no download, tiny random model) or "
+        "`vlmserve serve --model Qwen/Qwen2-VL-2B-Instruct`."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+ConfigOpt = Annotated[
+    Optional[Path],  # noqa: UP045 - typer needs Optional on py3.10
+    typer.Option("--config", "-c", help="TOML file with settings (flags and VLMSERVE_* env win)."),
+]
+HostOpt = Annotated[Optional[str], typer.Option(help="Address to bind [default: 127.0.0.1].")]  # noqa: UP045
+PortOpt = Annotated[Optional[int], typer.Option(help="Port [default: 8000].")]  # noqa: UP045
+
+
+def _run(settings: Settings) -> None:
+    import uvicorn
+
+    from vlmserve.api.app import build_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app_ = build_app(settings)
+    uvicorn.run(
+        app_,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        h11_max_incomplete_event_size=64 * 1024,
+        timeout_graceful_shutdown=30,
+    )
+    if app_.state.fatal_error:
+        console.print(f"[bold red]error:[/] {app_.state.fatal_error}")
+        raise typer.Exit(code=1)
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="Local model directory or hub repo id (image-text-to-text model)."),
+    ] = None,
+    served_model_name: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="Name clients put in `model` [default: the model dir's name]."),
+    ] = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    device: Annotated[
+        Optional[str], typer.Option(help="auto | cpu | cuda | cuda:N [default: auto].")  # noqa: UP045
+    ] = None,
+    dtype: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="auto | bfloat16 | float16 | float32 [default: auto: bf16 on GPU]."),
+    ] = None,
+    max_model_len: Annotated[
+        Optional[int], typer.Option(help="Prompt + completion token limit.")  # noqa: UP045
+    ] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Serve a model over the OpenAI API (chat completions with images and video, streams)."""
+    try:
+        settings = load_settings(
+            config,
+            model=model,
+            served_model_name=served_model_name,
+            host=host,
+            port=port,
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            exit_on_load_failure=True,
+        )
+    except (ConfigError, ValueError) as exc:
+        _fail(exc)
+    if not settings.model_configs():
+        _fail(ConfigError("no model given: pass --model PATH_OR_REPO (or [[models]] in --config)"))
+    _run(settings)
+
+
+@app.command()
+def demo(host: HostOpt = None, port: PortOpt = None, config: ConfigOpt = None) -> None:
+    """Build (once, cached) a tiny RANDOM-WEIGHT Qwen2-VL and serve it: try the API offline."""
+    from vlmserve.testing.tiny import build_qwen2_vl
+
+    console.print("[bold]vlmserve demo[/]: building the tiny demo checkpoint (cached after once)…")
+    path = build_qwen2_vl()
+    console.print(
+        "[bold yellow]The demo model has RANDOM weights: its answers are gibberish.[/] "
+        "It exercises the real loading and inference code, not a real model.\n"
+        f"Checkpoint: {path}\nModel name for requests: [bold]tiny-qwen2-vl[/]"
+    )
+    try:
+        settings = load_settings(
+            config,
+            model=str(path),
+            served_model_name="tiny-qwen2-vl",
+            host=host,
+            port=port,
+            exit_on_load_failure=True,
+        )
+    except (ConfigError, ValueError) as exc:
+        _fail(exc)
+    _run(settings)
+
+
+if __name__ == "__main__":
+    app()

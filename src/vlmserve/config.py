@@ -1,0 +1,142 @@
+"""Settings, built once (flags > VLMSERVE_* environment > TOML file > defaults), passed down.
+
+Nothing reads the environment at import time; ``load_settings`` is the one place that does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from vlmserve.errors import ConfigError
+
+__all__ = ["ModelConfig", "Settings", "load_settings"]
+
+MiB = 2**20
+
+
+class ModelConfig(BaseSettings):
+    """One model the server holds (``[[models]]`` in the TOML file, or ``--model``)."""
+
+    model_config = SettingsConfigDict(extra="forbid")
+
+    name: str | None = None  # served name; default: the source's last path component
+    source: str  # local directory or hub repo id
+    adapter: str | None = None  # PEFT adapter directory or repo id
+    roles: list[str] = Field(default_factory=lambda: ["chat"])
+    device: str | None = None  # None: the server's --device
+    dtype: str | None = None
+
+    @property
+    def served_name(self) -> str:
+        return self.name or self.source.rstrip("/").split("/")[-1]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VLMSERVE_", extra="forbid")
+
+    # --- model -------------------------------------------------------------------------
+    model: str | None = None
+    served_model_name: str | None = None
+    models: list[ModelConfig] = Field(default_factory=list)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    attn_implementation: str | None = None  # sdpa | eager | flash_attention_2
+    trust_remote_code: bool = False
+    min_pixels: int | None = None  # image processor bounds; None: the model's own
+    max_pixels: int | None = None
+    max_model_len: int = 32768  # prompt + completion tokens
+
+    # --- server --------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    cors_allow_origins: list[str] = Field(default_factory=list)
+    max_queued_requests: int = 256
+    exit_on_load_failure: bool = (
+        False  # `vlmserve serve` sets it: a model that cannot load ends start-up
+    )
+
+    # --- generation defaults (a request may override) ----------------------------------
+    max_tokens: int = 256
+    temperature: float = 0.7
+
+    # --- limits, checked before work ---------------------------------------------------
+    max_body_bytes: int = 64 * MiB
+    max_media_per_request: int = 8
+    max_media_bytes: int = 20 * MiB
+    max_image_pixels: int = 4096 * 4096
+    max_video_frames: int = 16
+    max_video_pixels: int = 3840 * 2160  # per frame, checked from the header before decoding
+    max_video_decode_frames: int = 20000
+    media_image_formats: list[str] = Field(
+        default_factory=lambda: ["PNG", "JPEG", "WEBP", "GIF", "BMP"]
+    )
+    media_fetch_timeout: float = 10.0
+    media_max_redirects: int = 3
+    allowed_local_media_path: list[str] = Field(default_factory=list)
+    media_allow_private_networks: bool = False
+    max_n: int = 1
+
+    # --- resumable streams -------------------------------------------------------------
+    persist_sessions: bool = False
+    sessions_db_path: str = "sessions.db"
+    sessions_ttl_seconds: float = 600.0
+    cancel_after_disconnect_seconds: float = 3600.0  # 0 = never auto-cancel
+    stream_ring_size: int = 2048
+    redis_url: str | None = None  # set to share streams between server replicas
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        ok = value in ("auto", "cpu", "cuda", "mps") or value.startswith("cuda:")
+        if not ok:
+            raise ValueError(f"device {value!r} is not one of auto, cpu, cuda, cuda:N, mps")
+        return value
+
+    def model_configs(self) -> list[ModelConfig]:
+        """The models to serve: ``[[models]]`` entries, or the single ``--model``."""
+        if self.models:
+            return list(self.models)
+        if self.model:
+            return [ModelConfig(name=self.served_model_name, source=self.model)]
+        return []
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        toml_file = settings_cls.model_config.get("toml_file")
+        if toml_file:
+            sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml_file),)
+        return sources
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings; ``overrides`` (CLI flags) whose value is None are ignored."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if config_file is None:
+        return Settings(**given)
+    if not config_file.is_file():
+        raise ConfigError(f"config file {config_file} does not exist")
+
+    class _FileSettings(Settings):
+        model_config = SettingsConfigDict(
+            env_prefix="VLMSERVE_", extra="forbid", toml_file=config_file
+        )
+
+    return Settings.model_validate(_FileSettings(**given).model_dump())

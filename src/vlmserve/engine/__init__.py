@@ -1,0 +1,1 @@
+"""Model backends: the API talks to models only through ``engine.protocol``."""

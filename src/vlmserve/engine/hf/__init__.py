@@ -1,0 +1,1 @@
+"""In-process backend on transformers + torch (+ peft for adapters)."""

@@ -1,0 +1,141 @@
+"""The ``hf`` chat backend: a transformers model in this process, one generation at a time.
+
+Generation runs in a dedicated worker thread so the event loop stays free; tokens are
+handed back with ``loop.call_soon_threadsafe``. Closing the async generator returned by
+``generate`` sets a cancel flag that the model checks after every decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vlmserve.engine.hf.generation import run_generation
+from vlmserve.engine.hf.inputs import Prepared, build_inputs, render_prompt
+from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model, memory_bytes
+from vlmserve.engine.types import ChatMessage, Chunk, GenerateRequest
+from vlmserve.errors import InvalidRequest, Overloaded, ServiceUnavailable
+
+__all__ = ["HFChatBackend", "ModelState"]
+
+log = logging.getLogger(__name__)
+_END = object()
+
+
+class ModelState(str, enum.Enum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class HFChatBackend:
+    def __init__(self, model_id: str, options: LoadOptions, *, max_model_len: int, max_queued: int):
+        self.model_id = model_id
+        self.options = options
+        self.max_model_len = max_model_len
+        self.max_queued = max_queued
+        self.state = ModelState.UNLOADED
+        self.error: str | None = None
+        self.load_seconds: float | None = None
+        self.tokens_generated = 0  # every token the model produced, all requests
+        self.in_flight = 0
+        self._loaded: Loaded | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"generate-{model_id}")
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def load(self) -> None:
+        """Blocking load (call from a thread). Failures are kept in ``state``/``error``."""
+        self.state = ModelState.LOADING
+        started = time.perf_counter()
+        try:
+            self._loaded = load_model(self.options)
+        except Exception as exc:
+            self.state, self.error = ModelState.FAILED, str(exc)
+            raise
+        self.load_seconds = time.perf_counter() - started
+        self.state = ModelState.READY
+
+    @property
+    def memory_bytes(self) -> int:
+        return memory_bytes(self._loaded.model) if self._loaded else 0
+
+    @property
+    def processor(self) -> Any:
+        return self._require().processor
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._loaded = None
+        self.state = ModelState.UNLOADED
+
+    def _require(self) -> Loaded:
+        if self._loaded is None or self.state is not ModelState.READY:
+            msg = f"model {self.model_id!r} is {self.state.value}"
+            if self.error:
+                msg += f": {self.error}"
+            raise ServiceUnavailable(msg + "; retry shortly", retry_after=5)
+        return self._loaded
+
+    # --- requests ------------------------------------------------------------------------
+    def render_prompt(self, messages: list[ChatMessage]) -> str:
+        return render_prompt(self._require().processor, messages)
+
+    async def prepare(self, request: GenerateRequest) -> Prepared:
+        """Run the chat template and processor (off the loop); check the context length."""
+        loaded = self._require()
+        prepared = await asyncio.to_thread(build_inputs, loaded.processor, request)
+        total = prepared.prompt_tokens + request.sampling.max_tokens - len(request.prefix_token_ids)
+        if total > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({prepared.prompt_tokens} tokens) plus max_tokens "
+                f"({request.sampling.max_tokens}) exceeds the context limit of "
+                f"{self.max_model_len} tokens (VLMSERVE_MAX_MODEL_LEN); shorten the input, use "
+                "fewer or smaller images, or lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return prepared
+
+    async def generate(self, prepared: Prepared) -> AsyncIterator[Chunk]:
+        loaded = self._require()
+        if self.in_flight >= self.max_queued:
+            raise Overloaded(
+                f"{self.in_flight} requests are already queued for {self.model_id!r} "
+                "(VLMSERVE_MAX_QUEUED_REQUESTS); retry later"
+            )
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(chunk: Chunk) -> None:
+            self.tokens_generated += len(chunk.token_ids)
+            loop.call_soon_threadsafe(queue.put_nowait, chunk)
+
+        def job() -> None:
+            try:
+                run_generation(
+                    loaded.model, loaded.processor.tokenizer, prepared, emit, cancel, loaded.device
+                )
+            except BaseException as exc:  # handed to the consumer, which re-raises it
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, _END)
+
+        self.in_flight += 1
+        future = loop.run_in_executor(self._executor, job)
+        try:
+            while (item := await queue.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancel.set()
+            self.in_flight -= 1
+            future.add_done_callback(lambda f: f.exception())  # never "exception never retrieved"

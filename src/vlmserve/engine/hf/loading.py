@@ -1,0 +1,113 @@
+"""Load a transformers image-text-to-text model and its processor from a directory or hub id."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmserve.errors import ConfigError
+
+__all__ = ["LoadOptions", "Loaded", "load_model", "memory_bytes", "resolve_device", "resolve_dtype"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(slots=True)
+class LoadOptions:
+    source: str
+    device: str = "auto"
+    dtype: str = "auto"
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+
+@dataclass(slots=True)
+class Loaded:
+    model: Any
+    processor: Any
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"device {device!r} asked for, but torch sees no CUDA GPU; use --device cpu"
+        )
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32  # CPU matmuls in half precision are slow or unsupported
+
+
+def memory_bytes(model: Any) -> int:
+    """Bytes held by the model's parameters and buffers."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _processor_kwargs(opts: LoadOptions) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"trust_remote_code": opts.trust_remote_code}
+    size = {}
+    if opts.min_pixels is not None:
+        size["shortest_edge"] = opts.min_pixels  # Qwen2-VL names its pixel bounds this way
+    if opts.max_pixels is not None:
+        size["longest_edge"] = opts.max_pixels
+    if size:
+        kwargs["size"] = size
+    return kwargs
+
+
+def _missing_model_error(source: str, exc: Exception) -> ConfigError:
+    where = "directory" if os.path.sep in source or source.startswith(".") else "hub repo id"
+    return ConfigError(
+        f"could not load model {source!r} (as a {where}): {type(exc).__name__}: {exc}. "
+        "Offline or behind a firewall? Download the model on a machine with internet "
+        "(e.g. `hf download ORG/NAME --local-dir DIR`) and pass --model DIR."
+    )
+
+
+def load_model(opts: LoadOptions) -> Loaded:
+    """Load processor and model; raises ConfigError naming the model when that is impossible."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    device = resolve_device(opts.device)
+    dtype = resolve_dtype(opts.dtype, device)
+    local = Path(opts.source).is_dir()
+    try:
+        processor = AutoProcessor.from_pretrained(opts.source, **_processor_kwargs(opts))
+        model = AutoModelForImageTextToText.from_pretrained(
+            opts.source,
+            dtype=dtype,
+            attn_implementation=opts.attn_implementation,
+            trust_remote_code=opts.trust_remote_code,
+            local_files_only=local,
+        )
+    except (OSError, ValueError) as exc:
+        raise _missing_model_error(opts.source, exc) from exc
+    model.to(device)
+    model.eval()
+    log.info(
+        "loaded %s on %s (%s): %.1f MiB of weights",
+        opts.source,
+        device,
+        str(dtype).removeprefix("torch."),
+        memory_bytes(model) / 2**20,
+    )
+    return Loaded(model=model, processor=processor, device=device, dtype=dtype)

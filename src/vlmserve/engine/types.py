@@ -1,0 +1,92 @@
+"""Internal request/response types shared by every backend (no pydantic, no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+__all__ = [
+    "ChatMessage",
+    "Chunk",
+    "FinishReason",
+    "GenerateRequest",
+    "ImagePart",
+    "Part",
+    "SamplingParams",
+    "TextPart",
+    "VideoPart",
+]
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class TextPart:
+    text: str
+
+
+@dataclass(slots=True)
+class ImagePart:
+    image: Image.Image
+
+
+@dataclass(slots=True)
+class VideoPart:
+    frames: list[Image.Image]
+    fps: float | None = None
+
+
+Part = TextPart | ImagePart | VideoPart
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    role: str
+    content: list[Part]
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    messages: list[ChatMessage]
+    sampling: SamplingParams
+    # Tokens already generated (and sent) by an earlier run of this request: the engine
+    # appends them to the prompt and continues after them (stream resume across restarts).
+    prefix_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One step of a generation: new text (may be empty) and the token ids behind it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0

@@ -1,0 +1,85 @@
+"""Value types of a resumable stream: what producers yield, what listeners get, what stores keep.
+
+A producer yields ``Emit`` values; the session numbers them into ``Event`` values (index 0, 1, ...)
+and ends every session with one terminal ``[DONE]`` event. ``SessionRecord`` is the persisted
+description of a session (request, state, owner, last index) that lets another process, or this one
+after a restart, replay or continue it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "DONE",
+    "FINAL_STATES",
+    "Emit",
+    "Event",
+    "SessionRecord",
+    "SessionState",
+    "error_emit",
+    "error_event",
+]
+
+DONE = "[DONE]"
+
+
+@dataclass(slots=True, frozen=True)
+class Emit:
+    """What a producer yields; the session gives it an index."""
+
+    data: str  # SSE data payload (JSON text)
+    event: str | None = None  # SSE event type; None = default; "error" for error events
+    meta: dict[str, Any] | None = None  # stored, never sent (the API keeps token ids here)
+
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    """One numbered event of a session; its SSE id is ``<session_id>:<index>``."""
+
+    index: int
+    data: str
+    event: str | None = None
+    meta: dict[str, Any] | None = None
+    terminal: bool = False  # the `[DONE]` event that ends the session
+
+
+class SessionState(str, Enum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+FINAL_STATES = frozenset({SessionState.FINISHED, SessionState.CANCELLED, SessionState.FAILED})
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    """The persisted description of a session. ``request`` must be JSON-serialisable."""
+
+    session_id: str
+    request: dict[str, Any]
+    state: SessionState
+    created_at: float  # time.time()
+    updated_at: float  # time.time() of the last append, state change or heartbeat
+    last_index: int = -1
+    owner: str = ""  # the SessionManager.owner that produces it
+    aliases: list[str] = field(default_factory=list)
+
+
+def _error_data(message: str, code: str, type_: str) -> str:
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+
+
+def error_emit(message: str, code: str, type_: str = "server_error") -> Emit:
+    """An SSE ``error`` event in the OpenAI error shape."""
+    return Emit(data=_error_data(message, code, type_), event="error")
+
+
+def error_event(index: int, message: str, code: str, type_: str = "server_error") -> Event:
+    """A numbered error event that no store keeps (the stream_gap notice)."""
+    return Event(index=index, data=_error_data(message, code, type_), event="error")

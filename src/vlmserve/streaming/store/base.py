@@ -1,0 +1,56 @@
+"""The store protocol: where session records and events live beyond one process's memory."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol, runtime_checkable
+
+from vlmserve.errors import InvalidRequest
+from vlmserve.streaming.events import Event, SessionRecord, SessionState
+
+__all__ = ["SessionStore", "already_exists", "dump_meta", "load_meta"]
+
+
+@runtime_checkable
+class SessionStore(Protocol):
+    """Async storage of session records and their numbered events.
+
+    ``append`` is durable when it returns; ``events`` and ``wait_events`` return events with
+    ``index > after`` in ascending order; ``get`` also finds a session by one of its aliases.
+    """
+
+    shared: bool  # True when several server processes may use the same store (Redis)
+
+    async def create(self, record: SessionRecord) -> None: ...
+
+    async def append(self, session_id: str, event: Event) -> None: ...
+
+    async def set_state(self, session_id: str, state: SessionState) -> None: ...
+
+    async def heartbeat(self, session_id: str, owner: str) -> None: ...
+
+    async def get(self, session_id: str) -> SessionRecord | None: ...
+
+    async def events(self, session_id: str, after: int) -> list[Event]: ...
+
+    async def wait_events(self, session_id: str, after: int, timeout: float) -> list[Event]: ...
+
+    async def gc(self, now: float | None = None) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+def already_exists(name: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"session {name!r} already exists; resume it with Last-Event-ID or use a new session id",
+        param="session_id",
+        code="session_exists",
+    )
+
+
+def dump_meta(meta: dict[str, Any] | None) -> str | None:
+    return None if meta is None else json.dumps(meta)
+
+
+def load_meta(text: str | None) -> dict[str, Any] | None:
+    return None if not text else json.loads(text)

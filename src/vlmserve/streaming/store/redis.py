@@ -1,0 +1,158 @@
+"""RedisStore: one store shared by several server processes (gateway replicas).
+
+Keys (``P`` = prefix):
+    P:session:<id>   hash   the SessionRecord (request and aliases as JSON)
+    P:events:<id>    stream one entry per event, entry id ``<index + 1>-0``: exact reads by index
+    P:alias:<alias>  string the session id
+Every key expires ``ttl`` seconds after the session's last append, state change or heartbeat.
+``wait_events`` blocks in ``XREAD BLOCK`` so followers in other processes see events at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from vlmserve.streaming.events import Event, SessionRecord, SessionState
+from vlmserve.streaming.store.base import already_exists, dump_meta, load_meta
+
+__all__ = ["RedisStore"]
+
+
+def _entry_id(index: int) -> str:
+    # Stream ids must be > 0-0, so index i is stored as "<i + 1>-0".
+    return f"{index + 1}-0"
+
+
+class RedisStore:
+    shared = True
+
+    def __init__(self, url: str, ttl: float = 600.0, prefix: str = "vlmserve") -> None:
+        self.url = url
+        self.ttl = ttl
+        self.prefix = prefix
+        self._ttl_s = max(1, int(ttl))
+        self._redis = aioredis.from_url(url, decode_responses=True)
+        self._aliases: dict[str, list[str]] = {}  # session id -> aliases, to refresh their TTL
+
+    def _key(self, kind: str, name: str) -> str:
+        return f"{self.prefix}:{kind}:{name}"
+
+    async def create(self, record: SessionRecord) -> None:
+        sid = record.session_id
+        key = self._key("session", sid)
+        if await self._redis.exists(self._key("alias", sid)):
+            raise already_exists(sid)
+        if not await self._redis.hsetnx(key, "session_id", sid):
+            raise already_exists(sid)
+        taken: list[str] = []
+        for alias in record.aliases:
+            if not await self._redis.set(self._key("alias", alias), sid, nx=True, ex=self._ttl_s):
+                await self._redis.delete(key, *(self._key("alias", a) for a in taken))
+                raise already_exists(alias)
+            taken.append(alias)
+        mapping = {
+            "request": json.dumps(record.request),
+            "state": record.state.value,
+            "created_at": repr(record.created_at),
+            "updated_at": repr(record.updated_at),
+            "last_index": str(record.last_index),
+            "owner": record.owner,
+            "aliases": json.dumps(record.aliases),
+        }
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=mapping)
+            pipe.expire(key, self._ttl_s)
+            await pipe.execute()
+        self._aliases[sid] = list(record.aliases)
+
+    async def _alias_keys(self, session_id: str) -> list[str]:
+        aliases = self._aliases.get(session_id)
+        if aliases is None:
+            raw = await self._redis.hget(self._key("session", session_id), "aliases")
+            aliases = self._aliases[session_id] = json.loads(raw) if raw else []
+        return [self._key("alias", a) for a in aliases]
+
+    async def _touch(self, session_id: str, fields: dict[str, str], event: Event | None) -> None:
+        """Atomically: update record fields (+ updated_at), add an event, refresh every TTL."""
+        key = self._key("session", session_id)
+        stream = self._key("events", session_id)
+        alias_keys = await self._alias_keys(session_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            if event is not None:
+                pipe.xadd(stream, _event_fields(event), id=_entry_id(event.index))
+            pipe.hset(key, mapping={**fields, "updated_at": repr(time.time())})
+            for name in (key, stream, *alias_keys):
+                pipe.expire(name, self._ttl_s)
+            await pipe.execute()
+
+    async def append(self, session_id: str, event: Event) -> None:
+        await self._touch(session_id, {"last_index": str(event.index)}, event)
+
+    async def set_state(self, session_id: str, state: SessionState) -> None:
+        await self._touch(session_id, {"state": state.value}, None)
+
+    async def heartbeat(self, session_id: str, owner: str) -> None:
+        await self._touch(session_id, {"owner": owner}, None)
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        data = await self._redis.hgetall(self._key("session", session_id))
+        if "state" not in data:
+            target = await self._redis.get(self._key("alias", session_id))
+            if target is None:
+                return None
+            data = await self._redis.hgetall(self._key("session", target))
+            if "state" not in data:
+                return None
+        return SessionRecord(
+            session_id=data["session_id"],
+            request=json.loads(data["request"]),
+            state=SessionState(data["state"]),
+            created_at=float(data["created_at"]),
+            updated_at=float(data["updated_at"]),
+            last_index=int(data["last_index"]),
+            owner=data["owner"],
+            aliases=json.loads(data["aliases"]),
+        )
+
+    async def events(self, session_id: str, after: int) -> list[Event]:
+        stream = self._key("events", session_id)
+        entries = await self._redis.xrange(stream, min=_entry_id(after + 1))
+        return [_to_event(fields) for _, fields in entries]
+
+    async def wait_events(self, session_id: str, after: int, timeout: float) -> list[Event]:
+        stream = self._key("events", session_id)
+        block_ms = max(1, int(timeout * 1000))  # BLOCK 0 would mean "forever"
+        reply = await self._redis.xread({stream: _entry_id(after)}, block=block_ms)
+        # The reply's shape differs between RESP2, RESP3 and redis-py versions; read the new
+        # entries back with XRANGE, which is exact and shape-stable.
+        return await self.events(session_id, after) if reply else []
+
+    async def gc(self, now: float | None = None) -> int:
+        return 0  # every key carries an EXPIRE; Redis drops expired sessions itself
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def _event_fields(event: Event) -> dict[str, Any]:
+    fields: dict[str, Any] = {"i": event.index, "d": event.data, "t": int(event.terminal)}
+    if event.event is not None:
+        fields["e"] = event.event
+    meta = dump_meta(event.meta)
+    if meta is not None:
+        fields["m"] = meta
+    return fields
+
+
+def _to_event(fields: dict[str, str]) -> Event:
+    return Event(
+        index=int(fields["i"]),
+        data=fields["d"],
+        event=fields.get("e"),
+        meta=load_meta(fields.get("m")),
+        terminal=fields.get("t") == "1",
+    )

@@ -1,0 +1,207 @@
+"""SQLiteStore: the embedded default. Every event is committed before ``append`` returns.
+
+One connection, used only from one dedicated worker thread, so calls from many concurrent
+sessions are serialised without a lock and never block the event loop. WAL mode with
+``synchronous=NORMAL``: a commit survives a process crash (not necessarily a power cut).
+Opening an existing file keeps its data, so a restarted server can replay or continue streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+from vlmserve.streaming.events import Event, SessionRecord, SessionState
+from vlmserve.streaming.store.base import already_exists, dump_meta, load_meta
+
+__all__ = ["SQLiteStore"]
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    request    TEXT NOT NULL,
+    state      TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    last_index INTEGER NOT NULL DEFAULT -1,
+    owner      TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS aliases (
+    alias      TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS aliases_by_session ON aliases (session_id);
+CREATE TABLE IF NOT EXISTS events (
+    session_id TEXT NOT NULL,
+    idx        INTEGER NOT NULL,
+    event      TEXT,
+    data       TEXT NOT NULL,
+    meta       TEXT,
+    terminal   INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (session_id, idx)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS sessions_by_update ON sessions (updated_at);
+"""
+
+
+class SQLiteStore:
+    shared = False
+
+    def __init__(self, path: str | Path, ttl: float = 600.0, *, poll_interval: float = 0.05):
+        self.path = str(path)
+        self.ttl = ttl
+        self.poll_interval = poll_interval
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmserve-sqlite")
+        self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=10.0)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.executescript(_SCHEMA)
+        self._conn.commit()
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, self._conn)
+
+    async def create(self, record: SessionRecord) -> None:
+        def work(conn: sqlite3.Connection) -> None:
+            with conn:
+                for name in (record.session_id, *record.aliases):
+                    if _lookup(conn, name) is not None:
+                        raise already_exists(name)
+                conn.execute(
+                    "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        record.session_id,
+                        json.dumps(record.request),
+                        record.state.value,
+                        record.created_at,
+                        record.updated_at,
+                        record.last_index,
+                        record.owner,
+                    ),
+                )
+                conn.executemany(
+                    "INSERT INTO aliases VALUES (?, ?)",
+                    [(alias, record.session_id) for alias in record.aliases],
+                )
+
+        await self._run(work)
+
+    async def append(self, session_id: str, event: Event) -> None:
+        row = (
+            session_id,
+            event.index,
+            event.event,
+            event.data,
+            dump_meta(event.meta),
+            int(event.terminal),
+        )
+
+        def work(conn: sqlite3.Connection) -> None:
+            with conn:
+                conn.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?)", row)
+                conn.execute(
+                    "UPDATE sessions SET last_index = MAX(last_index, ?), updated_at = ? "
+                    "WHERE session_id = ?",
+                    (event.index, time.time(), session_id),
+                )
+
+        await self._run(work)
+
+    async def set_state(self, session_id: str, state: SessionState) -> None:
+        await self._update(session_id, "state = ?", state.value)
+
+    async def heartbeat(self, session_id: str, owner: str) -> None:
+        await self._update(session_id, "owner = ?", owner)
+
+    async def _update(self, session_id: str, assignment: str, value: str) -> None:
+        sql = f"UPDATE sessions SET {assignment}, updated_at = ? WHERE session_id = ?"
+
+        def work(conn: sqlite3.Connection) -> None:
+            with conn:
+                conn.execute(sql, (value, time.time(), session_id))
+
+        await self._run(work)
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        return await self._run(lambda conn: _lookup(conn, session_id))
+
+    async def events(self, session_id: str, after: int) -> list[Event]:
+        def work(conn: sqlite3.Connection) -> list[Event]:
+            rows = conn.execute(
+                "SELECT idx, data, event, meta, terminal FROM events "
+                "WHERE session_id = ? AND idx > ? ORDER BY idx",
+                (session_id, after),
+            ).fetchall()
+            return [Event(i, data, ev, load_meta(meta), bool(t)) for i, data, ev, meta, t in rows]
+
+        return await self._run(work)
+
+    async def wait_events(self, session_id: str, after: int, timeout: float) -> list[Event]:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = await self.events(session_id, after)
+            remaining = deadline - time.monotonic()
+            if found or remaining <= 0:
+                return found
+            await asyncio.sleep(min(self.poll_interval, remaining))
+
+    async def gc(self, now: float | None = None) -> int:
+        cutoff = (time.time() if now is None else now) - self.ttl
+
+        def work(conn: sqlite3.Connection) -> int:
+            with conn:
+                expired = [
+                    (sid,)
+                    for (sid,) in conn.execute(
+                        "SELECT session_id FROM sessions WHERE updated_at < ?", (cutoff,)
+                    )
+                ]
+                for table in ("events", "aliases", "sessions"):
+                    conn.executemany(f"DELETE FROM {table} WHERE session_id = ?", expired)
+            return len(expired)
+
+        return await self._run(work)
+
+    async def close(self) -> None:
+        await self._run(lambda conn: conn.close())
+        self._executor.shutdown(wait=True)
+
+
+def _lookup(conn: sqlite3.Connection, name: str) -> SessionRecord | None:
+    """The record whose id or alias is ``name``."""
+    row = conn.execute("SELECT * FROM sessions WHERE session_id = ?", (name,)).fetchone()
+    if row is None:
+        alias = conn.execute("SELECT session_id FROM aliases WHERE alias = ?", (name,)).fetchone()
+        if alias is None:
+            return None
+        row = conn.execute("SELECT * FROM sessions WHERE session_id = ?", alias).fetchone()
+        if row is None:
+            return None
+    sid, request, state, created_at, updated_at, last_index, owner = row
+    aliases = [
+        a
+        for (a,) in conn.execute(
+            "SELECT alias FROM aliases WHERE session_id = ? ORDER BY rowid", (sid,)
+        )
+    ]
+    return SessionRecord(
+        sid,
+        json.loads(request),
+        SessionState(state),
+        created_at,
+        updated_at,
+        last_index,
+        owner,
+        aliases,
+    )

@@ -1,0 +1,56 @@
+"""Synthetic media for tests, benchmarks, preflight and the load tester: PNG/JPEG/MP4 in memory."""
+
+from __future__ import annotations
+
+import base64
+import io
+from fractions import Fraction
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["data_url", "gradient_image", "image_bytes", "mp4_bytes"]
+
+
+def gradient_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A deterministic, non-uniform RGB image (so the vision tower sees real structure)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack(
+        [
+            x * 255 // max(1, width - 1),
+            y * 255 // max(1, height - 1),
+            (x + y) * 127 // max(1, width + height - 2),
+        ],
+        axis=-1,
+    )
+    noise = rng.integers(0, 32, size=(height, width, 3))
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB")
+
+
+def image_bytes(width: int = 64, height: int = 64, fmt: str = "PNG", seed: int = 0) -> bytes:
+    buf = io.BytesIO()
+    gradient_image(width, height, seed).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def mp4_bytes(frames: int = 8, width: int = 64, height: int = 48, fps: int = 8) -> bytes:
+    """An H.264 (or MPEG-4 part 2, where libx264 is missing) MP4 made with PyAV."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.time_base = Fraction(1, fps)
+        for i in range(frames):
+            frame = av.VideoFrame.from_image(gradient_image(width, height, seed=i))
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"

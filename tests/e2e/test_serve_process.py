@@ -1,0 +1,123 @@
+"""The real CLI as a real process, driven by the official ``openai`` client and the README."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from PIL import Image
+
+from conftest import ServerProcess
+from vlmserve.testing.media import data_url, gradient_image, image_bytes
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess(
+        ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu"]
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def image_request(image: Image.Image) -> list[dict]:
+    png = data_url(image_bytes(image.width, image.height), "image/png")
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": png}},
+                {"type": "text", "text": "Describe the image."},
+            ],
+        }
+    ]
+
+
+def test_openai_client_json_and_stream_agree(served: ServerProcess, tiny_dir: Path) -> None:
+    client = OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    image = gradient_image(64, 64)
+    messages = image_request(image)
+    params = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0}
+    full = client.chat.completions.create(**params)
+    stream = client.chat.completions.create(
+        **params, stream=True, stream_options={"include_usage": True}
+    )
+    pieces, token_chunks, streamed_usage = [], 0, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            streamed_usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content is not None and choice.delta.role is None:
+                pieces.append(choice.delta.content)
+                token_chunks += choice.finish_reason is None
+    assert "".join(pieces) == full.choices[0].message.content
+    assert streamed_usage is not None
+    assert streamed_usage.completion_tokens == full.usage.completion_tokens == token_chunks
+    assert (
+        streamed_usage.prompt_tokens == full.usage.prompt_tokens == _prompt_tokens(tiny_dir, image)
+    )
+
+
+def _prompt_tokens(tiny_dir: Path, image: Image.Image) -> int:
+    """What the model's own processor counts for the same conversation."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_dir)
+    conversation = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}],
+        }
+    ]
+    text = processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    return processor(text=[text], images=[image], return_tensors="pt")["input_ids"].shape[1]
+
+
+def test_health_reports_the_model_id(served: ServerProcess) -> None:
+    health = httpx.get(f"{served.url}/health").json()
+    assert health == {**health, "ok": True, "modelReady": True, "modelId": "tiny", "error": None}
+
+
+def test_missing_model_fails_start_up_with_a_clear_message(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    missing.mkdir()
+    server = ServerProcess(["serve", "--model", str(missing), "--device", "cpu"])
+    try:
+        server.proc.wait(timeout=120)
+    finally:
+        out = server.stop()
+    assert server.proc.returncode not in (0, None)
+    assert str(missing) in out and "--model" in out
+
+
+def _readme_curl() -> str:
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- curl-example.*?-->\s*```bash\n(.*?)```", readme, re.S)
+    assert match, "README lost its curl example"
+    return match.group(1)
+
+
+def test_readme_demo_and_curl_example_work() -> None:
+    demo = ServerProcess(["demo"])
+    try:
+        demo.wait_ready()
+        script = _readme_curl().replace("127.0.0.1:8000", f"127.0.0.1:{demo.port}")
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+    finally:
+        log = demo.stop()
+    assert done.returncode == 0, done.stderr
+    body = httpx.Response(200, content=done.stdout).json()
+    assert body["object"] == "chat.completion", done.stdout
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert "RANDOM" in log

@@ -1,0 +1,144 @@
+"""The SessionStore protocol, for the memory, SQLite and Redis stores."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from vlmserve.errors import InvalidRequest
+from vlmserve.streaming import (
+    Event,
+    MemoryStore,
+    RedisStore,
+    SessionRecord,
+    SessionState,
+    SessionStore,
+    SQLiteStore,
+    build_store,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def record(sid: str = "s1", aliases: tuple[str, ...] = ("a1",)) -> SessionRecord:
+    now = time.time()
+    return SessionRecord(sid, {"model": "m", "n": [1, 2]}, SessionState.RUNNING, now, now,
+                         owner="o1", aliases=list(aliases))  # fmt: skip
+
+
+def keeps_events(store: SessionStore) -> bool:
+    return not isinstance(store, MemoryStore)
+
+
+async def test_create_get_and_alias_lookup(any_store) -> None:
+    await any_store.create(record())
+    got = await any_store.get("s1")
+    assert got == await any_store.get("a1")
+    assert got.session_id == "s1" and got.request == {"model": "m", "n": [1, 2]}
+    assert got.state is SessionState.RUNNING and got.owner == "o1" and got.aliases == ["a1"]
+    assert await any_store.get("nope") is None
+
+
+@pytest.mark.parametrize(("sid", "aliases"), [("s1", ()), ("a1", ()), ("s2", ("a1",))])
+async def test_create_rejects_a_taken_id_or_alias(any_store, sid, aliases) -> None:
+    await any_store.create(record())
+    with pytest.raises(InvalidRequest, match="already exists"):
+        await any_store.create(record(sid, aliases))
+
+
+async def test_append_events_state_and_heartbeat(any_store) -> None:
+    await any_store.create(record())
+    for i in range(5):
+        await any_store.append("s1", Event(i, f"d{i}", meta={"t": [i]} if i % 2 else None))
+    await any_store.append("s1", Event(5, "[DONE]", terminal=True))
+    await any_store.set_state("s1", SessionState.FINISHED)
+    await any_store.heartbeat("s1", "o2")
+    got = await any_store.get("s1")
+    assert (got.last_index, got.state, got.owner) == (5, SessionState.FINISHED, "o2")
+    events = await any_store.events("s1", 2)
+    if keeps_events(any_store):
+        assert [e.index for e in events] == [3, 4, 5]
+        assert events[0] == Event(3, "d3", meta={"t": [3]})
+        assert events[-1].terminal and not events[0].terminal
+        assert [e.index for e in await any_store.events("s1", -1)] == list(range(6))
+    else:
+        assert events == []  # persistence off: the ring buffer is the only copy
+
+
+async def test_wait_events_returns_new_events_or_times_out(any_store) -> None:
+    if not keeps_events(any_store):
+        pytest.skip("MemoryStore keeps no events")
+    await any_store.create(record())
+    started = time.monotonic()
+    assert await any_store.wait_events("s1", -1, 0.1) == []
+    assert time.monotonic() - started >= 0.09
+
+    async def later() -> None:
+        await asyncio.sleep(0.05)
+        await any_store.append("s1", Event(0, "x"))
+
+    task = asyncio.ensure_future(later())
+    events = await asyncio.wait_for(any_store.wait_events("s1", -1, 5.0), 5)
+    await task
+    assert [e.index for e in events] == [0]
+
+
+async def test_sqlite_reopened_file_keeps_sessions_and_events(tmp_path) -> None:
+    store = SQLiteStore(tmp_path / "x.db")
+    await store.create(record())
+    await store.append("s1", Event(0, "kept"))
+    await store.close()
+    again = SQLiteStore(tmp_path / "x.db")
+    assert (await again.get("a1")).last_index == 0
+    assert await again.events("s1", -1) == [Event(0, "kept")]
+    await again.close()
+
+
+async def test_sqlite_many_concurrent_appends_are_all_committed(tmp_path) -> None:
+    store = SQLiteStore(tmp_path / "x.db")
+    await asyncio.gather(*(store.create(record(f"s{i}", ())) for i in range(20)))
+
+    async def write(sid: str) -> None:
+        for i in range(25):
+            await store.append(sid, Event(i, str(i)))
+
+    await asyncio.gather(*(write(f"s{i}") for i in range(20)))
+    for i in range(20):
+        assert [e.index for e in await store.events(f"s{i}", -1)] == list(range(25))
+    await store.close()
+
+
+async def test_memory_gc_drops_expired_records() -> None:
+    store = MemoryStore(ttl=10)
+    await store.create(record())
+    assert await store.gc() == 0
+    assert await store.gc(now=time.time() + 11) == 1
+    assert await store.get("s1") is None and await store.get("a1") is None
+
+
+async def test_redis_keys_expire_after_ttl_refreshed_on_append(redis_store) -> None:
+    await redis_store.create(record())
+    await redis_store.append("s1", Event(0, "x"))
+    client = redis_store._redis
+    for kind, name in (("session", "s1"), ("events", "s1"), ("alias", "a1")):
+        ttl = await client.ttl(f"{redis_store.prefix}:{kind}:{name}")
+        assert 0 < ttl <= 60
+
+
+async def test_redis_rejects_a_duplicate_index(redis_store) -> None:
+    await redis_store.create(record())
+    await redis_store.append("s1", Event(0, "x"))
+    with pytest.raises(Exception, match="equal or smaller"):
+        await redis_store.append("s1", Event(0, "again"))
+
+
+async def test_build_store_picks_redis_then_sqlite_then_memory(tmp_path) -> None:
+    memory = build_store(persist=False)
+    sqlite = build_store(persist=True, db_path=tmp_path / "b.db", ttl=5)
+    redis = build_store(persist=True, redis_url="redis://127.0.0.1:1/0")
+    assert isinstance(memory, MemoryStore) and isinstance(sqlite, SQLiteStore)
+    assert isinstance(redis, RedisStore) and redis.shared and not sqlite.shared
+    for store in (memory, sqlite, redis):
+        await store.close()
