@@ -121,3 +121,23 @@ def test_readme_demo_and_curl_example_work() -> None:
     assert body["object"] == "chat.completion", done.stdout
     assert body["choices"][0]["message"]["role"] == "assistant"
     assert "RANDOM" in log
+
+
+def test_mismatched_adapter_fails_start_up_naming_both_bases(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    from vlmserve.testing import build_foreign_adapter
+
+    foreign = build_foreign_adapter()
+    config = tmp_path / "vlmserve.toml"
+    config.write_text(
+        'device = "cpu"\n\n[[models]]\nname = "emb"\n'
+        f'source = "{tiny_dir}"\nadapter = "{foreign}"\nroles = ["embedding"]\n'
+    )
+    server = ServerProcess(["serve", "--config", str(config)])
+    try:
+        server.proc.wait(timeout=120)
+    finally:
+        out = server.stop()
+    assert server.proc.returncode not in (0, None)
+    assert "Phi-3.5-vision-instruct" in out and str(tiny_dir) in out

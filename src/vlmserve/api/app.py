@@ -15,9 +15,10 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from vlmserve.api.errors import install_error_handlers
 from vlmserve.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
-from vlmserve.api.routes import chat, streams, system
+from vlmserve.api.routes import chat, embeddings, streams, system, worker
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.convert import Converter
+from vlmserve.api.serving.worker import WorkerService
 from vlmserve.config import Settings
 from vlmserve.registry.manager import ModelManager
 from vlmserve.streaming import SessionManager, build_store
@@ -79,9 +80,11 @@ def build_app(
     app.state.sessions = sessions
     app.state.started_at = int(time.time())
     app.state.fatal_error = None
-    app.state.chat = ChatService(models, Converter.from_settings(settings), sessions)
+    converter = Converter.from_settings(settings)
+    app.state.chat = ChatService(models, converter, sessions)
+    app.state.worker = WorkerService(models, converter)
     install_error_handlers(app)
-    for router in (system.router, chat.router, streams.router):
+    for router in (system.router, chat.router, streams.router, embeddings.router, worker.router):
         app.include_router(router)
     if settings.cors_allow_origins:
         app.add_middleware(

@@ -106,24 +106,30 @@ def serve(
 
 @app.command()
 def demo(host: HostOpt = None, port: PortOpt = None, config: ConfigOpt = None) -> None:
-    """Build (once, cached) a tiny RANDOM-WEIGHT Qwen2-VL and serve it: try the API offline."""
-    from vlmserve.testing.tiny import build_qwen2_vl
+    """Serve tiny RANDOM-WEIGHT models (built once, cached): try every endpoint offline.
 
-    console.print("[bold]vlmserve demo[/]: building the tiny demo checkpoint (cached after once)…")
+    Two models: `tiny-qwen2-vl` (chat, caption) and `tiny-vlm2vec` (the same tiny Qwen2-VL
+    with a LoRA adapter, for /v1/embeddings, /encode-text and /encode-video).
+    """
+    from vlmserve.testing.tiny import build_lora_adapter, build_qwen2_vl
+
+    console.print("[bold]vlmserve demo[/]: building the tiny demo checkpoints (cached after once)…")
     path = build_qwen2_vl()
+    adapter = build_lora_adapter(path)
     console.print(
-        "[bold yellow]The demo model has RANDOM weights: its answers are gibberish.[/] "
-        "It exercises the real loading and inference code, not a real model.\n"
-        f"Checkpoint: {path}\nModel name for requests: [bold]tiny-qwen2-vl[/]"
+        "[bold yellow]The demo models have RANDOM weights: their answers are gibberish.[/] "
+        "They exercise the real loading and inference code, not a real model.\n"
+        f"Checkpoint: {path}\nModels: [bold]tiny-qwen2-vl[/] (chat, caption), "
+        "[bold]tiny-vlm2vec[/] (embedding)"
     )
+    models = [
+        {"name": "tiny-qwen2-vl", "source": str(path), "roles": ["chat", "caption"]},
+        {"name": "tiny-vlm2vec", "source": str(path), "adapter": str(adapter),
+         "roles": ["embedding"]},
+    ]  # fmt: skip
     try:
         settings = load_settings(
-            config,
-            model=str(path),
-            served_model_name="tiny-qwen2-vl",
-            host=host,
-            port=port,
-            exit_on_load_failure=True,
+            config, models=models, host=host, port=port, exit_on_load_failure=True
         )
     except (ConfigError, ValueError) as exc:
         _fail(exc)

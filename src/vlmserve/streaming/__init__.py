@@ -10,13 +10,18 @@ from vlmserve.streaming.events import (
     FINAL_STATES,
     Emit,
     Event,
+    OnCancel,
+    OnError,
+    Resumer,
+    Resumption,
     SessionRecord,
     SessionState,
     error_emit,
     error_event,
+    gap_event,
 )
-from vlmserve.streaming.manager import Listener, Resumer, Resumption, SessionManager
-from vlmserve.streaming.session import OnCancel, OnError, Session, SessionOptions
+from vlmserve.streaming.manager import Listener, SessionManager
+from vlmserve.streaming.session import Session, SessionOptions
 from vlmserve.streaming.sse import (
     encode_comment,
     encode_event,
@@ -57,6 +62,7 @@ __all__ = [
     "error_emit",
     "error_event",
     "format_event_id",
+    "gap_event",
     "parse_event_id",
     "validate_session_id",
 ]

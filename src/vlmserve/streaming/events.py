@@ -9,6 +9,7 @@ after a restart, replay or continue it.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -18,10 +19,15 @@ __all__ = [
     "FINAL_STATES",
     "Emit",
     "Event",
+    "OnCancel",
+    "OnError",
+    "Resumer",
+    "Resumption",
     "SessionRecord",
     "SessionState",
     "error_emit",
     "error_event",
+    "gap_event",
 ]
 
 DONE = "[DONE]"
@@ -83,3 +89,31 @@ def error_emit(message: str, code: str, type_: str = "server_error") -> Emit:
 def error_event(index: int, message: str, code: str, type_: str = "server_error") -> Event:
     """A numbered error event that no store keeps (the stream_gap notice)."""
     return Event(index=index, data=_error_data(message, code, type_), event="error")
+
+
+def gap_event(session_id: str, index: int) -> Event:
+    """The one error event a listener gets when the events it asks for are gone; its id is the
+    last one the client has, so a client retrying with it gets the same answer."""
+    return error_event(
+        index,
+        f"events after {session_id}:{index} are no longer held (the in-memory buffer is bounded "
+        "and the store has no older ones); send the request again to start a new stream",
+        "stream_gap",
+    )
+
+
+OnCancel = Callable[[], list[Emit]]  # emits to append before [DONE] when a session is cancelled
+OnError = Callable[[BaseException], list[Emit]]  # emits to append before [DONE] on a failure
+
+
+@dataclass(slots=True)
+class Resumption:
+    """How to continue an orphaned session: numbering goes on at ``last_index + 1``."""
+
+    producer: AsyncIterator[Emit]
+    on_cancel: OnCancel
+    on_error: OnError
+
+
+# Given the stored record and its persisted events, continue the generation (or None).
+Resumer = Callable[[SessionRecord, list[Event]], Awaitable[Resumption | None]]

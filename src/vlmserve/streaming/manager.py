@@ -17,8 +17,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -28,29 +27,22 @@ from vlmserve.streaming.events import (
     FINAL_STATES,
     Emit,
     Event,
+    OnCancel,
+    OnError,
+    Resumer,
+    Resumption,
     SessionRecord,
     SessionState,
     error_emit,
+    gap_event,
 )
-from vlmserve.streaming.session import OnCancel, OnError, Session, SessionOptions, gap_event
+from vlmserve.streaming.session import Session, SessionOptions
 from vlmserve.streaming.sse import validate_session_id
 from vlmserve.streaming.store.base import SessionStore
 
-__all__ = ["Listener", "Resumer", "Resumption", "SessionManager"]
+__all__ = ["Listener", "SessionManager"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Resumption:
-    """How to continue an orphaned session: numbering goes on at ``last_index + 1``."""
-
-    producer: AsyncIterator[Emit]
-    on_cancel: OnCancel
-    on_error: OnError
-
-
-Resumer = Callable[[SessionRecord, list[Event]], Awaitable[Resumption | None]]
 
 
 class Listener:
@@ -240,6 +232,10 @@ class SessionManager:
             if events:
                 continue
             current = await self.store.get(sid)
+            if current is not None and current.last_index >= nxt:
+                newer = await self.store.events(sid, nxt - 1)  # appended since the wait ended?
+                if newer and newer[0].index == nxt:
+                    continue
             if current is None or current.last_index >= nxt:
                 yield gap_event(sid, nxt - 1)
                 return

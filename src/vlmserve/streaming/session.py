@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from vlmserve.streaming.events import (
@@ -21,19 +21,18 @@ from vlmserve.streaming.events import (
     FINAL_STATES,
     Emit,
     Event,
+    OnCancel,
+    OnError,
     SessionRecord,
     SessionState,
     error_emit,
-    error_event,
+    gap_event,
 )
 from vlmserve.streaming.store.base import SessionStore
 
-__all__ = ["OnCancel", "OnError", "Session", "SessionOptions", "gap_event"]
+__all__ = ["Session", "SessionOptions"]
 
 logger = logging.getLogger(__name__)
-
-OnCancel = Callable[[], list[Emit]]
-OnError = Callable[[BaseException], list[Emit]]
 
 
 @dataclass(slots=True)
@@ -323,14 +322,3 @@ class Session:
 
     def _gap(self, index: int) -> Event:
         return gap_event(self.session_id, index)
-
-
-def gap_event(session_id: str, index: int) -> Event:
-    """The one error event a listener gets when the events it asks for are gone; its id is the
-    last one the client has, so a client retrying with it gets the same answer."""
-    return error_event(
-        index,
-        f"events after {session_id}:{index} are no longer held (the in-memory buffer is bounded "
-        "and the store has no older ones); send the request again to start a new stream",
-        "stream_gap",
-    )

@@ -68,10 +68,9 @@ class ChatService:
         sessions.set_resumer(self._resume)
 
     async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
-        handle = self.models.resolve(body.model)
-        backend = handle.backend
+        backend = self.models.chat(body.model)
         prepared = await backend.prepare(await self.converter.to_request(body, request_id))
-        ids = _new_ids(handle.name)
+        ids = _new_ids(backend.model_id)
         text, last = [], None
         async for chunk in backend.generate(prepared):
             text.append(chunk.text)
@@ -87,7 +86,7 @@ class ChatService:
 
     async def start_stream(self, body: ChatCompletionRequest, request_id: str) -> StreamStart:
         """Validate and prepare (4xx before any byte is sent), then start the session."""
-        handle = self.models.resolve(body.model)
+        backend = self.models.chat(body.model)
         session_id = body.session_id or uuid.uuid4().hex
         if body.session_id and await self.sessions.exists(session_id):
             raise InvalidRequest(
@@ -96,8 +95,8 @@ class ChatService:
                 param="session_id",
                 code="session_exists",
             )
-        prepared = await handle.backend.prepare(await self.converter.to_request(body, request_id))
-        ids = _new_ids(handle.name)
+        prepared = await backend.prepare(await self.converter.to_request(body, request_id))
+        ids = _new_ids(backend.model_id)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         record = {
             "body": body.model_dump(mode="json"),
@@ -105,7 +104,7 @@ class ChatService:
             "created": ids.created,
             "model": ids.model,
         }
-        producer = _emits(handle.backend.generate(prepared), ids, include_usage, first=True)
+        producer = _emits(backend.generate(prepared), ids, include_usage, first=True)
         await self.sessions.start(
             session_id,
             record,
@@ -121,16 +120,16 @@ class ChatService:
         stored = record.request
         try:
             body = ChatCompletionRequest.model_validate(stored["body"])
-            handle = self.models.resolve(stored["model"])
+            backend = self.models.chat(stored["model"])
             request = await self.converter.to_request(body, f"resume-{record.session_id}")
+            request.prefix_token_ids = [
+                t for e in events if e.meta for t in e.meta.get("token_ids", [])
+            ]
+            prepared = await backend.prepare(request)
         except (KeyError, VlmserveError, ValueError) as exc:
             log.warning("cannot continue session %s: %s", record.session_id, exc)
             return None
-        request.prefix_token_ids = [
-            t for e in events if e.meta for t in e.meta.get("token_ids", [])
-        ]
-        prepared = await handle.backend.prepare(request)
         ids = CompletionIds(id=stored["id"], created=stored["created"], model=stored["model"])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        producer = _emits(handle.backend.generate(prepared), ids, include_usage, first=not events)
+        producer = _emits(backend.generate(prepared), ids, include_usage, first=not events)
         return Resumption(producer=producer, on_cancel=_on_cancel(ids), on_error=_on_error)

@@ -47,7 +47,10 @@ class HFChatBackend:
         self.tokens_generated = 0  # every token the model produced, all requests
         self.in_flight = 0
         self._loaded: Loaded | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"generate-{model_id}")
+        self._executor = self._new_executor()
+
+    def _new_executor(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(1, thread_name_prefix=f"generate-{self.model_id}")
 
     # --- lifecycle -----------------------------------------------------------------------
     def load(self) -> None:
@@ -72,6 +75,7 @@ class HFChatBackend:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = self._new_executor()  # threads start lazily: load() may follow
         self._loaded = None
         self.state = ModelState.UNLOADED
 

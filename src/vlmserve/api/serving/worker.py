@@ -1,0 +1,155 @@
+"""Seed 000's task endpoints and ``/v1/embeddings``, on the models picked by role."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from typing import Any
+
+import numpy as np
+
+from vlmserve.api.protocol.chat import ChatCompletionRequest
+from vlmserve.api.protocol.embeddings import EmbeddingsRequest
+from vlmserve.api.protocol.worker import CaptionRequest, GenerateRequestIn
+from vlmserve.api.serving.convert import Converter
+from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.hf.embed_inputs import EmbedInput
+from vlmserve.engine.types import (
+    ChatMessage,
+    GenerateRequest,
+    ImagePart,
+    SamplingParams,
+    TextPart,
+    VideoPart,
+)
+from vlmserve.errors import InvalidRequest, VlmserveError
+from vlmserve.media import load_image
+from vlmserve.registry.manager import ModelManager
+
+__all__ = ["CAPTION_INSTRUCTION", "WorkerService", "caption_messages"]
+
+CAPTION_INSTRUCTION = "Describe what happens in this video clip in detail."
+
+
+def caption_messages(frames: list[Any], transcript: str | None) -> list[ChatMessage]:
+    """The caption prompt: the clip's frames, the transcript as context, the instruction."""
+    text = CAPTION_INSTRUCTION
+    if transcript and transcript.strip():
+        text = f"Audio transcript of this clip:\n{transcript.strip()}\n\n{CAPTION_INSTRUCTION}"
+    return [ChatMessage("user", [VideoPart(frames=frames), TextPart(text)])]
+
+
+def _sample(frames: list[str], limit: int) -> list[str]:
+    """Uniformly pick at most ``limit`` frames before any is decoded."""
+    if len(frames) <= limit:
+        return frames
+    return [frames[(2 * i + 1) * len(frames) // (2 * limit)] for i in range(limit)]
+
+
+def _truncate(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
+    if dimensions is None:
+        return vectors
+    if dimensions > vectors.shape[1]:
+        raise InvalidRequest(
+            f"dimensions={dimensions} is larger than the model's {vectors.shape[1]}",
+            param="dimensions",
+        )
+    cut = vectors[:, :dimensions]  # Matryoshka-style: truncate, then renormalise
+    return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+
+
+def _encode(vector: np.ndarray, fmt: str) -> list[float] | str:
+    if fmt == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    return vector.astype(np.float32).tolist()
+
+
+class WorkerService:
+    def __init__(self, models: ModelManager, converter: Converter):
+        self.models = models
+        self.converter = converter
+
+    async def frames(self, frames: list[str]) -> list[Any]:
+        if not frames:
+            raise InvalidRequest(
+                "frames is empty; send at least one base64 JPEG frame", param="frames"
+            )
+        picked = _sample(frames, self.converter.settings.max_video_frames)
+        try:
+            return list(
+                await asyncio.gather(*(load_image(f, self.converter.policy) for f in picked))
+            )
+        except VlmserveError as exc:
+            exc.param = exc.param or "frames"
+            raise
+
+    async def encode_video(self, frames: list[str], model: str | None) -> list[float]:
+        backend = self.models.embedder(model)
+        decoded = await self.frames(frames)
+        return (await backend.embed([EmbedInput(frames=decoded)]))[0].tolist()
+
+    async def encode_text(self, text: str, model: str | None) -> list[float]:
+        if not text.strip():
+            raise InvalidRequest("text is empty", param="text")
+        backend = self.models.embedder(model)
+        return (await backend.embed([EmbedInput(text=text)]))[0].tolist()
+
+    async def _run(self, backend: HFChatBackend, request: GenerateRequest) -> str:
+        prepared = await backend.prepare(request)
+        return "".join([chunk.text async for chunk in backend.generate(prepared)])
+
+    async def caption(self, body: CaptionRequest) -> str:
+        backend = self.models.chat(body.model, role="caption")
+        frames = await self.frames(body.frames)
+        sampling = SamplingParams(max_tokens=body.max_new_tokens, temperature=0.0)
+        request = GenerateRequest(
+            uuid.uuid4().hex, caption_messages(frames, body.transcript), sampling
+        )
+        return await self._run(backend, request)
+
+    async def generate(self, body: GenerateRequestIn) -> str:
+        backend = self.models.chat(body.model, role="chat")
+        wire = ChatCompletionRequest(
+            model=backend.model_id,
+            messages=body.messages,
+            max_tokens=body.max_new_tokens,
+            temperature=body.temperature,
+        )
+        return await self._run(backend, await self.converter.to_request(wire, uuid.uuid4().hex))
+
+    async def embeddings(self, body: EmbeddingsRequest) -> dict[str, Any]:
+        backend = self.models.embedder(body.model)
+        items = (
+            [EmbedInput(text=t) for t in body.texts]
+            if body.input is not None
+            else [await self._multimodal_item(body)]
+        )
+        vectors = _truncate(await backend.embed(items), body.dimensions)
+        tokenizer = backend.processor.tokenizer
+        tokens = sum(len(tokenizer(backend.render(item))["input_ids"]) for item in items)
+        return {
+            "object": "list",
+            "model": backend.model_id,
+            "data": [
+                {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+                for i, v in enumerate(vectors)
+            ],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+    async def _multimodal_item(self, body: EmbeddingsRequest) -> EmbedInput:
+        """vLLM's ``messages`` form: one embedding for the conversation's media and text."""
+        wire = ChatCompletionRequest(model=body.model, messages=body.messages or [])
+        request = await self.converter.to_request(wire, uuid.uuid4().hex)
+        parts = [p for m in request.messages for p in m.content]
+        images = [p.image for p in parts if isinstance(p, ImagePart)]
+        videos = [p.frames for p in parts if isinstance(p, VideoPart)]
+        if len(images) + len(videos) > 1:
+            raise InvalidRequest(
+                "an embedding input holds at most one image or video", param="messages"
+            )
+        text = " ".join(p.text for p in parts if isinstance(p, TextPart)).strip() or None
+        return EmbedInput(
+            text=text, image=images[0] if images else None, frames=videos[0] if videos else None
+        )

@@ -1,0 +1,173 @@
+"""The ``hf`` embedding backend: VLM2Vec-style vectors from a vision-language model (+ LoRA).
+
+Embedding = the final layer's hidden state (after the final norm) at the last token,
+L2-normalised, float32. Items are rendered through the model's own chat template and run
+in left-padded batches of ``max_batch``; padding does not change any vector:
+
+- text-only batches get explicit position ids that start at each row's first real token;
+- batches with images or video leave positions to the model: Qwen2-VL's ``get_rope_index``
+  computes the multimodal (t, h, w) positions from the real tokens of each row only (it
+  takes the attention mask), so a left-padded row gets the same positions as alone;
+- the vision tower encodes each image/video separately (``cu_seqlens``), unaffected by others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlmserve.engine.hf.adapters import apply_adapter
+from vlmserve.engine.hf.chat import ModelState
+from vlmserve.engine.hf.embed_inputs import (
+    EmbedInput,
+    EmbedPrompts,
+    build_batch,
+    check_input,
+    render,
+    text_positions,
+)
+from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model, memory_bytes
+from vlmserve.errors import ConfigError, InvalidRequest, ServiceUnavailable
+
+__all__ = ["EmbedInput", "EmbedPrompts", "HFEmbedBackend"]
+
+log = logging.getLogger(__name__)
+_MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
+
+
+def final_hidden_states(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The last layer's output after the final norm: [B, L, H] (= ``hidden_states[-1]``).
+
+    The inner ``model.model`` (vision tower + language model, no LM head) returns exactly
+    that as ``last_hidden_state`` without computing logits or keeping every layer's states.
+    """
+    inner = getattr(model, "model", None)
+    if isinstance(inner, torch.nn.Module):
+        return inner(**inputs, use_cache=False).last_hidden_state
+    return model(**inputs, use_cache=False, output_hidden_states=True).hidden_states[-1]
+
+
+class HFEmbedBackend:
+    def __init__(
+        self,
+        model_id: str,
+        options: LoadOptions,
+        *,
+        adapter: str | None = None,
+        prompts: EmbedPrompts = EmbedPrompts(),
+        max_batch: int = 16,
+    ):
+        if max_batch < 1:
+            raise ConfigError(f"max_batch is {max_batch} for {model_id!r}; it must be at least 1")
+        self.model_id = model_id
+        self.options = options
+        self.adapter = adapter
+        self.prompts = prompts
+        self.max_batch = max_batch
+        self.state = ModelState.UNLOADED
+        self.error: str | None = None
+        self.load_seconds: float | None = None
+        self._loaded: Loaded | None = None
+        self._executor = self._new_executor()
+
+    def _new_executor(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(1, thread_name_prefix=f"embed-{self.model_id}")
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def load(self) -> None:
+        """Blocking load (call from a thread): base model, then the adapter, checked and merged.
+
+        Failures are kept in ``state``/``error`` and re-raised.
+        """
+        self.state, self.error = ModelState.LOADING, None
+        started = time.perf_counter()
+        try:
+            loaded = load_model(self.options)
+            if self.adapter:
+                loaded.model = apply_adapter(loaded.model, self.adapter, self.options.source)
+                loaded.model.eval()
+        except Exception as exc:
+            self.state, self.error = ModelState.FAILED, str(exc)
+            raise
+        self._loaded = loaded
+        self.load_seconds = time.perf_counter() - started
+        self.state = ModelState.READY
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = self._new_executor()  # threads start lazily: load() may follow
+        device = self._loaded.device if self._loaded else None
+        self._loaded = None
+        self.state = ModelState.UNLOADED
+        if device is not None and device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def memory_bytes(self) -> int:
+        return memory_bytes(self._loaded.model) if self._loaded else 0
+
+    @property
+    def dim(self) -> int:
+        """Embedding size: the language model's hidden size (1536 for Qwen2-VL-2B)."""
+        return int(self._require().model.config.get_text_config().hidden_size)
+
+    @property
+    def processor(self) -> Any:
+        return self._require().processor
+
+    def _require(self) -> Loaded:
+        if self._loaded is None or self.state is not ModelState.READY:
+            msg = f"model {self.model_id!r} is {self.state.value}"
+            if self.error:
+                msg += f": {self.error}"
+            raise ServiceUnavailable(msg + "; retry shortly", retry_after=5)
+        return self._loaded
+
+    # --- requests ------------------------------------------------------------------------
+    def render(self, item: EmbedInput) -> str:
+        """The exact prompt text for ``item`` (chat template applied)."""
+        check_input(item)
+        return render(self._require().processor, item, self.prompts)
+
+    def embed_sync(self, items: list[EmbedInput]) -> np.ndarray:
+        """Blocking: [len(items), dim] float32 unit vectors, computed in batches of max_batch."""
+        _check_items(items)
+        loaded = self._require()
+        out = np.empty((len(items), self.dim), dtype=np.float32)
+        for start in range(0, len(items), self.max_batch):
+            chunk = items[start : start + self.max_batch]
+            out[start : start + len(chunk)] = self._embed_batch(loaded, chunk)
+        return out
+
+    async def embed(self, items: list[EmbedInput]) -> np.ndarray:
+        """Like ``embed_sync``, on this backend's own worker thread (one batch at a time)."""
+        _check_items(items)
+        self._require()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.embed_sync, items)
+
+    def _embed_batch(self, loaded: Loaded, items: list[EmbedInput]) -> np.ndarray:
+        batch = build_batch(loaded.processor, items, self.prompts)
+        inputs = {k: v.to(loaded.device) for k, v in batch.items()}
+        if not any(k in inputs for k in _MEDIA_KEYS):
+            inputs["position_ids"] = text_positions(inputs["attention_mask"])
+        with torch.inference_mode():
+            hidden = final_hidden_states(loaded.model, inputs)  # [B, L, H]
+            last = hidden[:, -1, :].float()  # left padding: every row's last real token
+            vectors = torch.nn.functional.normalize(last, dim=-1)
+        return vectors.cpu().numpy()
+
+
+def _check_items(items: list[EmbedInput]) -> None:
+    if not items:
+        raise InvalidRequest(
+            "nothing to embed: send at least one text, image or video", param="input"
+        )
+    for index, item in enumerate(items):
+        check_input(item, index)

@@ -1,0 +1,110 @@
+"""Streams survive kill -9 (SQLite) and move between server processes (Redis)."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import ServerProcess
+from sse_client import SSEEvent, read_events, text_of
+
+pytestmark = pytest.mark.slow
+TOKENS = 300
+
+
+def body(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Write a long story about the sea."}],
+        "temperature": 0,
+        "max_tokens": TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
+
+
+def serve_args(tiny_dir: Path) -> list[str]:
+    return ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu"]
+
+
+def start(tiny_dir: Path, env: dict[str, str]) -> ServerProcess:
+    server = ServerProcess(serve_args(tiny_dir), env)
+    server.wait_ready()
+    return server
+
+
+def assert_complete(events: list[SSEEvent]) -> None:
+    assert [e.index for e in events] == list(range(len(events)))
+    assert events[-1].data == "[DONE]"
+
+
+def persisted(db: Path, session_id: str) -> int:
+    with sqlite3.connect(db) as conn:
+        return conn.execute(
+            "SELECT COUNT(*) FROM events WHERE session_id = ?", (session_id,)
+        ).fetchone()[0]
+
+
+def test_kill_9_mid_stream_then_restart_continues_the_generation(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    db = tmp_path / "streams.db"
+    env = {"VLMSERVE_PERSIST_SESSIONS": "1", "VLMSERVE_SESSIONS_DB_PATH": str(db)}
+    server = start(tiny_dir, env)
+    rng = random.Random(20261122)
+    mid_generation = 0
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            reference, _ = read_events(c, "POST", "/v1/chat/completions", json=body())
+        expected = text_of(reference)
+        for trial in range(10):
+            k = rng.randint(1, 40)
+            with httpx.Client(base_url=server.url, timeout=120) as c:
+                first, response = read_events(
+                    c, "POST", "/v1/chat/completions", json=body(), limit=k
+                )
+            sid = response.headers["x-session-id"]
+            server.proc.kill()  # kill -9: no clean shutdown, no flush
+            server.proc.wait()
+            mid_generation += persisted(db, sid) < len(reference)
+            server = start(tiny_dir, env)
+            with httpx.Client(base_url=server.url, timeout=120) as c:
+                rest, _ = read_events(
+                    c, "GET", f"/v1/streams/{sid}", headers={"Last-Event-ID": first[-1].id}
+                )
+            assert_complete(first + rest)
+            assert text_of(first + rest) == expected, f"trial {trial}, killed after {k} events"
+    finally:
+        server.stop()
+    assert mid_generation >= 8, "the kills should land while the engine is still generating"
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_a_stream_started_on_one_process_resumes_on_another_via_redis(
+    tiny_dir: Path, redis_url: str
+) -> None:
+    env = {"VLMSERVE_REDIS_URL": redis_url}
+    a, b = start(tiny_dir, env), start(tiny_dir, env)
+    try:
+        with httpx.Client(base_url=a.url, timeout=120) as c:
+            reference, _ = read_events(c, "POST", "/v1/chat/completions", json=body())
+            first, response = read_events(c, "POST", "/v1/chat/completions", json=body(), limit=5)
+        sid = response.headers["x-session-id"]
+        with httpx.Client(base_url=b.url, timeout=120) as c:
+            rest, _ = read_events(
+                c, "GET", f"/v1/streams/{sid}", headers={"Last-Event-ID": first[-1].id}
+            )
+            replay, _ = read_events(c, "GET", f"/v1/streams/{reference[0].id.split(':')[0]}")
+    finally:
+        a.stop()
+        b.stop()
+    assert_complete(first + rest)
+    assert text_of(first + rest) == text_of(reference)
+    assert [e.data for e in replay] == [e.data for e in reference]

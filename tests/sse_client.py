@@ -1,0 +1,84 @@
+"""A small SSE reader for tests: parse events as they arrive, stop after any number of them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class SSEEvent:
+    id: str | None
+    event: str | None
+    data: str
+
+    @property
+    def index(self) -> int:
+        assert self.id is not None
+        return int(self.id.rsplit(":", 1)[1])
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+    @property
+    def content(self) -> str:
+        if self.data == "[DONE]" or self.event == "error":
+            return ""
+        choices = self.json.get("choices") or [{}]
+        return choices[0].get("delta", {}).get("content") or ""
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.data == "[DONE]" or self.event == "error":
+            return None
+        choices = self.json.get("choices") or [{}]
+        return choices[0].get("finish_reason")
+
+
+def iter_events(response: httpx.Response) -> Iterator[SSEEvent]:
+    fields: dict[str, str] = {}
+    data: list[str] = []
+    for line in response.iter_lines():
+        if not line:
+            if data:
+                yield SSEEvent(fields.get("id"), fields.get("event"), "\n".join(data))
+            fields, data = {}, []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            data.append(value)
+        else:
+            fields[name] = value
+
+
+def read_events(
+    client: httpx.Client,
+    method: str,
+    url: str,
+    *,
+    limit: int | None = None,
+    **kwargs: Any,
+) -> tuple[list[SSEEvent], httpx.Response]:
+    """Read events (all, or the first ``limit`` then disconnect)."""
+    events: list[SSEEvent] = []
+    with client.stream(method, url, **kwargs) as response:
+        if response.status_code != 200:
+            response.read()
+            return events, response
+        for event in iter_events(response):
+            events.append(event)
+            if limit is not None and len(events) >= limit:
+                break
+    return events, response
+
+
+def text_of(events: list[SSEEvent]) -> str:
+    return "".join(e.content for e in events)
