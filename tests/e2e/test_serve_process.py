@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from conftest import ServerProcess
+from support import ServerProcess
 from vlmserve.testing.media import data_url, gradient_image, image_bytes
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ServerProcess
 from sse_client import SSEEvent, read_events, text_of
+from support import ServerProcess
 
 pytestmark = pytest.mark.slow
 TOKENS = 300

@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import MODEL
+from support import MODEL, make_settings
+from vlmserve.api.app import build_app
 from vlmserve.engine.types import ChatMessage, ImagePart, TextPart
 from vlmserve.registry.manager import ModelManager
 from vlmserve.testing.media import data_url, gradient_image, image_bytes, mp4_bytes
@@ -186,9 +187,6 @@ async def test_health_and_models(client: httpx.AsyncClient) -> None:
 
 
 async def test_ready_is_503_while_loading_then_200(make_client: Any, tiny_dir: Any) -> None:
-    from conftest import make_settings
-    from vlmserve.api.app import build_app
-
     manager = ModelManager.from_settings(make_settings(tiny_dir))
     backend = manager.handles[0].backend
     gate = threading.Event()

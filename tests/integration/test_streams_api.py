@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import MODEL
 from sse_client import SSEEvent, iter_events, read_events, text_of
+from support import MODEL
 from vlmserve.registry.manager import ModelManager
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from openai import OpenAI
 
-from conftest import MODEL, make_settings
+from support import MODEL, LiveServer, make_settings
 from vlmserve.api.app import build_app
 from vlmserve.api.serving.worker import caption_messages
 from vlmserve.config import ModelConfig, Settings
@@ -153,8 +153,6 @@ async def test_encode_is_503_while_the_embedding_model_loads(
 
 
 def test_openai_client_embeddings(live_server: Any, tiny_dir: Path, two_models: Any) -> None:
-    from conftest import LiveServer
-
     app = build_app(make_settings(tiny_dir), models=two_models)
     with LiveServer(app) as server:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

@@ -29,8 +29,8 @@ ConfigOpt = Annotated[
     Optional[Path],  # noqa: UP045 - typer needs Optional on py3.10
     typer.Option("--config", "-c", help="TOML file with settings (flags and VLMSERVE_* env win)."),
 ]
-HostOpt = Annotated[Optional[str], typer.Option(help="Address to bind [default: 127.0.0.1].")]  # noqa: UP045
-PortOpt = Annotated[Optional[int], typer.Option(help="Port [default: 8000].")]  # noqa: UP045
+HostOpt = Annotated[Optional[str], typer.Option(help="Address to bind (default: 127.0.0.1).")]  # noqa: UP045
+PortOpt = Annotated[Optional[int], typer.Option(help="Port (default: 8000).")]  # noqa: UP045
 
 
 def _run(settings: Settings) -> None:
@@ -68,19 +68,37 @@ def serve(
     ] = None,
     served_model_name: Annotated[
         Optional[str],  # noqa: UP045
-        typer.Option(help="Name clients put in `model` [default: the model dir's name]."),
+        typer.Option(help="Name clients put in `model` (default: the model dir's name)."),
     ] = None,
     host: HostOpt = None,
     port: PortOpt = None,
     device: Annotated[
-        Optional[str], typer.Option(help="auto | cpu | cuda | cuda:N [default: auto].")  # noqa: UP045
+        Optional[str], typer.Option(help="auto | cpu | cuda | cuda:N (default: auto).")  # noqa: UP045
     ] = None,
     dtype: Annotated[
         Optional[str],  # noqa: UP045
-        typer.Option(help="auto | bfloat16 | float16 | float32 [default: auto: bf16 on GPU]."),
+        typer.Option(help="auto | bfloat16 | float16 | float32 (default: auto: bf16 on GPU)."),
     ] = None,
     max_model_len: Annotated[
         Optional[int], typer.Option(help="Prompt + completion token limit.")  # noqa: UP045
+    ] = None,
+    attn_implementation: Annotated[
+        Optional[str], typer.Option(help="sdpa | eager | flash_attention_2 (default: model's).")  # noqa: UP045
+    ] = None,
+    min_pixels: Annotated[
+        Optional[int], typer.Option(help="Smallest image size after resizing, in pixels.")  # noqa: UP045
+    ] = None,
+    max_pixels: Annotated[
+        Optional[int], typer.Option(help="Largest image size after resizing, in pixels.")  # noqa: UP045
+    ] = None,
+    max_video_frames: Annotated[
+        Optional[int], typer.Option(help="Frames sampled per video (default: 16).")  # noqa: UP045
+    ] = None,
+    trust_remote_code: Annotated[
+        Optional[bool], typer.Option(help="Run model code shipped with the checkpoint.")  # noqa: UP045
+    ] = None,
+    log_level: Annotated[
+        Optional[str], typer.Option(help="debug | info | warning | error (default: info).")  # noqa: UP045
     ] = None,
     config: ConfigOpt = None,
 ) -> None:

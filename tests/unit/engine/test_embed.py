@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from vlmserve.engine.hf.adapters import BaseInfo, base_info, check_adapter_base
-from vlmserve.engine.hf.chat import ModelState
 from vlmserve.engine.hf.embed import EmbedInput, EmbedPrompts, HFEmbedBackend
+from vlmserve.engine.hf.lifecycle import ModelState
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.errors import ConfigError, InvalidRequest, ServiceUnavailable
 from vlmserve.testing import build_foreign_adapter, build_lora_adapter

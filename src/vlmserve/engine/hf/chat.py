@@ -8,19 +8,17 @@ handed back with ``loop.call_soon_threadsafe``. Closing the async generator retu
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmserve.engine.hf.generation import run_generation
 from vlmserve.engine.hf.inputs import Prepared, build_inputs, render_prompt
-from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model, memory_bytes
+from vlmserve.engine.hf.lifecycle import HFModel, ModelState
+from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.types import ChatMessage, Chunk, GenerateRequest
-from vlmserve.errors import InvalidRequest, Overloaded, ServiceUnavailable
+from vlmserve.errors import InvalidRequest, Overloaded
 
 __all__ = ["HFChatBackend", "ModelState"]
 
@@ -28,64 +26,15 @@ log = logging.getLogger(__name__)
 _END = object()
 
 
-class ModelState(str, enum.Enum):
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
+class HFChatBackend(HFModel):
+    thread_prefix = "generate"
 
-
-class HFChatBackend:
     def __init__(self, model_id: str, options: LoadOptions, *, max_model_len: int, max_queued: int):
-        self.model_id = model_id
-        self.options = options
+        super().__init__(model_id, options)
         self.max_model_len = max_model_len
         self.max_queued = max_queued
-        self.state = ModelState.UNLOADED
-        self.error: str | None = None
-        self.load_seconds: float | None = None
         self.tokens_generated = 0  # every token the model produced, all requests
         self.in_flight = 0
-        self._loaded: Loaded | None = None
-        self._executor = self._new_executor()
-
-    def _new_executor(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(1, thread_name_prefix=f"generate-{self.model_id}")
-
-    # --- lifecycle -----------------------------------------------------------------------
-    def load(self) -> None:
-        """Blocking load (call from a thread). Failures are kept in ``state``/``error``."""
-        self.state = ModelState.LOADING
-        started = time.perf_counter()
-        try:
-            self._loaded = load_model(self.options)
-        except Exception as exc:
-            self.state, self.error = ModelState.FAILED, str(exc)
-            raise
-        self.load_seconds = time.perf_counter() - started
-        self.state = ModelState.READY
-
-    @property
-    def memory_bytes(self) -> int:
-        return memory_bytes(self._loaded.model) if self._loaded else 0
-
-    @property
-    def processor(self) -> Any:
-        return self._require().processor
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._executor = self._new_executor()  # threads start lazily: load() may follow
-        self._loaded = None
-        self.state = ModelState.UNLOADED
-
-    def _require(self) -> Loaded:
-        if self._loaded is None or self.state is not ModelState.READY:
-            msg = f"model {self.model_id!r} is {self.state.value}"
-            if self.error:
-                msg += f": {self.error}"
-            raise ServiceUnavailable(msg + "; retry shortly", retry_after=5)
-        return self._loaded
 
     # --- requests ------------------------------------------------------------------------
     def render_prompt(self, messages: list[ChatMessage]) -> str:

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 from vlmserve.engine.hf.adapters import apply_adapter
-from vlmserve.engine.hf.chat import ModelState
 from vlmserve.engine.hf.embed_inputs import (
     EmbedInput,
     EmbedPrompts,
@@ -32,8 +29,9 @@ from vlmserve.engine.hf.embed_inputs import (
     render,
     text_positions,
 )
-from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model, memory_bytes
-from vlmserve.errors import ConfigError, InvalidRequest, ServiceUnavailable
+from vlmserve.engine.hf.lifecycle import HFModel
+from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model
+from vlmserve.errors import ConfigError, InvalidRequest
 
 __all__ = ["EmbedInput", "EmbedPrompts", "HFEmbedBackend"]
 
@@ -53,7 +51,9 @@ def final_hidden_states(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Te
     return model(**inputs, use_cache=False, output_hidden_states=True).hidden_states[-1]
 
 
-class HFEmbedBackend:
+class HFEmbedBackend(HFModel):
+    thread_prefix = "embed"
+
     def __init__(
         self,
         model_id: str,
@@ -65,69 +65,23 @@ class HFEmbedBackend:
     ):
         if max_batch < 1:
             raise ConfigError(f"max_batch is {max_batch} for {model_id!r}; it must be at least 1")
-        self.model_id = model_id
-        self.options = options
+        super().__init__(model_id, options)
         self.adapter = adapter
         self.prompts = prompts
         self.max_batch = max_batch
-        self.state = ModelState.UNLOADED
-        self.error: str | None = None
-        self.load_seconds: float | None = None
-        self._loaded: Loaded | None = None
-        self._executor = self._new_executor()
 
-    def _new_executor(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(1, thread_name_prefix=f"embed-{self.model_id}")
-
-    # --- lifecycle -----------------------------------------------------------------------
-    def load(self) -> None:
-        """Blocking load (call from a thread): base model, then the adapter, checked and merged.
-
-        Failures are kept in ``state``/``error`` and re-raised.
-        """
-        self.state, self.error = ModelState.LOADING, None
-        started = time.perf_counter()
-        try:
-            loaded = load_model(self.options)
-            if self.adapter:
-                loaded.model = apply_adapter(loaded.model, self.adapter, self.options.source)
-                loaded.model.eval()
-        except Exception as exc:
-            self.state, self.error = ModelState.FAILED, str(exc)
-            raise
-        self._loaded = loaded
-        self.load_seconds = time.perf_counter() - started
-        self.state = ModelState.READY
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._executor = self._new_executor()  # threads start lazily: load() may follow
-        device = self._loaded.device if self._loaded else None
-        self._loaded = None
-        self.state = ModelState.UNLOADED
-        if device is not None and device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    @property
-    def memory_bytes(self) -> int:
-        return memory_bytes(self._loaded.model) if self._loaded else 0
+    def _load(self) -> Loaded:
+        """The base model, then the adapter: checked against the base, applied, merged."""
+        loaded = load_model(self.options)
+        if self.adapter:
+            loaded.model = apply_adapter(loaded.model, self.adapter, self.options.source)
+            loaded.model.eval()
+        return loaded
 
     @property
     def dim(self) -> int:
         """Embedding size: the language model's hidden size (1536 for Qwen2-VL-2B)."""
         return int(self._require().model.config.get_text_config().hidden_size)
-
-    @property
-    def processor(self) -> Any:
-        return self._require().processor
-
-    def _require(self) -> Loaded:
-        if self._loaded is None or self.state is not ModelState.READY:
-            msg = f"model {self.model_id!r} is {self.state.value}"
-            if self.error:
-                msg += f": {self.error}"
-            raise ServiceUnavailable(msg + "; retry shortly", retry_after=5)
-        return self._loaded
 
     # --- requests ------------------------------------------------------------------------
     def render(self, item: EmbedInput) -> str:

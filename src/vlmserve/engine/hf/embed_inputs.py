@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from vlmserve.engine.hf.inputs import fit_image
+from vlmserve.engine.hf.inputs import fit_image, patch_factor
 from vlmserve.errors import ConfigError, InvalidRequest
 
 __all__ = ["EmbedInput", "EmbedPrompts", "build_batch", "check_input", "render", "text_positions"]
@@ -78,16 +78,11 @@ def render(processor: Any, item: EmbedInput, prompts: EmbedPrompts) -> str:
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _patch_factor(processor: Any) -> int:
-    ip = getattr(processor, "image_processor", None)
-    return int(getattr(ip, "patch_size", 14)) * int(getattr(ip, "merge_size", 2))
-
-
 def build_batch(
     processor: Any, items: list[EmbedInput], prompts: EmbedPrompts
 ) -> dict[str, torch.Tensor]:
     """Tokenise and preprocess ``items`` as one left-padded batch (input_ids: [B, L])."""
-    factor = _patch_factor(processor)
+    factor = patch_factor(processor)
     texts = [render(processor, item, prompts) for item in items]
     images = [fit_image(it.image, factor) for it in items if it.image is not None]
     videos = [[fit_image(f, factor) for f in it.frames] for it in items if it.frames is not None]

@@ -11,7 +11,7 @@ from PIL import Image
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, TextPart, VideoPart
 from vlmserve.errors import InvalidRequest
 
-__all__ = ["Prepared", "build_inputs", "fit_image", "render_prompt"]
+__all__ = ["Prepared", "build_inputs", "fit_image", "patch_factor", "render_prompt"]
 
 _MAX_ASPECT = 150  # Qwen2-VL's smart_resize refuses aspect ratios over 200
 
@@ -64,19 +64,19 @@ def _template_messages(
     return rendered, images, videos
 
 
-def _patch_factor(processor: Any) -> int:
+def patch_factor(processor: Any) -> int:
     ip = getattr(processor, "image_processor", None)
     return int(getattr(ip, "patch_size", 14)) * int(getattr(ip, "merge_size", 2))
 
 
 def render_prompt(processor: Any, messages: list[ChatMessage]) -> str:
     """The prompt text exactly as the model sees it (vision placeholders not yet expanded)."""
-    rendered, _, _ = _template_messages(messages, _patch_factor(processor))
+    rendered, _, _ = _template_messages(messages, patch_factor(processor))
     return processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
 
 
 def build_inputs(processor: Any, request: GenerateRequest) -> Prepared:
-    rendered, images, videos = _template_messages(request.messages, _patch_factor(processor))
+    rendered, images, videos = _template_messages(request.messages, patch_factor(processor))
     text = processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
     kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
     if images:

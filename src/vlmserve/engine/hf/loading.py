@@ -12,7 +12,15 @@ import torch
 
 from vlmserve.errors import ConfigError
 
-__all__ = ["LoadOptions", "Loaded", "load_model", "memory_bytes", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "LoadOptions",
+    "Loaded",
+    "load_model",
+    "memory_bytes",
+    "resolve_device",
+    "resolve_dtype",
+    "weight_bytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +91,32 @@ def _missing_model_error(source: str, exc: Exception) -> ConfigError:
     )
 
 
+def weight_bytes(source: str) -> int | None:
+    """Size of the checkpoint's weight files, when ``source`` is a local directory."""
+    path = Path(source)
+    if not path.is_dir():
+        return None
+    return sum(f.stat().st_size for f in path.glob("*.safetensors")) or None
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _oom_error(source: str, device: torch.device, exc: BaseException) -> ConfigError:
+    need = weight_bytes(source)
+    needed = f"about {_human(need)} for its weights alone" if need else "more than is free"
+    free = ""
+    if device.type == "cuda":
+        free_b, total_b = torch.cuda.mem_get_info(device)
+        free = f"; {free_b / 2**30:.1f} of {total_b / 2**30:.1f} GiB were free on {device}"
+    return ConfigError(
+        f"out of memory loading model {source!r} on {device}: it needs {needed}{free}. "
+        "Use a smaller or quantised model, --dtype bfloat16, another --device, or fewer models "
+        f"per server ({type(exc).__name__})"
+    )
+
+
 def load_model(opts: LoadOptions) -> Loaded:
     """Load processor and model; raises ConfigError naming the model when that is impossible."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -99,9 +133,11 @@ def load_model(opts: LoadOptions) -> Loaded:
             trust_remote_code=opts.trust_remote_code,
             local_files_only=local,
         )
+        model.to(device)
+    except torch.OutOfMemoryError as exc:
+        raise _oom_error(opts.source, device, exc) from exc
     except (OSError, ValueError) as exc:
         raise _missing_model_error(opts.source, exc) from exc
-    model.to(device)
     model.eval()
     log.info(
         "loaded %s on %s (%s): %.1f MiB of weights",
