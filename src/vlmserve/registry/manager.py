@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from vlmserve.config import ModelConfig, Settings
 from vlmserve.engine.hf.chat import HFChatBackend
-from vlmserve.engine.hf.lifecycle import ModelState
 from vlmserve.engine.hf.embed import HFEmbedBackend
+from vlmserve.engine.hf.lifecycle import ModelState
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.errors import InvalidRequest, NotFound
 
