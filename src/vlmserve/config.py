@@ -34,6 +34,7 @@ class ModelConfig(BaseSettings):
     roles: list[str] = Field(default_factory=lambda: ["chat"])
     device: str | None = None  # None: the server's --device
     dtype: str | None = None
+    keep_alive: float | None = None  # idle seconds before unloading; -1 never; None: server's
 
     @property
     def served_name(self) -> str:
@@ -61,9 +62,16 @@ class Settings(BaseSettings):
     log_level: str = "info"
     cors_allow_origins: list[str] = Field(default_factory=list)
     max_queued_requests: int = 256
-    exit_on_load_failure: bool = (
-        False  # `vlmserve serve` sets it: a model that cannot load ends start-up
-    )
+    # `vlmserve serve` sets this: a model that cannot load ends start-up (exit code 1)
+    exit_on_load_failure: bool = False
+
+    # --- model lifecycle -----------------------------------------------------------------
+    load_on_startup: bool = True  # eager; False: models load on their first request
+    on_demand_activation: bool = True  # a request for an unloaded model loads it (else 503)
+    max_loaded_models: int = 0  # 0 = no cap; over the cap the least recently used unloads
+    keep_alive: float = -1.0  # idle seconds before a model unloads; -1 = never
+    drain_timeout_seconds: float = 30.0
+    activation_timeout_seconds: float = 120.0  # a request waits this long for its model to load
 
     # --- generation defaults (a request may override) ----------------------------------
     max_tokens: int = 256
@@ -86,6 +94,21 @@ class Settings(BaseSettings):
     media_allow_private_networks: bool = False
     max_n: int = 1
 
+    # --- auth and metrics ----------------------------------------------------------------
+    api_keys: list[str] = Field(default_factory=list)  # Bearer keys for /v1/*; empty: open
+    admin_keys: list[str] = Field(default_factory=list)  # for /admin/*; empty: admin closed
+    metrics_public: bool = True
+
+    # --- idle watchdog (seed 000) -----------------------------------------------------------
+    idle_seconds: float | None = None  # None: off; seed 000 used 480
+    idle_check_interval: float = 30.0
+    idle_command: list[str] | None = None  # argv, never a shell: ["sudo", "shutdown", "-h", "now"]
+    activity_file: str | None = None  # seed 000: /tmp/vlm2vec_last_activity
+    deregister_url: str | None = None  # POSTed {"instance", "reason"} before the idle command
+    deregister_command: list[str] | None = None  # or an argv run before the idle command
+    instance_id: str | None = None
+    deregister_timeout: float = 10.0
+
     # --- resumable streams -------------------------------------------------------------
     persist_sessions: bool = False
     sessions_db_path: str = "sessions.db"
@@ -93,6 +116,16 @@ class Settings(BaseSettings):
     cancel_after_disconnect_seconds: float = 3600.0  # 0 = never auto-cancel
     stream_ring_size: int = 2048
     redis_url: str | None = None  # set to share streams between server replicas
+
+    @field_validator("idle_command", "deregister_command", mode="before")
+    @classmethod
+    def _argv(cls, value: object) -> object:
+        if isinstance(value, str) and not value.lstrip().startswith("["):
+            raise ValueError(
+                'must be an argv list, e.g. VLMSERVE_IDLE_COMMAND=\'["sudo", "shutdown", '
+                '"-h", "now"]\' (it never runs through a shell)'
+            )
+        return value
 
     @field_validator("device")
     @classmethod

@@ -187,7 +187,7 @@ async def test_health_and_models(client: httpx.AsyncClient) -> None:
 
 
 async def test_ready_is_503_while_loading_then_200(make_client: Any, tiny_dir: Any) -> None:
-    manager = ModelManager.from_settings(make_settings(tiny_dir))
+    manager = ModelManager.from_settings(make_settings(tiny_dir, activation_timeout_seconds=0.2))
     backend = manager.handles[0].backend
     gate = threading.Event()
     real_load = backend.load

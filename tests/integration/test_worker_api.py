@@ -17,7 +17,7 @@ from support import MODEL, LiveServer, make_settings
 from vlmserve.api.app import build_app
 from vlmserve.api.serving.worker import caption_messages
 from vlmserve.config import ModelConfig, Settings
-from vlmserve.registry.manager import ModelHandle, ModelManager, _handle
+from vlmserve.registry.manager import LifecyclePolicy, ModelHandle, ModelManager, _handle
 from vlmserve.testing import build_lora_adapter
 from vlmserve.testing.media import data_url, gradient_image, image_bytes
 
@@ -60,7 +60,7 @@ def unit(vector: list[float]) -> np.ndarray:
 async def test_encode_text_and_video_return_unit_vectors_of_hidden_size(
     client: httpx.AsyncClient, two_models: ModelManager
 ) -> None:
-    dim = two_models.embedder(EMBED).dim
+    dim = two_models.resolve(EMBED).backend.dim
     text = await client.post("/encode-text", json={"text": "a dog on a beach"})
     video = await client.post("/encode-video", json={"frames": jpeg_frames(4)})
     assert text.status_code == 200 and video.status_code == 200, (text.text, video.text)
@@ -107,7 +107,7 @@ async def test_caption_puts_the_transcript_in_the_prompt(
     client: httpx.AsyncClient, two_models: ModelManager
 ) -> None:
     transcript = "the speaker says: welcome to the harbour"
-    backend = two_models.chat(None, role="caption")
+    backend = two_models.for_role("caption").backend
     frames = [gradient_image(56, 56, seed=i) for i in range(2)]
     prompt = backend.render_prompt(caption_messages(frames, transcript))
     assert transcript in prompt and "<|video_pad|>" in prompt
@@ -142,7 +142,8 @@ async def test_encode_is_503_while_the_embedding_model_loads(
     gate = threading.Event()
     real_load = embedder.backend.load
     embedder.backend.load = lambda: (gate.wait(30), real_load())  # type: ignore[method-assign]
-    app = build_app(make_settings(tiny_dir), models=ModelManager([*chat_models.handles, embedder]))
+    models = ModelManager([*chat_models.handles, embedder], LifecyclePolicy(activation_timeout=0.2))
+    app = build_app(make_settings(tiny_dir), models=models)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:

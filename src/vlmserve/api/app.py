@@ -7,21 +7,33 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from vlmserve.api.auth import AuthMiddleware
 from vlmserve.api.errors import install_error_handlers
+from vlmserve.api.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from vlmserve.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
-from vlmserve.api.routes import chat, embeddings, streams, system, worker
+from vlmserve.api.routes import admin, chat, embeddings, streams, system, worker
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.convert import Converter
 from vlmserve.api.serving.worker import WorkerService
 from vlmserve.config import Settings
 from vlmserve.registry.manager import ModelManager
 from vlmserve.streaming import SessionManager, build_store
+from vlmserve.watchdog import (
+    ActivityClock,
+    ActivityMiddleware,
+    CommandDeregisterHook,
+    DeregisterHook,
+    HttpDeregisterHook,
+    IdleWatchdog,
+)
 
 __all__ = ["build_app"]
 
@@ -43,6 +55,30 @@ def build_sessions(settings: Settings) -> SessionManager:
     )
 
 
+def _deregister_hook(settings: Settings) -> DeregisterHook | None:
+    if settings.deregister_url:
+        return HttpDeregisterHook(
+            settings.deregister_url,
+            instance=settings.instance_id or socket.gethostname(),
+            timeout=settings.deregister_timeout,
+        )
+    if settings.deregister_command:
+        return CommandDeregisterHook(settings.deregister_command)
+    return None
+
+
+def build_watchdog(settings: Settings, clock: ActivityClock) -> IdleWatchdog | None:
+    if settings.idle_seconds is None:
+        return None
+    return IdleWatchdog(
+        clock,
+        idle_seconds=settings.idle_seconds,
+        check_interval=settings.idle_check_interval,
+        idle_command=settings.idle_command,
+        deregister=_deregister_hook(settings),
+    )
+
+
 def build_app(
     settings: Settings,
     models: ModelManager | None = None,
@@ -58,13 +94,24 @@ def build_app(
             app.state.fatal_error = failures[0]
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down; the CLI exits non-zero
 
+    clock = ActivityClock(settings.activity_file)
+    models.activity = clock  # model leases (streams that outlive requests) count as activity
+    watchdog = build_watchdog(settings, clock)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(load())  # /ready is 503 until it is done
+        with clock.busy():  # loading counts as activity (seed 000)
+            loading = asyncio.create_task(load())  # /ready is 503 until it is done
+        unloading = asyncio.create_task(models.run_keep_alive())
+        if watchdog is not None:
+            watchdog.start()
         try:
             yield
         finally:
             loading.cancel()
+            unloading.cancel()
+            if watchdog is not None:
+                await watchdog.stop()
             await sessions.close()
             if owns_models:
                 models.close()
@@ -79,13 +126,36 @@ def build_app(
     app.state.models = models
     app.state.sessions = sessions
     app.state.started_at = int(time.time())
+    app.state.metrics = metrics = Metrics()
+    app.state.activity = clock
     app.state.fatal_error = None
     converter = Converter.from_settings(settings)
-    app.state.chat = ChatService(models, converter, sessions)
+    app.state.chat = ChatService(models, converter, sessions, metrics)
     app.state.worker = WorkerService(models, converter)
     install_error_handlers(app)
-    for router in (system.router, chat.router, streams.router, embeddings.router, worker.router):
+    for router in (
+        system.router, chat.router, streams.router, embeddings.router, worker.router,
+        admin.router,
+    ):  # fmt: skip
         app.include_router(router)
+
+    def scrape() -> Any:
+        for h in models.handles:  # gauges read from the manager at scrape time
+            metrics.set_model_state(h.name, "unloading" if h.draining else h.backend.state)
+            metrics.set_model_load_seconds(h.name, h.backend.load_seconds or 0.0)
+            metrics.set_queue_depth(h.name, h.in_flight)
+        return metrics_endpoint(metrics)
+
+    app.add_api_route("/metrics", scrape, methods=["GET"], include_in_schema=False)
+    # Outermost first: RequestId -> Metrics -> CORS -> Auth -> Activity -> BodyLimit -> app
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ActivityMiddleware, clock=clock)
+    app.add_middleware(
+        AuthMiddleware,
+        api_keys=settings.api_keys,
+        admin_keys=settings.admin_keys,
+        metrics_public=settings.metrics_public,
+    )
     if settings.cors_allow_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -93,6 +163,6 @@ def build_app(
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
     return app

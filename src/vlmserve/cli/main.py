@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from vlmserve.cli.registry import registry_app
 from vlmserve.config import Settings, load_settings
 from vlmserve.errors import ConfigError
 
@@ -23,6 +24,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.add_typer(registry_app, name="registry")
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[

@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from vlmserve.api.metrics import Metrics
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.protocol.responses import CompletionIds, chunk_json, completion_body, usage
 from vlmserve.api.serving.convert import Converter
+from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.types import Chunk, FinishReason
 from vlmserve.errors import InvalidRequest, VlmserveError
-from vlmserve.registry.manager import ModelManager
+from vlmserve.registry.manager import Lease, ModelManager
 from vlmserve.streaming import Emit, Event, Resumption, SessionManager, SessionRecord, error_emit
 
 __all__ = ["ChatService", "StreamStart"]
@@ -49,6 +51,15 @@ async def _emits(
                 )
 
 
+async def _leased(lease: Lease, emits: AsyncIterator[Emit]) -> AsyncIterator[Emit]:
+    """Hold the model lease for as long as the stream produces (no idle unload meanwhile)."""
+    try:
+        async for emit in emits:
+            yield emit
+    finally:
+        lease.release()
+
+
 def _on_cancel(ids: CompletionIds) -> Any:
     return lambda: [Emit(chunk_json(ids, {}, FinishReason.CANCELLED.value))]
 
@@ -60,21 +71,48 @@ def _on_error(exc: BaseException) -> list[Emit]:
     return [error_emit("generation failed; the server log has the details", "internal_error")]
 
 
+async def _observed(
+    chunks: AsyncIterator[Chunk], metrics: Metrics | None, model: str
+) -> AsyncIterator[Chunk]:
+    """Pass chunks through, recording time to first token, token counts and duration."""
+    started, first = time.perf_counter(), None
+    async for chunk in chunks:
+        if first is None and chunk.token_ids:
+            first = time.perf_counter() - started
+        if chunk.finish_reason is not None and metrics is not None:
+            total = time.perf_counter() - started
+            metrics.observe_generation(
+                model, prompt_tokens=chunk.prompt_tokens, output_tokens=chunk.completion_tokens,
+                ttft=total if first is None else first, total=total,
+            )  # fmt: skip
+        yield chunk
+
+
 class ChatService:
-    def __init__(self, models: ModelManager, converter: Converter, sessions: SessionManager):
+    def __init__(
+        self,
+        models: ModelManager,
+        converter: Converter,
+        sessions: SessionManager,
+        metrics: Metrics | None = None,
+    ):
         self.models = models
         self.converter = converter
         self.sessions = sessions
+        self.metrics = metrics
         sessions.set_resumer(self._resume)
 
+    def _generate(self, backend: HFChatBackend, prepared: Any) -> AsyncIterator[Chunk]:
+        return _observed(backend.generate(prepared), self.metrics, backend.model_id)
+
     async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
-        backend = self.models.chat(body.model)
-        prepared = await backend.prepare(await self.converter.to_request(body, request_id))
-        ids = _new_ids(backend.model_id)
-        text, last = [], None
-        async for chunk in backend.generate(prepared):
-            text.append(chunk.text)
-            last = chunk
+        async with await self.models.acquire(body.model, "chat", HFChatBackend) as backend:
+            prepared = await backend.prepare(await self.converter.to_request(body, request_id))
+            ids = _new_ids(backend.model_id)
+            text, last = [], None
+            async for chunk in self._generate(backend, prepared):
+                text.append(chunk.text)
+                last = chunk
         if last is None or last.finish_reason is None:
             raise VlmserveError("generation ended without a result")
         return completion_body(
@@ -86,7 +124,6 @@ class ChatService:
 
     async def start_stream(self, body: ChatCompletionRequest, request_id: str) -> StreamStart:
         """Validate and prepare (4xx before any byte is sent), then start the session."""
-        backend = self.models.chat(body.model)
         session_id = body.session_id or uuid.uuid4().hex
         if body.session_id and await self.sessions.exists(session_id):
             raise InvalidRequest(
@@ -95,41 +132,44 @@ class ChatService:
                 param="session_id",
                 code="session_exists",
             )
-        prepared = await backend.prepare(await self.converter.to_request(body, request_id))
-        ids = _new_ids(backend.model_id)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        record = {
-            "body": body.model_dump(mode="json"),
-            "id": ids.id,
-            "created": ids.created,
-            "model": ids.model,
-        }
-        producer = _emits(backend.generate(prepared), ids, include_usage, first=True)
-        await self.sessions.start(
-            session_id,
-            record,
-            producer,
-            on_cancel=_on_cancel(ids),
-            on_error=_on_error,
-            aliases=[ids.id],
-        )
+        lease = await self.models.acquire(body.model, "chat", HFChatBackend)
+        try:
+            backend = lease.backend
+            prepared = await backend.prepare(await self.converter.to_request(body, request_id))
+            ids = _new_ids(backend.model_id)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            record = {"body": body.model_dump(mode="json"), "id": ids.id,
+                      "created": ids.created, "model": ids.model}  # fmt: skip
+            emits = _emits(self._generate(backend, prepared), ids, include_usage, first=True)
+            await self.sessions.start(
+                session_id, record, _leased(lease, emits),
+                on_cancel=_on_cancel(ids), on_error=_on_error, aliases=[ids.id],
+            )  # fmt: skip
+        except BaseException:
+            lease.release()
+            raise
         return StreamStart(session_id=session_id, completion_id=ids.id)
 
     async def _resume(self, record: SessionRecord, events: list[Event]) -> Resumption | None:
         """After a restart: continue a stored generation after exactly the tokens already sent."""
         stored = record.request
+        lease = None
         try:
             body = ChatCompletionRequest.model_validate(stored["body"])
-            backend = self.models.chat(stored["model"])
+            lease = await self.models.acquire(stored["model"], "chat", HFChatBackend)
             request = await self.converter.to_request(body, f"resume-{record.session_id}")
             request.prefix_token_ids = [
                 t for e in events if e.meta for t in e.meta.get("token_ids", [])
             ]
-            prepared = await backend.prepare(request)
+            prepared = await lease.backend.prepare(request)
         except (KeyError, VlmserveError, ValueError) as exc:
+            if lease is not None:
+                lease.release()
             log.warning("cannot continue session %s: %s", record.session_id, exc)
             return None
         ids = CompletionIds(id=stored["id"], created=stored["created"], model=stored["model"])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        producer = _emits(backend.generate(prepared), ids, include_usage, first=not events)
-        return Resumption(producer=producer, on_cancel=_on_cancel(ids), on_error=_on_error)
+        chunks = self._generate(lease.backend, prepared)
+        emits = _emits(chunks, ids, include_usage, first=not events)
+        return Resumption(producer=_leased(lease, emits), on_cancel=_on_cancel(ids),
+                          on_error=_on_error)  # fmt: skip

@@ -14,6 +14,7 @@ from vlmserve.api.protocol.embeddings import EmbeddingsRequest
 from vlmserve.api.protocol.worker import CaptionRequest, GenerateRequestIn
 from vlmserve.api.serving.convert import Converter
 from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.hf.embed import HFEmbedBackend
 from vlmserve.engine.hf.embed_inputs import EmbedInput
 from vlmserve.engine.types import (
     ChatMessage,
@@ -25,7 +26,7 @@ from vlmserve.engine.types import (
 )
 from vlmserve.errors import InvalidRequest, VlmserveError
 from vlmserve.media import load_image
-from vlmserve.registry.manager import ModelManager
+from vlmserve.registry.manager import EMBEDDING, ModelManager
 
 __all__ = ["CAPTION_INSTRUCTION", "WorkerService", "caption_messages"]
 
@@ -85,52 +86,52 @@ class WorkerService:
             raise
 
     async def encode_video(self, frames: list[str], model: str | None) -> list[float]:
-        backend = self.models.embedder(model)
         decoded = await self.frames(frames)
-        return (await backend.embed([EmbedInput(frames=decoded)]))[0].tolist()
+        async with await self.models.acquire(model, EMBEDDING, HFEmbedBackend) as backend:
+            return (await backend.embed([EmbedInput(frames=decoded)]))[0].tolist()
 
     async def encode_text(self, text: str, model: str | None) -> list[float]:
         if not text.strip():
             raise InvalidRequest("text is empty", param="text")
-        backend = self.models.embedder(model)
-        return (await backend.embed([EmbedInput(text=text)]))[0].tolist()
+        async with await self.models.acquire(model, EMBEDDING, HFEmbedBackend) as backend:
+            return (await backend.embed([EmbedInput(text=text)]))[0].tolist()
 
     async def _run(self, backend: HFChatBackend, request: GenerateRequest) -> str:
         prepared = await backend.prepare(request)
         return "".join([chunk.text async for chunk in backend.generate(prepared)])
 
     async def caption(self, body: CaptionRequest) -> str:
-        backend = self.models.chat(body.model, role="caption")
         frames = await self.frames(body.frames)
         sampling = SamplingParams(max_tokens=body.max_new_tokens, temperature=0.0)
-        request = GenerateRequest(
-            uuid.uuid4().hex, caption_messages(frames, body.transcript), sampling
-        )
-        return await self._run(backend, request)
+        messages = caption_messages(frames, body.transcript)
+        request = GenerateRequest(uuid.uuid4().hex, messages, sampling)
+        async with await self.models.acquire(body.model, "caption", HFChatBackend) as backend:
+            return await self._run(backend, request)
 
     async def generate(self, body: GenerateRequestIn) -> str:
-        backend = self.models.chat(body.model, role="chat")
-        wire = ChatCompletionRequest(
-            model=backend.model_id,
-            messages=body.messages,
-            max_tokens=body.max_new_tokens,
-            temperature=body.temperature,
-        )
-        return await self._run(backend, await self.converter.to_request(wire, uuid.uuid4().hex))
+        async with await self.models.acquire(body.model, "chat", HFChatBackend) as backend:
+            wire = ChatCompletionRequest(
+                model=backend.model_id,
+                messages=body.messages,
+                max_tokens=body.max_new_tokens,
+                temperature=body.temperature,
+            )
+            request = await self.converter.to_request(wire, uuid.uuid4().hex)
+            return await self._run(backend, request)
 
     async def embeddings(self, body: EmbeddingsRequest) -> dict[str, Any]:
-        backend = self.models.embedder(body.model)
-        items = (
-            [EmbedInput(text=t) for t in body.texts]
-            if body.input is not None
-            else [await self._multimodal_item(body)]
-        )
-        vectors = _truncate(await backend.embed(items), body.dimensions)
-        tokenizer = backend.processor.tokenizer
-        tokens = sum(len(tokenizer(backend.render(item))["input_ids"]) for item in items)
+        if body.input is not None:
+            items = [EmbedInput(text=t) for t in body.texts]
+        else:
+            items = [await self._multimodal_item(body)]
+        async with await self.models.acquire(body.model, EMBEDDING, HFEmbedBackend) as backend:
+            vectors = _truncate(await backend.embed(items), body.dimensions)
+            tokenizer = backend.processor.tokenizer
+            tokens = sum(len(tokenizer(backend.render(item))["input_ids"]) for item in items)
+            model_id = backend.model_id
         return {
             "object": "list",
-            "model": backend.model_id,
+            "model": model_id,
             "data": [
                 {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
                 for i, v in enumerate(vectors)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from vlmserve.engine.hf.inputs import fit_image, patch_factor
+from vlmserve.engine.hf.inputs import fit_image, patch_factor, run_processor
 from vlmserve.errors import ConfigError, InvalidRequest
 
 __all__ = ["EmbedInput", "EmbedPrompts", "build_batch", "check_input", "render", "text_positions"]
@@ -86,21 +86,7 @@ def build_batch(
     texts = [render(processor, item, prompts) for item in items]
     images = [fit_image(it.image, factor) for it in items if it.image is not None]
     videos = [[fit_image(f, factor) for f in it.frames] for it in items if it.frames is not None]
-    kwargs: dict[str, Any] = {
-        "text": texts,
-        "padding": True,
-        "padding_side": "left",
-        "return_tensors": "pt",
-    }
-    if images:
-        kwargs["images"] = images
-    if videos:
-        kwargs["videos"] = videos
-        kwargs["do_sample_frames"] = False  # frames were sampled (and bounded) by vlmserve.media
-    try:
-        return dict(processor(**kwargs))
-    except ValueError as exc:  # the processor's own input checks
-        raise InvalidRequest(f"the model's processor rejected the input: {exc}") from exc
+    return run_processor(processor, texts, images, videos, padding=True, padding_side="left")
 
 
 def text_positions(attention_mask: torch.Tensor) -> torch.Tensor:

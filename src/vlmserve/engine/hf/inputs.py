@@ -11,7 +11,14 @@ from PIL import Image
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, TextPart, VideoPart
 from vlmserve.errors import InvalidRequest
 
-__all__ = ["Prepared", "build_inputs", "fit_image", "patch_factor", "render_prompt"]
+__all__ = [
+    "Prepared",
+    "build_inputs",
+    "fit_image",
+    "patch_factor",
+    "render_prompt",
+    "run_processor",
+]
 
 _MAX_ASPECT = 150  # Qwen2-VL's smart_resize refuses aspect ratios over 200
 
@@ -75,19 +82,30 @@ def render_prompt(processor: Any, messages: list[ChatMessage]) -> str:
     return processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
 
 
-def build_inputs(processor: Any, request: GenerateRequest) -> Prepared:
-    rendered, images, videos = _template_messages(request.messages, patch_factor(processor))
-    text = processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-    kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+def run_processor(
+    processor: Any,
+    texts: list[str],
+    images: list[Image.Image],
+    videos: list[list[Image.Image]],
+    **extra: Any,
+) -> dict[str, torch.Tensor]:
+    """The model's processor on prompts + media; its input errors become a 400."""
+    kwargs: dict[str, Any] = {"text": texts, "return_tensors": "pt", **extra}
     if images:
         kwargs["images"] = images
     if videos:
         kwargs["videos"] = videos
         kwargs["do_sample_frames"] = False  # frames were sampled (and bounded) by vlmserve.media
     try:
-        inputs = dict(processor(**kwargs))
+        return dict(processor(**kwargs))
     except ValueError as exc:  # the processor's own input checks
         raise InvalidRequest(f"the model's processor rejected the input: {exc}") from exc
+
+
+def build_inputs(processor: Any, request: GenerateRequest) -> Prepared:
+    rendered, images, videos = _template_messages(request.messages, patch_factor(processor))
+    text = processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    inputs = run_processor(processor, [text], images, videos)
     if request.prefix_token_ids:
         inputs = _append_prefix(inputs, request.prefix_token_ids)
     return Prepared(request=request, inputs=inputs, prompt_tokens=int(inputs["input_ids"].shape[1]))

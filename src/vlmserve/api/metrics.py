@@ -1,0 +1,242 @@
+"""Prometheus metrics: one private registry per app, a pure-ASGI request counter, ``/metrics``.
+
+No global registry: every ``Metrics()`` owns a ``CollectorRegistry``, so tests (and one process
+embedding several apps) never see each other's numbers or hit "Duplicated timeseries".
+
+Labels stay low-cardinality on purpose: requests are counted by ROUTE TEMPLATE
+(``/v1/streams/{session_id}``), never by concrete path; unknown paths are ``"unmatched"``. The
+middleware cannot know which model served a request, so an endpoint tags it with
+``request.state.model = name`` (that is ``scope["state"]["model"]``); untagged requests get ``""``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from enum import Enum
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+from starlette.responses import Response
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["MODEL_STATES", "Metrics", "MetricsMiddleware", "metrics_endpoint"]
+
+MODEL_STATES = ("unloaded", "loading", "ready", "unloading", "failed")
+UNMATCHED = "unmatched"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
+_TPS_BUCKETS = (1.0, 5.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 150.0, 250.0, 500.0, 1000.0)
+_DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class Metrics:
+    """Every series vlmserve exports, on its own registry; the methods are the only writers."""
+
+    def __init__(self, namespace: str = "vlmserve"):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._namespace = namespace
+        self._states_seen: dict[str, set[str]] = {}
+        self._add_request_series()
+        self._add_generation_series()
+        self._add_model_and_media_series()
+
+    def _make(self, kind: Any, name: str, doc: str, labels: Sequence[str] = (), **kw: Any) -> Any:
+        return kind(name, doc, labels, namespace=self._namespace, registry=self.registry, **kw)
+
+    def _add_request_series(self) -> None:
+        make = self._make
+        self.requests = make(Counter, "requests", "HTTP requests", ["route", "model", "status"])
+        self.requests_in_flight = make(
+            Gauge, "requests_in_flight", "HTTP requests being served", ["route"]
+        )
+        self.request_duration = make(
+            Histogram,
+            "request_duration_seconds",
+            "HTTP request wall time, streaming included",
+            ["route"],
+            buckets=_DURATION_BUCKETS,
+        )
+        self.queue_depth = make(Gauge, "queue_depth", "requests waiting for the engine", ["model"])
+
+    def _add_generation_series(self) -> None:
+        make = self._make
+        self.ttft = make(
+            Histogram,
+            "time_to_first_token_seconds",
+            "time to first token",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+        )
+        self.tpot = make(
+            Histogram,
+            "time_per_output_token_seconds",
+            "decode time per token after the first",
+            ["model"],
+            buckets=_TPOT_BUCKETS,
+        )
+        self.tokens_per_second = make(
+            Histogram,
+            "generation_tokens_per_second",
+            "output tokens per second of a request",
+            ["model"],
+            buckets=_TPS_BUCKETS,
+        )
+        self.prompt_tokens = make(Counter, "prompt_tokens", "prompt tokens processed", ["model"])
+        self.output_tokens = make(Counter, "output_tokens", "tokens generated", ["model"])
+
+    def _add_model_and_media_series(self) -> None:
+        make = self._make
+        self.model_state = make(
+            Gauge, "model_state", "1 for the model's current state, else 0", ["model", "state"]
+        )
+        self.model_load_seconds = make(
+            Gauge, "model_load_seconds", "how long the last load took", ["model"]
+        )
+        self.media_bytes = make(Counter, "media_bytes", "media bytes read", ["kind"])
+        self.media_frames = make(Counter, "media_frames", "video frames decoded")
+        self.vision_cache_hits = make(Counter, "vision_cache_hits", "vision-encoder cache hits")
+        self.vision_cache_misses = make(
+            Counter, "vision_cache_misses", "vision-encoder cache misses"
+        )
+
+    # -- requests (the middleware calls these) --
+    def request_started(self, route: str) -> None:
+        self.requests_in_flight.labels(route=route).inc()
+
+    def request_finished(
+        self, route: str, in_flight_route: str, model: str, status: int, seconds: float
+    ) -> None:
+        self.requests_in_flight.labels(route=in_flight_route).dec()
+        self.requests.labels(route=route, model=model, status=str(status)).inc()
+        self.request_duration.labels(route=route).observe(seconds)
+
+    # -- engine side --
+    def set_queue_depth(self, model: str, depth: int) -> None:
+        self.queue_depth.labels(model=model).set(depth)
+
+    def observe_ttft(self, model: str, seconds: float) -> None:
+        self.ttft.labels(model=model).observe(seconds)
+
+    def observe_time_per_output_token(self, model: str, seconds: float) -> None:
+        self.tpot.labels(model=model).observe(seconds)
+
+    def observe_tokens(self, model: str, *, prompt: int = 0, output: int = 0) -> None:
+        if prompt:
+            self.prompt_tokens.labels(model=model).inc(prompt)
+        if output:
+            self.output_tokens.labels(model=model).inc(output)
+
+    def observe_generation(
+        self, model: str, *, prompt_tokens: int, output_tokens: int, ttft: float, total: float
+    ) -> None:
+        """One finished generation: token counts, TTFT, tokens/s and time per output token."""
+        self.observe_tokens(model, prompt=prompt_tokens, output=output_tokens)
+        self.observe_ttft(model, ttft)
+        if output_tokens > 0 and total > 0:
+            self.tokens_per_second.labels(model=model).observe(output_tokens / total)
+        decode = total - ttft
+        if output_tokens > 1 and decode >= 0:
+            self.observe_time_per_output_token(model, decode / (output_tokens - 1))
+
+    # -- model lifecycle --
+    def set_model_state(self, model: str, state: str | Enum) -> None:
+        """Set ``state`` to 1 and every other state this model can be in to 0."""
+        name = str(state.value if isinstance(state, Enum) else state)
+        seen = self._states_seen.setdefault(model, set(MODEL_STATES))
+        seen.add(name)
+        for other in seen:
+            self.model_state.labels(model=model, state=other).set(1 if other == name else 0)
+
+    def set_model_load_seconds(self, model: str, seconds: float) -> None:
+        self.model_load_seconds.labels(model=model).set(seconds)
+
+    # -- media and caches --
+    def observe_media(self, kind: str, nbytes: int, frames: int = 0) -> None:
+        self.media_bytes.labels(kind=kind).inc(nbytes)
+        if frames:
+            self.media_frames.inc(frames)
+
+    def observe_vision_cache(self, hit: bool) -> None:
+        (self.vision_cache_hits if hit else self.vision_cache_misses).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def metrics_endpoint(metrics: Metrics) -> Response:
+    """The ``/metrics`` response: Prometheus text exposition of this app's registry only."""
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _template_before_routing(scope: Scope) -> str:
+    """The route template the router will pick (full match first, then partial), or unmatched."""
+    routes: Iterable[object] = getattr(getattr(scope.get("app"), "router", None), "routes", ())
+    partial: str | None = None
+    for route in routes:
+        matches = getattr(route, "matches", None)
+        path = getattr(route, "path", None)
+        if matches is None or not isinstance(path, str):
+            continue
+        match, _ = matches(scope)
+        if match is Match.FULL:
+            return path
+        if match is Match.PARTIAL and partial is None:
+            partial = path
+    return partial or UNMATCHED
+
+
+def _template_after_routing(scope: Scope, fallback: str) -> str:
+    path = getattr(scope.get("route"), "path", None)
+    return path if isinstance(path, str) and path else fallback
+
+
+class MetricsMiddleware:
+    """Counts HTTP requests by route template, model and status; tracks in-flight per route.
+
+    Add it OUTSIDE the auth middleware so 401/403 are counted too. In-flight uses the template
+    found before routing (the router has not run yet); the final count prefers the router's own
+    ``scope["route"]``. A request that raises counts as 500, one cancelled before it answered
+    (client gone) as 499; in-flight always returns to where it was.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        early = _template_before_routing(scope)
+        self.metrics.request_started(early)
+        started = asyncio.get_running_loop().time()
+        status = 0
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        except asyncio.CancelledError:
+            status = status or 499
+            raise
+        except BaseException:
+            status = status or 500  # once started, count what the client saw
+            raise
+        finally:
+            model = state.get("model") if isinstance(state, dict) else None
+            self.metrics.request_finished(
+                route=_template_after_routing(scope, early),
+                in_flight_route=early,
+                model=str(model or ""),
+                status=status or 500,
+                seconds=asyncio.get_running_loop().time() - started,
+            )

@@ -1,0 +1,196 @@
+"""Idle watchdog: deregister first, then the idle command exactly once, never while busy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vlmserve.errors import ConfigError
+from vlmserve.watchdog import (
+    ActivityClock,
+    CommandDeregisterHook,
+    HttpDeregisterHook,
+    IdleWatchdog,
+)
+
+# Appends "<label> <time>" to a file: the order file records who ran when.
+RECORDER = """
+import sys, time
+with open(sys.argv[1], "a") as f:
+    f.write(f"{sys.argv[2]} {time.time()}\\n")
+"""
+
+
+@pytest.fixture
+def recorder(tmp_path: Path) -> Callable[[str], list[str]]:
+    script = tmp_path / "record.py"
+    script.write_text(RECORDER)
+    order = tmp_path / "order.txt"
+
+    def argv(label: str) -> list[str]:
+        return [sys.executable, str(script), str(order), label]
+
+    return argv
+
+
+def lines(tmp_path: Path) -> list[str]:
+    order = tmp_path / "order.txt"
+    return [line.split()[0] for line in order.read_text().splitlines()] if order.exists() else []
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def started() -> AsyncIterator[list[IdleWatchdog]]:
+    dogs: list[IdleWatchdog] = []
+    yield dogs
+    for dog in dogs:
+        await dog.stop()
+
+
+def make(clock: ActivityClock, dogs: list[IdleWatchdog], **kw) -> IdleWatchdog:
+    dog = IdleWatchdog(clock, idle_seconds=0.3, check_interval=0.05, **kw)
+    dog.start()
+    dogs.append(dog)
+    return dog
+
+
+async def test_idle_command_runs_exactly_once_after_the_idle_period(
+    tmp_path: Path, recorder, started
+) -> None:
+    clock = ActivityClock()
+    dog = make(clock, started, idle_command=recorder("command"))
+    await asyncio.sleep(0.15)
+    assert lines(tmp_path) == []  # not idle long enough yet
+    await wait_until(lambda: lines(tmp_path) == ["command"])
+    await asyncio.sleep(0.6)  # several more idle periods
+    assert lines(tmp_path) == ["command"]
+    assert dog.fired and dog.exit_code == 0
+
+
+async def test_never_runs_while_a_request_is_in_flight(tmp_path: Path, recorder, started) -> None:
+    clock = ActivityClock()
+    make(clock, started, idle_command=recorder("command"))
+    with clock.busy():
+        await asyncio.sleep(1.0)
+        assert lines(tmp_path) == []
+    released = time.time()
+    await wait_until(lambda: lines(tmp_path) == ["command"])
+    ran_at = float((tmp_path / "order.txt").read_text().split()[1])
+    assert ran_at - released >= 0.3  # idle counts from the end of the request
+
+
+async def test_http_deregistration_is_called_before_the_command(
+    tmp_path: Path, recorder, started
+) -> None:
+    posts: list[tuple[float, dict]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        posts.append((time.time(), json.loads(request.content)))
+        return httpx.Response(200)
+
+    hook = HttpDeregisterHook(
+        "http://registry.test/deregister",
+        instance="i-123",
+        transport=httpx.MockTransport(handler),
+    )
+    make(ActivityClock(), started, idle_command=recorder("command"), deregister=hook)
+    await wait_until(lambda: lines(tmp_path) == ["command"])
+    ran_at = float((tmp_path / "order.txt").read_text().split()[1])
+    assert [body for _, body in posts] == [{"instance": "i-123", "reason": "idle"}]
+    assert posts[0][0] < ran_at
+
+
+async def test_command_deregistration_runs_before_the_command(
+    tmp_path: Path, recorder, started
+) -> None:
+    hook = CommandDeregisterHook(recorder("deregister"))
+    make(ActivityClock(), started, idle_command=recorder("command"), deregister=hook)
+    await wait_until(lambda: len(lines(tmp_path)) == 2)
+    assert lines(tmp_path) == ["deregister", "command"]
+
+
+@pytest.mark.parametrize("failure", ["http-500", "connect-error", "exit-1", "hangs"])
+async def test_a_failing_hook_does_not_prevent_the_command(
+    tmp_path: Path, recorder, started, failure: str
+) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if failure == "connect-error":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(500)
+
+    async def hangs() -> None:
+        await asyncio.sleep(3600)
+
+    hooks = {
+        "http-500": HttpDeregisterHook("http://r.test/", transport=httpx.MockTransport(handler)),
+        "connect-error": HttpDeregisterHook(
+            "http://r.test/", transport=httpx.MockTransport(handler)
+        ),
+        "exit-1": CommandDeregisterHook([sys.executable, "-c", "raise SystemExit(1)"]),
+        "hangs": hangs,
+    }
+    make(
+        ActivityClock(),
+        started,
+        idle_command=recorder("command"),
+        deregister=hooks[failure],
+        hook_timeout=0.3,
+    )
+    await wait_until(lambda: lines(tmp_path) == ["command"])
+
+
+@pytest.mark.parametrize("bad", ["sudo shutdown -h now", [], ["ok", ""], ["ok", 3], None])
+def test_idle_command_must_be_a_non_empty_argv_list(bad) -> None:
+    if bad is None:
+        IdleWatchdog(ActivityClock(), idle_seconds=1, idle_command=None)  # allowed: no command
+        return
+    with pytest.raises(ConfigError) as info:
+        IdleWatchdog(ActivityClock(), idle_seconds=1, idle_command=bad)
+    if isinstance(bad, str):
+        assert "list" in str(info.value)
+
+
+def test_activity_file_is_written_atomically_and_at_most_once_a_second(tmp_path: Path) -> None:
+    now = [100.0]
+    path = tmp_path / "last_activity"
+    clock = ActivityClock(path, monotonic=lambda: now[0])
+    first = float(path.read_text())
+    assert abs(first - time.time()) < 5
+    time.sleep(0.01)
+    clock.touch()  # same monotonic second: not rewritten
+    assert float(path.read_text()) == first
+    now[0] += 1.0
+    clock.touch()
+    assert float(path.read_text()) > first
+    assert [p.name for p in tmp_path.iterdir()] == ["last_activity"]  # no temp files left
+
+
+def test_idle_for_and_in_flight_are_thread_safe() -> None:
+    clock = ActivityClock()
+
+    def work() -> None:
+        for _ in range(2000):
+            with clock.busy():
+                pass
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert clock.in_flight == 0
+    assert clock.idle_for() < 1.0
