@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     model: str | None = None
     served_model_name: str | None = None
     models: list[ModelConfig] = Field(default_factory=list)
+    registry: str | None = None  # curated registry file (TOML/JSON); its hf entries are served
+    registry_discovered: str | None = None  # discovered layer (curated wins by name)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     attn_implementation: str | None = None  # sdpa | eager | flash_attention_2

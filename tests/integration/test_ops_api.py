@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from support import MODEL
+from vlmserve.testing.media import data_url, image_bytes
 
 KEYS = {"api_keys": ["user-key"], "admin_keys": ["admin-key"]}
 USER = {"Authorization": "Bearer user-key"}
@@ -69,18 +71,24 @@ async def test_metrics_move_when_requests_are_served(make_client: Any) -> None:
     client = await make_client()
     before = samples((await client.get("/metrics")).text)
     assert (await client.post("/v1/chat/completions", json=chat())).status_code == 200
+    png = image_bytes(32, 32)
+    content = [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}]
+    with_image = {**chat(), "messages": [{"role": "user", "content": content}]}
+    assert (await client.post("/v1/chat/completions", json=with_image)).status_code == 200
     after = samples((await client.get("/metrics")).text)
     route = ("route", "/v1/chat/completions")
     requests = [k for k in after if k[0] == "vlmserve_requests_total" and route in k[1]]
-    assert (
-        requests and sum(after[k] for k in requests) == sum(before.get(k, 0) for k in requests) + 1
-    )
+    served = sum(after[k] for k in requests) - sum(before.get(k, 0) for k in requests)
+    assert requests and served == 2
+    assert all(("model", MODEL) in k[1] for k in requests)
     tokens = [k for k in after if k[0] == "vlmserve_output_tokens_total"]
     assert tokens and after[tokens[0]] >= before.get(tokens[0], 0) + 1
     names = {k[0] for k in after}
     for series in ("vlmserve_time_to_first_token_seconds_count", "vlmserve_model_state",
                    "vlmserve_model_load_seconds", "vlmserve_requests_in_flight"):  # fmt: skip
         assert series in names, series
+    media = [k for k in after if k[0] == "vlmserve_media_bytes_total" and ("kind", "image") in k[1]]
+    assert media and after[media[0]] - before.get(media[0], 0) == len(png)
     ready = [k for k in after if k[0] == "vlmserve_model_state" and ("state", "ready") in k[1]]
     assert after[ready[0]] == 1
 
@@ -111,3 +119,25 @@ async def test_idle_command_runs_once_after_idle_and_deregisters_first(
     await asyncio.sleep(0.3)
     assert order.read_text().split() == ["deregister", "shutdown"]  # once, hook first
     assert (tmp_path / "activity").exists()
+
+
+def test_idle_command_waits_for_a_stream_that_outlives_its_request(
+    live_server: Any, tmp_path: Path
+) -> None:
+    marker = tmp_path / "shutdown"
+    server = live_server(
+        idle_seconds=0.3, idle_check_interval=0.05,
+        idle_command=[sys.executable, "-c", f"open({str(marker)!r}, 'a').write('x')"],
+    )  # fmt: skip
+    body = {**chat(), "max_tokens": 3500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as response:
+            next(response.iter_lines())
+            sid = response.headers["x-session-id"]
+        time.sleep(1.0)  # the client is gone, the generation (a model lease) goes on
+        assert not marker.exists()
+        assert c.post(f"/v1/cancel/{sid}").status_code == 200
+    deadline = time.monotonic() + 10
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.read_text() == "x"

@@ -129,7 +129,7 @@ def build_app(
     app.state.metrics = metrics = Metrics()
     app.state.activity = clock
     app.state.fatal_error = None
-    converter = Converter.from_settings(settings)
+    converter = Converter.from_settings(settings, metrics)
     app.state.chat = ChatService(models, converter, sessions, metrics)
     app.state.worker = WorkerService(models, converter)
     install_error_handlers(app)

@@ -102,6 +102,10 @@ def serve(
     log_level: Annotated[
         Optional[str], typer.Option(help="debug | info | warning | error (default: info).")  # noqa: UP045
     ] = None,
+    registry: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="Registry file (TOML/JSON) whose hf entries to serve."),
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Serve a model over the OpenAI API (chat completions with images and video, streams)."""
@@ -119,8 +123,9 @@ def serve(
         )
     except (ConfigError, ValueError) as exc:
         _fail(exc)
-    if not settings.model_configs():
-        _fail(ConfigError("no model given: pass --model PATH_OR_REPO (or [[models]] in --config)"))
+    if not settings.model_configs() and not settings.registry:
+        _fail(ConfigError("no model given: pass --model PATH_OR_REPO, --registry FILE, or "
+                          "[[models]] in --config"))  # fmt: skip
     _run(settings)
 
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vlmserve.config import ModelConfig, Settings
@@ -34,6 +35,9 @@ class ModelHandle:
     last_used: float = field(default_factory=time.time)
     in_flight: int = 0
     draining: bool = False
+    capabilities: frozenset[str] | None = None  # from the registry; None: not declared
+    deprecated: bool = False  # resolvable by name, skipped by role selection
+    loading_since: float | None = None  # wall time the current load began
 
     @property
     def ready(self) -> bool:
@@ -98,6 +102,27 @@ def _handle(cfg: ModelConfig, settings: Settings) -> ModelHandle:
     )  # fmt: skip
 
 
+def _registry_handles(settings: Settings) -> list[ModelHandle]:
+    """Handles for the registry's ``hf`` entries (openai/vllm entries are the gateway's)."""
+    from vlmserve.registry.files import load_registry
+
+    discovered = Path(settings.registry_discovered) if settings.registry_discovered else None
+    registry = load_registry(Path(settings.registry), discovered)
+    handles = []
+    for entry in registry.entries:
+        if entry.backend != "hf":
+            log.warning("registry entry %s (backend %s) is not served in-process; skipped",
+                        entry.name, entry.backend)  # fmt: skip
+            continue
+        handle = _handle(entry.to_model_config(), settings)
+        handle.aliases = entry.identifiers
+        handle.keep_alive = entry.keep_alive
+        handle.capabilities = frozenset(entry.capabilities.enabled())
+        handle.deprecated = entry.deprecated
+        handles.append(handle)
+    return handles
+
+
 @dataclass(slots=True)
 class LifecyclePolicy:
     on_demand: bool = True  # a request for an unloaded model loads it (else 503)
@@ -106,6 +131,17 @@ class LifecyclePolicy:
     drain_timeout: float = 30.0  # deactivate waits this long for in-flight requests
     eager: bool = True  # load every model at start-up
     activation_timeout: float = 120.0  # how long a request waits for its model to load
+
+
+def _policy(settings: Settings) -> LifecyclePolicy:
+    return LifecyclePolicy(
+        on_demand=settings.on_demand_activation,
+        max_loaded=settings.max_loaded_models,
+        keep_alive=settings.keep_alive,
+        drain_timeout=settings.drain_timeout_seconds,
+        eager=settings.load_on_startup,
+        activation_timeout=settings.activation_timeout_seconds,
+    )
 
 
 class ModelManager:
@@ -117,15 +153,10 @@ class ModelManager:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ModelManager:
-        policy = LifecyclePolicy(
-            on_demand=settings.on_demand_activation,
-            max_loaded=settings.max_loaded_models,
-            keep_alive=settings.keep_alive,
-            drain_timeout=settings.drain_timeout_seconds,
-            eager=settings.load_on_startup,
-            activation_timeout=settings.activation_timeout_seconds,
-        )
-        return cls([_handle(cfg, settings) for cfg in settings.model_configs()], policy)
+        handles = [_handle(cfg, settings) for cfg in settings.model_configs()]
+        if settings.registry:
+            handles += _registry_handles(settings)
+        return cls(handles, _policy(settings))
 
     @property
     def handles(self) -> list[ModelHandle]:
@@ -157,9 +188,10 @@ class ModelManager:
 
     def for_role(self, role: str) -> ModelHandle:
         """The first model with ``role`` (``caption`` and others fall back to ``chat``)."""
-        found = [h for h in self._handles.values() if role in h.roles]
+        live = [h for h in self._handles.values() if not h.deprecated]
+        found = [h for h in live if role in h.roles]
         if not found and role not in ("chat", EMBEDDING):
-            found = [h for h in self._handles.values() if "chat" in h.roles]
+            found = [h for h in live if "chat" in h.roles]
         if not found:
             raise NotFound(
                 f'no model with role {role!r} on this server; give one `roles = ["{role}"]` '
@@ -169,12 +201,24 @@ class ModelManager:
             )
         return found[0]
 
-    async def acquire(self, name: str | None, role: str, kind: type) -> Lease:
-        """Lease the model (by name, else by role) for one request; loads it on demand."""
+    async def acquire(
+        self, name: str | None, role: str, kind: type, needs: frozenset[str] = frozenset()
+    ) -> Lease:
+        """Lease the model (by name, else by role) for one request; loads it on demand.
+        ``needs`` (e.g. {"video"}) is checked against the registry's capabilities first."""
         handle = self.resolve(name) if name else self.for_role(role)
         if not isinstance(handle.backend, kind):
             message = _kind_message(handle, kind)
             raise InvalidRequest(message, param="model", code="wrong_model_kind")
+        missing = sorted(needs - handle.capabilities) if handle.capabilities is not None else []
+        if missing:
+            raise InvalidRequest(
+                f"model {handle.name!r} does not support {', '.join(missing)} input (its "
+                f"capabilities: {', '.join(sorted(handle.capabilities or ())) or 'text only'}); "
+                "send it without that, or pick a model that has it",
+                param="model",
+                code="model_capability_missing",
+            )
         if handle.draining:
             raise ServiceUnavailable(f"model {handle.name!r} is being deactivated", retry_after=5)
         if not handle.ready and handle.backend.state is not ModelState.FAILED:
@@ -215,10 +259,13 @@ class ModelManager:
                 handle.last_used = time.time()
                 return handle
             await self._make_room(handle)
+            handle.loading_since = time.time()
             try:
                 await asyncio.to_thread(handle.backend.load)
             except Exception as exc:
                 raise ServiceUnavailable(f"model {handle.name!r} failed to load: {exc}") from exc
+            finally:
+                handle.loading_since = None
             handle.last_used = time.time()
             _log_loaded(handle)
             return handle
@@ -331,6 +378,7 @@ def _describe(h: ModelHandle, policy: LifecyclePolicy) -> dict[str, Any]:
         "in_flight": h.in_flight,
         "last_used": h.last_used,
         "load_seconds": h.backend.load_seconds,
+        "loading_for_seconds": None if h.loading_since is None else time.time() - h.loading_since,
         "keep_alive": keep,
         "expires_at": h.last_used + keep if h.ready and keep >= 0 else None,
         "error": h.backend.error,

@@ -22,6 +22,7 @@ async def chat_completions(
 ) -> Any:
     state = request.app.state
     request_id = request.state.request_id
+    request.state.model = body.model  # the metrics' model label
     resume_from = request.headers.get("last-event-id") or last_event_id
     if resume_from:
         session_id, after = parse_event_id(resume_from)

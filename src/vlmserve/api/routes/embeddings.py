@@ -13,4 +13,5 @@ router = APIRouter()
 
 @router.post("/v1/embeddings")
 async def embeddings(request: Request, body: EmbeddingsRequest) -> dict[str, Any]:
+    request.state.model = body.model  # the metrics' model label
     return await request.app.state.worker.embeddings(body)

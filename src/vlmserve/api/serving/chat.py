@@ -106,7 +106,8 @@ class ChatService:
         return _observed(backend.generate(prepared), self.metrics, backend.model_id)
 
     async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
-        async with await self.models.acquire(body.model, "chat", HFChatBackend) as backend:
+        needs = self.converter.needs(body)
+        async with await self.models.acquire(body.model, "chat", HFChatBackend, needs) as backend:
             prepared = await backend.prepare(await self.converter.to_request(body, request_id))
             ids = _new_ids(backend.model_id)
             text, last = [], None
@@ -132,7 +133,8 @@ class ChatService:
                 param="session_id",
                 code="session_exists",
             )
-        lease = await self.models.acquire(body.model, "chat", HFChatBackend)
+        needs = self.converter.needs(body)
+        lease = await self.models.acquire(body.model, "chat", HFChatBackend, needs)
         try:
             backend = lease.backend
             prepared = await backend.prepare(await self.converter.to_request(body, request_id))

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from PIL import Image
+
+from vlmserve.api.metrics import Metrics
 from vlmserve.api.protocol.chat import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -25,7 +28,7 @@ from vlmserve.engine.types import (
     VideoPart,
 )
 from vlmserve.errors import InvalidRequest, UnsupportedFeature, VlmserveError
-from vlmserve.media import MediaPolicy, load_image, load_video
+from vlmserve.media import MediaPolicy, VideoFrames, decode_image, decode_video, read_source
 
 __all__ = ["Converter", "media_policy"]
 
@@ -78,10 +81,25 @@ def _media_count(messages: list[ChatMessageIn]) -> int:
 class Converter:
     settings: Settings
     policy: MediaPolicy
+    metrics: Metrics | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Converter:
-        return cls(settings=settings, policy=media_policy(settings))
+    def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> Converter:
+        return cls(settings=settings, policy=media_policy(settings), metrics=metrics)
+
+    async def image(self, source: str) -> Image.Image:
+        data = await read_source(source, self.policy, kind="image")
+        image = await asyncio.to_thread(decode_image, data, self.policy)
+        if self.metrics is not None:
+            self.metrics.observe_media("image", len(data))
+        return image
+
+    async def video(self, source: str) -> VideoFrames:
+        data = await read_source(source, self.policy, kind="video")
+        video = await asyncio.to_thread(decode_video, data, self.policy)
+        if self.metrics is not None:
+            self.metrics.observe_media("video", len(data), frames=len(video.frames))
+        return video
 
     def check(self, body: ChatCompletionRequest) -> None:
         """Every check that needs no I/O; runs before any media is fetched."""
@@ -101,6 +119,18 @@ class Converter:
                 "tokens (VLMSERVE_MAX_MODEL_LEN)",
                 param="max_tokens",
             )
+
+    def needs(self, body: ChatCompletionRequest) -> frozenset[str]:
+        """Capabilities the request needs from its model (checked before any work)."""
+        self.check(body)
+        kinds: set[str] = set()
+        for m in body.messages:
+            for p in m.content if isinstance(m.content, list) else []:
+                if isinstance(p, ImageUrlPart | InputImagePart):
+                    kinds.add("vision")
+                elif isinstance(p, VideoUrlPart | InputVideoPart):
+                    kinds.add("video")
+        return frozenset(kinds)
 
     def max_tokens(self, body: ChatCompletionRequest) -> int:
         return body.max_completion_tokens or body.max_tokens or self.settings.max_tokens
@@ -145,9 +175,9 @@ class Converter:
             if isinstance(part, TextContentPart):
                 return TextPart(part.text)
             if isinstance(part, ImageUrlPart | InputImagePart):
-                return ImagePart(await load_image(part.source, self.policy))
+                return ImagePart(await self.image(part.source))
             if isinstance(part, VideoUrlPart | InputVideoPart):
-                video = await load_video(part.source, self.policy)
+                video = await self.video(part.source)
                 return VideoPart(frames=video.frames, fps=video.fps)
             raise InvalidRequest(f"unsupported content part {type(part).__name__}", param=where)
         except ValueError as exc:  # a part missing its payload (e.g. input_image without data)

@@ -25,7 +25,6 @@ from vlmserve.engine.types import (
     VideoPart,
 )
 from vlmserve.errors import InvalidRequest, VlmserveError
-from vlmserve.media import load_image
 from vlmserve.registry.manager import EMBEDDING, ModelManager
 
 __all__ = ["CAPTION_INSTRUCTION", "WorkerService", "caption_messages"]
@@ -79,7 +78,7 @@ class WorkerService:
         picked = _sample(frames, self.converter.settings.max_video_frames)
         try:
             return list(
-                await asyncio.gather(*(load_image(f, self.converter.policy) for f in picked))
+                await asyncio.gather(*(self.converter.image(f) for f in picked))
             )
         except VlmserveError as exc:
             exc.param = exc.param or "frames"
