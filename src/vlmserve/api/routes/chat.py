@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -12,6 +13,7 @@ from vlmserve.errors import InvalidRequest
 from vlmserve.streaming import parse_event_id
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -23,6 +25,8 @@ async def chat_completions(
     state = request.app.state
     request_id = request.state.request_id
     request.state.model = body.model  # the metrics' model label
+    if body.ignored_fields:  # accepted for client compatibility, but said out loud
+        log.warning("%s: ignoring unsupported fields %s", request_id, body.ignored_fields)
     resume_from = request.headers.get("last-event-id") or last_event_id
     if resume_from:
         session_id, after = parse_event_id(resume_from)
