@@ -35,9 +35,6 @@ def chat_models(tiny_dir: Path) -> Iterator[ModelManager]:
     manager.close()
 
 
-AppFactory = Callable[..., Any]
-
-
 @pytest.fixture
 async def make_client(
     tiny_dir: Path, chat_models: ModelManager

@@ -214,3 +214,19 @@ def test_non_streaming_request_is_cancelled_when_the_client_leaves(
         c.post("/v1/chat/completions", json=payload)
     stopped = _wait_until_idle(chat_models)
     assert stopped - start < 3500
+
+
+def test_continuous_usage_stats_put_running_usage_on_every_content_chunk(live_server: Any) -> None:
+    server = live_server()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        events, _ = read_events(
+            c, "POST", "/v1/chat/completions", json=body(6, stream_options=options)
+        )
+    counts = [
+        e.json["usage"]["completion_tokens"]
+        for e in events[1:]
+        if e.data != "[DONE]" and e.json["choices"] and "content" in e.json["choices"][0]["delta"]
+    ]
+    assert counts == [1, 2, 3, 4, 5, 6]
+    assert events[-2].json["choices"] == [] and events[-2].json["usage"]["completion_tokens"] == 6

@@ -37,8 +37,8 @@ async def chat_completions(
             )
         return await sse_response(state.sessions, session_id, after)
     if body.stream:
-        start = await state.chat.start_stream(body, request_id)
-        return await sse_response(state.sessions, start.session_id, -1)
+        session_id = await state.chat.start_stream(body, request_id)
+        return await sse_response(state.sessions, session_id, -1)
     try:
         return await run_until_disconnect(request, state.chat.complete(body, request_id))
     except ClientGone:

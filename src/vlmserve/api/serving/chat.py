@@ -6,28 +6,22 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.api.metrics import Metrics
-from vlmserve.api.protocol.chat import ChatCompletionRequest
+from vlmserve.api.protocol.chat import ChatCompletionRequest, StreamOptions
 from vlmserve.api.protocol.responses import CompletionIds, chunk_json, completion_body, usage
 from vlmserve.api.serving.convert import Converter
 from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.protocol import ChatBackend
 from vlmserve.engine.types import Chunk, FinishReason
 from vlmserve.errors import InvalidRequest, VlmserveError
 from vlmserve.registry.manager import Lease, ModelManager
 from vlmserve.streaming import Emit, Event, Resumption, SessionManager, SessionRecord, error_emit
 
-__all__ = ["ChatService", "StreamStart"]
+__all__ = ["ChatService"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StreamStart:
-    session_id: str
-    completion_id: str
 
 
 def _new_ids(model: str) -> CompletionIds:
@@ -35,14 +29,22 @@ def _new_ids(model: str) -> CompletionIds:
 
 
 async def _emits(
-    chunks: AsyncIterator[Chunk], ids: CompletionIds, include_usage: bool, first: bool
+    chunks: AsyncIterator[Chunk], ids: CompletionIds, options: StreamOptions | None, first: bool
 ) -> AsyncIterator[Emit]:
-    """Engine chunks -> OpenAI ``chat.completion.chunk`` events (token ids kept in meta)."""
+    """Engine chunks -> OpenAI ``chat.completion.chunk`` events (token ids kept in meta).
+
+    ``stream_options``: ``include_usage`` adds a final usage-only chunk (OpenAI);
+    ``continuous_usage_stats`` puts the running usage on every content chunk too (vLLM).
+    """
+    include_usage = bool(options and options.include_usage)
+    running = bool(options and options.continuous_usage_stats)
     if first:
         yield Emit(chunk_json(ids, {"role": "assistant", "content": ""}))
     async for c in chunks:
         if c.text or c.token_ids:
-            yield Emit(chunk_json(ids, {"content": c.text}), meta={"token_ids": c.token_ids})
+            now = usage(c.prompt_tokens, c.completion_tokens) if running else None
+            content = chunk_json(ids, {"content": c.text}, usage_=now)
+            yield Emit(content, meta={"token_ids": c.token_ids})
         if c.finish_reason is not None:
             yield Emit(chunk_json(ids, {}, c.finish_reason.value))
             if include_usage:
@@ -102,7 +104,7 @@ class ChatService:
         self.metrics = metrics
         sessions.set_resumer(self._resume)
 
-    def _generate(self, backend: HFChatBackend, prepared: Any) -> AsyncIterator[Chunk]:
+    def _generate(self, backend: ChatBackend, prepared: Any) -> AsyncIterator[Chunk]:
         return _observed(backend.generate(prepared), self.metrics, backend.model_id)
 
     async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
@@ -123,7 +125,7 @@ class ChatService:
             usage(last.prompt_tokens, last.completion_tokens),
         )
 
-    async def start_stream(self, body: ChatCompletionRequest, request_id: str) -> StreamStart:
+    async def start_stream(self, body: ChatCompletionRequest, request_id: str) -> str:
         """Validate and prepare (4xx before any byte is sent), then start the session."""
         session_id = body.session_id or uuid.uuid4().hex
         if body.session_id and await self.sessions.exists(session_id):
@@ -139,10 +141,10 @@ class ChatService:
             backend = lease.backend
             prepared = await backend.prepare(await self.converter.to_request(body, request_id))
             ids = _new_ids(backend.model_id)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             record = {"body": body.model_dump(mode="json"), "id": ids.id,
                       "created": ids.created, "model": ids.model}  # fmt: skip
-            emits = _emits(self._generate(backend, prepared), ids, include_usage, first=True)
+            chunks = self._generate(backend, prepared)
+            emits = _emits(chunks, ids, body.stream_options, first=True)
             await self.sessions.start(
                 session_id, record, _leased(lease, emits),
                 on_cancel=_on_cancel(ids), on_error=_on_error, aliases=[ids.id],
@@ -150,7 +152,7 @@ class ChatService:
         except BaseException:
             lease.release()
             raise
-        return StreamStart(session_id=session_id, completion_id=ids.id)
+        return session_id
 
     async def _resume(self, record: SessionRecord, events: list[Event]) -> Resumption | None:
         """After a restart: continue a stored generation after exactly the tokens already sent."""
@@ -170,8 +172,7 @@ class ChatService:
             log.warning("cannot continue session %s: %s", record.session_id, exc)
             return None
         ids = CompletionIds(id=stored["id"], created=stored["created"], model=stored["model"])
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = self._generate(lease.backend, prepared)
-        emits = _emits(chunks, ids, include_usage, first=not events)
+        emits = _emits(chunks, ids, body.stream_options, first=not events)
         return Resumption(producer=_leased(lease, emits), on_cancel=_on_cancel(ids),
                           on_error=_on_error)  # fmt: skip

@@ -16,6 +16,7 @@ from vlmserve.api.serving.convert import Converter
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.embed import HFEmbedBackend
 from vlmserve.engine.hf.embed_inputs import EmbedInput
+from vlmserve.engine.protocol import ChatBackend
 from vlmserve.engine.types import (
     ChatMessage,
     GenerateRequest,
@@ -77,9 +78,7 @@ class WorkerService:
             )
         picked = _sample(frames, self.converter.settings.max_video_frames)
         try:
-            return list(
-                await asyncio.gather(*(self.converter.image(f) for f in picked))
-            )
+            return list(await asyncio.gather(*(self.converter.image(f) for f in picked)))
         except VlmserveError as exc:
             exc.param = exc.param or "frames"
             raise
@@ -95,7 +94,7 @@ class WorkerService:
         async with await self.models.acquire(model, EMBEDDING, HFEmbedBackend) as backend:
             return (await backend.embed([EmbedInput(text=text)]))[0].tolist()
 
-    async def _run(self, backend: HFChatBackend, request: GenerateRequest) -> str:
+    async def _run(self, backend: ChatBackend, request: GenerateRequest) -> str:
         prepared = await backend.prepare(request)
         return "".join([chunk.text async for chunk in backend.generate(prepared)])
 
