@@ -75,6 +75,20 @@ class Settings(BaseSettings):
     drain_timeout_seconds: float = 30.0
     activation_timeout_seconds: float = 120.0  # a request waits this long for its model to load
 
+    # --- hf engine: continuous batching, caches ---------------------------------------
+    max_num_seqs: int = Field(default=32, ge=1)  # decoded together; 1 = one at a time
+    max_num_batched_tokens: int = Field(default=8192, ge=1)  # prompt tokens per prefill step
+    vision_cache_bytes: int = Field(default=256 * MiB, ge=0)  # vision-tower outputs; 0 = off
+    embed_max_batch_size: int = Field(default=16, ge=1)  # embedding items in one forward pass
+    embed_batch_wait_ms: float = Field(default=5.0, ge=0)  # wait for concurrent requests
+
+    # --- gateway: upstream replicas -----------------------------------------------------
+    upstream_health_interval: float = 5.0  # seconds between active health checks
+    upstream_max_failures: int = 3  # consecutive failures that eject a replica
+    upstream_eject_seconds: float = 30.0  # cool-down before an ejected replica is retried
+    register_url: str | None = None  # worker: POST {model, url, instance} here on start
+    advertise_url: str | None = None  # worker: the base URL a gateway should call
+
     # --- generation defaults (a request may override) ----------------------------------
     max_tokens: int = 256
     temperature: float = 0.7

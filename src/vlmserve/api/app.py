@@ -19,7 +19,7 @@ from vlmserve.api.auth import AuthMiddleware
 from vlmserve.api.errors import install_error_handlers
 from vlmserve.api.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from vlmserve.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
-from vlmserve.api.routes import admin, chat, embeddings, streams, system, worker
+from vlmserve.api.routes import admin, chat, embeddings, gateway, streams, system, tasks, worker
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.convert import Converter
 from vlmserve.api.serving.worker import WorkerService
@@ -135,7 +135,7 @@ def build_app(
     install_error_handlers(app)
     for router in (
         system.router, chat.router, streams.router, embeddings.router, worker.router,
-        admin.router,
+        admin.router, tasks.router, gateway.router,
     ):  # fmt: skip
         app.include_router(router)
 

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from vlmserve.cli import loadtest, preflight, tag
 from vlmserve.cli.registry import registry_app
 from vlmserve.config import Settings, load_settings
 from vlmserve.errors import ConfigError
@@ -25,6 +26,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(registry_app, name="registry")
+app.command("preflight")(preflight.command)
+app.command("loadtest")(loadtest.command)
+app.command("tag")(tag.command)
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[

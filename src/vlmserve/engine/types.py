@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -79,6 +79,12 @@ class GenerateRequest:
     # Tokens already generated (and sent) by an earlier run of this request: the engine
     # appends them to the prompt and continues after them (stream resume across restarts).
     prefix_token_ids: list[int] = field(default_factory=list)
+    # OpenAI ``response_format`` ({"type": "json_object"} or {"type": "json_schema", ...});
+    # None: free text. The hf engine enforces it token by token; upstreams receive it as is.
+    response_format: dict[str, Any] | None = None
+    # The wire request body, for backends that forward it (upstream proxies) instead of
+    # running the model here.
+    raw: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

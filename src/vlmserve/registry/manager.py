@@ -88,13 +88,22 @@ def _handle(cfg: ModelConfig, settings: Settings) -> ModelHandle:
     )
     backend: Backend
     if EMBEDDING in cfg.roles:
-        backend = HFEmbedBackend(cfg.served_name, options, adapter=cfg.adapter)
+        backend = HFEmbedBackend(
+            cfg.served_name,
+            options,
+            adapter=cfg.adapter,
+            max_batch=settings.embed_max_batch_size,
+            batch_wait_ms=settings.embed_batch_wait_ms,
+        )
     else:
         backend = HFChatBackend(
             cfg.served_name,
             options,
             max_model_len=settings.max_model_len,
             max_queued=settings.max_queued_requests,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            vision_cache_bytes=settings.vision_cache_bytes,
         )
     return ModelHandle(
         name=cfg.served_name, roles=list(cfg.roles), backend=backend, source=cfg.source,

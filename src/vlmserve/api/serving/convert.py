@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from PIL import Image
 
@@ -30,7 +31,7 @@ from vlmserve.engine.types import (
 from vlmserve.errors import InvalidRequest, UnsupportedFeature, VlmserveError
 from vlmserve.media import MediaPolicy, VideoFrames, decode_image, decode_video, read_source
 
-__all__ = ["Converter", "media_policy"]
+__all__ = ["Converter", "media_policy", "response_format"]
 
 
 def media_policy(settings: Settings) -> MediaPolicy:
@@ -60,11 +61,14 @@ def _unsupported(body: ChatCompletionRequest, max_n: int) -> None:
         raise UnsupportedFeature("logprobs are not supported yet", param="logprobs")
     if body.tools:
         raise UnsupportedFeature("tool calls are not supported", param="tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise UnsupportedFeature(
-            f"response_format {body.response_format.type!r} is not supported by this server yet",
-            param="response_format",
-        )
+
+
+def response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The request's ``response_format`` as a plain dict; None for free text."""
+    rf = body.response_format
+    if rf is None or rf.type == "text":
+        return None
+    return rf.model_dump(mode="json", exclude_none=True)
 
 
 def _media_count(messages: list[ChatMessageIn]) -> int:
@@ -153,7 +157,10 @@ class Converter:
         self.check(body)
         messages = await asyncio.gather(*(self._message(i, m) for i, m in enumerate(body.messages)))
         return GenerateRequest(
-            request_id=request_id, messages=list(messages), sampling=self.sampling(body)
+            request_id=request_id,
+            messages=list(messages),
+            sampling=self.sampling(body),
+            response_format=response_format(body),
         )
 
     async def _message(self, index: int, message: ChatMessageIn) -> ChatMessage:

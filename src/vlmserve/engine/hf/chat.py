@@ -29,12 +29,26 @@ _END = object()
 class HFChatBackend(HFModel):
     thread_prefix = "generate"
 
-    def __init__(self, model_id: str, options: LoadOptions, *, max_model_len: int, max_queued: int):
+    def __init__(
+        self,
+        model_id: str,
+        options: LoadOptions,
+        *,
+        max_model_len: int,
+        max_queued: int,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 8192,
+        vision_cache_bytes: int = 0,
+    ):
         super().__init__(model_id, options)
         self.max_model_len = max_model_len
         self.max_queued = max_queued
+        self.max_num_seqs = max_num_seqs  # sequences decoded together (continuous batching)
+        self.max_num_batched_tokens = max_num_batched_tokens  # prompt tokens per prefill step
+        self.vision_cache_bytes = vision_cache_bytes  # vision-tower outputs kept by content hash
         self.tokens_generated = 0  # every token the model produced, all requests
         self.in_flight = 0
+        self._grammars: Any = None  # engine.hf.grammar.GrammarCompiler, built on first use
 
     # --- requests ------------------------------------------------------------------------
     def render_prompt(self, messages: list[ChatMessage]) -> str:
@@ -54,7 +68,21 @@ class HFChatBackend(HFModel):
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        if request.response_format is not None:
+            prepared.grammar = await asyncio.to_thread(self._compile, request.response_format)
         return prepared
+
+    def _compile(self, response_format: dict[str, Any]) -> Any:
+        """The response format's grammar (400 for schema features it cannot enforce)."""
+        from vlmserve.engine.hf.grammar import GrammarCompiler  # xgrammar only when asked for
+
+        if self._grammars is None:
+            loaded = self._require()
+            self._grammars = GrammarCompiler(
+                loaded.processor.tokenizer,
+                vocab_size=loaded.model.config.get_text_config().vocab_size,
+            )
+        return self._grammars.compile(response_format)
 
     async def generate(self, prepared: Prepared) -> AsyncIterator[Chunk]:
         loaded = self._require()

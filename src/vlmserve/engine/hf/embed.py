@@ -62,13 +62,15 @@ class HFEmbedBackend(HFModel):
         adapter: str | None = None,
         prompts: EmbedPrompts = EmbedPrompts(),
         max_batch: int = 16,
+        batch_wait_ms: float = 5.0,
     ):
         if max_batch < 1:
             raise ConfigError(f"max_batch is {max_batch} for {model_id!r}; it must be at least 1")
         super().__init__(model_id, options)
         self.adapter = adapter
         self.prompts = prompts
-        self.max_batch = max_batch
+        self.max_batch = max_batch  # most items in one forward pass
+        self.batch_wait_ms = batch_wait_ms  # how long a request waits for others to join it
 
     def _load(self) -> Loaded:
         """The base model, then the adapter: checked against the base, applied, merged."""

@@ -30,6 +30,7 @@ class Prepared:
     request: GenerateRequest
     inputs: dict[str, torch.Tensor]
     prompt_tokens: int  # prompt length including any continued prefix
+    grammar: Any = None  # engine.hf.grammar.CompiledGrammar when response_format is set
 
 
 def fit_image(image: Image.Image, factor: int) -> Image.Image:

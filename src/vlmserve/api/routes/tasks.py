@@ -1,0 +1,7 @@
+"""Routes: tasks (placeholder until they land)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+router = APIRouter(tags=["tasks"])
