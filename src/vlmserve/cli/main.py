@@ -108,7 +108,26 @@ def serve(
     ] = None,
     registry: Annotated[
         Optional[str],  # noqa: UP045
-        typer.Option(help="Registry file (TOML/JSON) whose hf entries to serve."),
+        typer.Option(help="Registry file (TOML/JSON): hf entries load here, openai/vllm proxy."),
+    ] = None,
+    max_num_seqs: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="Sequences decoded together (continuous batching; 1 = one at a time)."),
+    ] = None,
+    max_num_batched_tokens: Annotated[
+        Optional[int], typer.Option(help="Prompt tokens prefilled per engine step.")  # noqa: UP045
+    ] = None,
+    vision_cache_bytes: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="Bytes of vision-tower outputs cached by image hash (0 = off)."),
+    ] = None,
+    max_queued_requests: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="Requests waiting per model before 429 (default: 256)."),
+    ] = None,
+    api_key: Annotated[
+        Optional[list[str]],  # noqa: UP045
+        typer.Option(help="Require this Bearer key on /v1 and worker routes (repeatable)."),
     ] = None,
     config: ConfigOpt = None,
 ) -> None:
@@ -123,6 +142,18 @@ def serve(
             device=device,
             dtype=dtype,
             max_model_len=max_model_len,
+            attn_implementation=attn_implementation,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            max_video_frames=max_video_frames,
+            trust_remote_code=trust_remote_code,
+            log_level=log_level,
+            registry=registry,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            vision_cache_bytes=vision_cache_bytes,
+            max_queued_requests=max_queued_requests,
+            api_keys=api_key or None,
             exit_on_load_failure=True,
         )
     except (ConfigError, ValueError) as exc:
