@@ -49,6 +49,8 @@ async def list_models(request: Request) -> dict[str, Any]:
             "owned_by": "vlmserve",
             "root": h.source,
             "roles": h.roles,
+            "aliases": h.aliases,
+            "capabilities": sorted(h.capabilities) if h.capabilities is not None else None,
             "ready": h.ready,
         }
         for h in request.app.state.models.handles
