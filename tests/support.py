@@ -34,8 +34,8 @@ def free_port() -> int:
 class LiveServer:
     """uvicorn serving ``build_app`` in a background thread on a free loopback port."""
 
-    def __init__(self, app: Any):
-        self.port = free_port()
+    def __init__(self, app: Any, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)

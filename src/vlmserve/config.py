@@ -88,6 +88,7 @@ class Settings(BaseSettings):
     upstream_eject_seconds: float = 30.0  # cool-down before an ejected replica is retried
     register_url: str | None = None  # worker: POST {model, url, instance} here on start
     advertise_url: str | None = None  # worker: the base URL a gateway should call
+    gateway_key: str | None = None  # worker: Bearer key sent to register/deregister_url
 
     # --- generation defaults (a request may override) ----------------------------------
     max_tokens: int = 256

@@ -19,6 +19,7 @@ from vlmserve.api.auth import AuthMiddleware
 from vlmserve.api.errors import install_error_handlers
 from vlmserve.api.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from vlmserve.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from vlmserve.api.registration import Registration
 from vlmserve.api.routes import admin, chat, embeddings, gateway, streams, system, tasks, worker
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.convert import Converter
@@ -61,10 +62,15 @@ def _deregister_hook(settings: Settings) -> DeregisterHook | None:
             settings.deregister_url,
             instance=settings.instance_id or socket.gethostname(),
             timeout=settings.deregister_timeout,
+            headers=_bearer(settings.gateway_key),
         )
     if settings.deregister_command:
         return CommandDeregisterHook(settings.deregister_command)
     return None
+
+
+def _bearer(key: str | None) -> dict[str, str] | None:
+    return {"Authorization": f"Bearer {key}"} if key else None
 
 
 def build_watchdog(settings: Settings, clock: ActivityClock) -> IdleWatchdog | None:
@@ -97,12 +103,19 @@ def build_app(
     clock = ActivityClock(settings.activity_file)
     models.activity = clock  # model leases (streams that outlive requests) count as activity
     watchdog = build_watchdog(settings, clock)
+    registration = Registration.from_settings(settings)  # ConfigError without advertise_url
+
+    async def announce(loading: asyncio.Task[None]) -> None:
+        await loading  # register once loaded: the gateway preflights a replica at once
+        if registration is not None:
+            await registration.register([h.name for h in models.handles])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         with clock.busy():  # loading counts as activity (seed 000)
             loading = asyncio.create_task(load())  # /ready is 503 until it is done
         unloading = asyncio.create_task(models.run_keep_alive())
+        announcing = asyncio.create_task(announce(loading))
         if watchdog is not None:
             watchdog.start()
         try:
@@ -110,11 +123,15 @@ def build_app(
         finally:
             loading.cancel()
             unloading.cancel()
+            announcing.cancel()
+            if registration is not None:  # a clean stop leaves the gateway's pool at once
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(registration.deregister("shutdown"), timeout=5)
             if watchdog is not None:
                 await watchdog.stop()
             await sessions.close()
             if owns_models:
-                models.close()
+                await models.aclose()  # upstream clients closed, vllm process groups stopped
 
     app = FastAPI(
         title="vlmserve",

@@ -13,7 +13,9 @@ Field meanings follow the unified registry glossary (seed 001):
     deprecated       still resolvable by name/alias/served id, skipped by role selection
     limits           per-model caps (pixels per image, frames per video, tokens)
     keep_alive       seconds idle before unload; -1 never; unset = the server default
-    backend_config   free-form settings of the openai/vllm backends (host, port, base_url...)
+    backend_config   settings of the backend: free-form for hf; for openai ``OpenAIConfig``
+                     (base_urls, timeout, api_key/api_key_env...), for vllm ``VllmConfig``
+                     (command with a "{port}" placeholder, env, health_timeout, log_dir...)
     version_lock     sha256 of every artifact file + an aggregate (``vlmserve registry lock``)
 """
 
@@ -24,7 +26,14 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from vlmserve.config import ModelConfig
 from vlmserve.errors import ConfigError
@@ -34,7 +43,10 @@ __all__ = [
     "Capabilities",
     "EntryLimits",
     "ModelEntry",
+    "OpenAIConfig",
+    "Timeouts",
     "VersionLock",
+    "VllmConfig",
     "aggregate_digest",
 ]
 
@@ -76,6 +88,84 @@ class EntryLimits(_Strict):
     max_pixels: int | None = Field(default=None, gt=0)
     max_video_frames: int | None = Field(default=None, gt=0)
     max_tokens: int | None = Field(default=None, gt=0)
+    # openai/vllm: requests admitted at once (in flight + waiting); unset: the server's
+    # VLMSERVE_MAX_QUEUED_REQUESTS. More get 429.
+    max_queued_requests: int | None = Field(default=None, gt=0)
+
+
+class Timeouts(_Strict):
+    """Seconds to connect to an upstream, and to wait for its next bytes."""
+
+    connect: float = Field(default=5.0, gt=0)
+    read: float = Field(default=600.0, gt=0)
+
+
+class _UpstreamCommon(_Strict):
+    timeout: float | Timeouts = Field(default_factory=Timeouts)  # a number sets both
+    api_key: str | None = None  # sent upstream; the client's own key never is
+    api_key_env: str | None = None  # or: the environment variable that holds it
+    max_concurrency: int = Field(default=0, ge=0)  # in flight per replica; 0 = no cap
+    preflight: bool = True  # run `vlmserve preflight` checks before routing to a replica
+
+    @property
+    def timeouts(self) -> Timeouts:
+        if isinstance(self.timeout, Timeouts):
+            return self.timeout
+        return Timeouts(connect=self.timeout, read=self.timeout)
+
+    @model_validator(mode="after")
+    def _one_key(self) -> _UpstreamCommon:
+        if self.api_key and self.api_key_env:
+            raise ValueError("give api_key or api_key_env, not both")
+        return self
+
+
+class OpenAIConfig(_UpstreamCommon):
+    """``backend_config`` of an ``openai`` entry: where its replicas are."""
+
+    base_urls: list[str] = Field(default_factory=list)  # more register at run time
+    base_url: str | None = None  # shorthand for one replica
+
+    @field_validator("base_urls")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            _check_url(url)
+        return urls
+
+    @field_validator("base_url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        return None if url is None else _check_url(url)
+
+    @property
+    def urls(self) -> list[str]:
+        return list(dict.fromkeys([*self.base_urls, *([self.base_url] if self.base_url else [])]))
+
+
+class VllmConfig(_UpstreamCommon):
+    """``backend_config`` of a ``vllm`` entry: the ``vllm serve`` argv and its surroundings."""
+
+    command: list[str] = Field(min_length=1)  # argv, "{port}" filled with a free port
+    env: dict[str, str] = Field(default_factory=dict)
+    health_timeout: float = Field(default=600.0, gt=0)  # seconds to wait for /health
+    stop_timeout: float = Field(default=30.0, ge=0)  # SIGTERM, then SIGKILL after this
+    log_dir: str | None = None  # one log file per model; default ./logs
+
+    @field_validator("command")
+    @classmethod
+    def _check_command(cls, argv: list[str]) -> list[str]:
+        if not all(argv):
+            raise ValueError("command holds an empty string")
+        if not any("{port}" in a for a in argv):
+            raise ValueError('command needs a "{port}" placeholder, e.g. "--port", "{port}"')
+        return argv
+
+
+def _check_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"upstream URL {url!r} must start with http:// or https://")
+    return url
 
 
 class VersionLock(_Strict):
@@ -170,11 +260,25 @@ class ModelEntry(_Strict):
             raise ValueError(
                 f"model_aliases {clashes} repeat the entry's name or served_model_id; drop them"
             )
+        if self.backend != "hf":
+            self.upstream_config()
         if "embedding" in self.roles and not self.capabilities.embedding:
             raise ValueError(
                 "role 'embedding' needs `capabilities.embedding = true` (or drop the role)"
             )
         return self
+
+    def upstream_config(self) -> OpenAIConfig | VllmConfig:
+        """The validated ``backend_config`` of an openai/vllm entry."""
+        kind = OpenAIConfig if self.backend == "openai" else VllmConfig
+        try:
+            return kind.model_validate(self.backend_config)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'backend_config'}: {e['msg']}"
+                for e in exc.errors()
+            )
+            raise ValueError(f"backend_config of a {self.backend} entry: {problems}") from None
 
     @property
     def served_id(self) -> str:

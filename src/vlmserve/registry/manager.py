@@ -14,9 +14,11 @@ from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.embed import HFEmbedBackend
 from vlmserve.engine.hf.lifecycle import ModelState
 from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.upstream import UpstreamBackend
 from vlmserve.errors import InvalidRequest, NotFound, ServiceUnavailable
+from vlmserve.registry.proxied import fits, load_backend, unload_backend, upstream_backend
 
-Backend = HFChatBackend | HFEmbedBackend
+Backend = HFChatBackend | HFEmbedBackend | UpstreamBackend
 EMBEDDING = "embedding"
 
 __all__ = ["Lease", "ModelHandle", "ModelManager"]
@@ -112,7 +114,7 @@ def _handle(cfg: ModelConfig, settings: Settings) -> ModelHandle:
 
 
 def _registry_handles(settings: Settings) -> list[ModelHandle]:
-    """Handles for the registry's ``hf`` entries (openai/vllm entries are the gateway's)."""
+    """Handles for the registry's entries: hf in process, openai/vllm proxied."""
     from vlmserve.registry.files import load_registry
 
     discovered = Path(settings.registry_discovered) if settings.registry_discovered else None
@@ -120,10 +122,9 @@ def _registry_handles(settings: Settings) -> list[ModelHandle]:
     handles = []
     for entry in registry.entries:
         if entry.backend != "hf":
-            log.warning("registry entry %s (backend %s) is not served in-process; skipped",
-                        entry.name, entry.backend)  # fmt: skip
-            continue
-        handle = _handle(entry.to_model_config(), settings)
+            handle = ModelHandle(entry.name, list(entry.roles), upstream_backend(entry, settings))
+        else:
+            handle = _handle(entry.to_model_config(), settings)
         handle.aliases = entry.identifiers
         handle.keep_alive = entry.keep_alive
         handle.capabilities = frozenset(entry.capabilities.enabled())
@@ -216,7 +217,7 @@ class ModelManager:
         """Lease the model (by name, else by role) for one request; loads it on demand.
         ``needs`` (e.g. {"video"}) is checked against the registry's capabilities first."""
         handle = self.resolve(name) if name else self.for_role(role)
-        if not isinstance(handle.backend, kind):
+        if not fits(handle.backend, kind):
             message = _kind_message(handle, kind)
             raise InvalidRequest(message, param="model", code="wrong_model_kind")
         missing = sorted(needs - handle.capabilities) if handle.capabilities is not None else []
@@ -270,7 +271,7 @@ class ModelManager:
             await self._make_room(handle)
             handle.loading_since = time.time()
             try:
-                await asyncio.to_thread(handle.backend.load)
+                await load_backend(handle.backend)
             except Exception as exc:
                 raise ServiceUnavailable(f"model {handle.name!r} failed to load: {exc}") from exc
             finally:
@@ -307,7 +308,7 @@ class ModelManager:
                 while handle.in_flight and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
                 drained = handle.in_flight == 0
-                await asyncio.to_thread(handle.backend.close)
+                await unload_backend(handle.backend)
             finally:
                 handle.draining = False
         log.info("model %s unloaded%s", handle.name, "" if drained else " (drain timed out)")
@@ -355,9 +356,39 @@ class ModelManager:
     def state(self) -> list[dict[str, Any]]:
         return [_describe(h, self.policy) for h in self._handles.values()]
 
+    # --- gateway: replicas registered at run time ----------------------------------------
+    async def register_replica(self, model: str, url: str, instance: str) -> dict[str, Any]:
+        """Add (or refresh) a replica of an ``openai`` model; checked before it gets traffic."""
+        handle = self.resolve(model)
+        backend = handle.backend
+        if type(backend) is not UpstreamBackend:
+            raise InvalidRequest(
+                f"model {handle.name!r} is not an openai (upstream) entry; replicas register "
+                'only with `backend = "openai"` entries of the gateway\'s registry',
+                param="model",
+            )
+        for other in self._handles.values():  # one instance serves one URL: moved elsewhere?
+            if other is not handle and isinstance(other.backend, UpstreamBackend):
+                other.backend.pool.remove(instance=instance)
+        replica = backend.pool.add(url, instance)
+        if handle.ready:
+            await backend.admit_replica(replica)
+        return {"model": handle.name, **replica.describe(time.monotonic())}
+
+    def deregister_replica(self, instance: str) -> list[str]:
+        """Remove the instance's replicas everywhere; returns the models it served."""
+        return [h.name for h in self._handles.values()
+                if isinstance(h.backend, UpstreamBackend)
+                and h.backend.pool.remove(instance=instance)]  # fmt: skip
+
     def close(self) -> None:
         for handle in self._handles.values():
             handle.backend.close()
+
+    async def aclose(self) -> None:
+        """Shutdown from the event loop: upstream clients closed, subprocesses stopped."""
+        for handle in self._handles.values():
+            await unload_backend(handle.backend)
 
 
 def _kind_message(handle: ModelHandle, kind: type) -> str:
@@ -391,4 +422,6 @@ def _describe(h: ModelHandle, policy: LifecyclePolicy) -> dict[str, Any]:
         "keep_alive": keep,
         "expires_at": h.last_used + keep if h.ready and keep >= 0 else None,
         "error": h.backend.error,
+        "backend": getattr(h.backend, "kind", "hf"),
+        **({"upstream": h.backend.describe()} if isinstance(h.backend, UpstreamBackend) else {}),
     }

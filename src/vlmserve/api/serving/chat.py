@@ -11,10 +11,11 @@ from typing import Any
 from vlmserve.api.metrics import Metrics
 from vlmserve.api.protocol.chat import ChatCompletionRequest, StreamOptions
 from vlmserve.api.protocol.responses import CompletionIds, chunk_json, completion_body, usage
-from vlmserve.api.serving.convert import Converter
+from vlmserve.api.serving.convert import Converter, response_format
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.protocol import ChatBackend
-from vlmserve.engine.types import Chunk, FinishReason
+from vlmserve.engine.types import Chunk, FinishReason, GenerateRequest
+from vlmserve.engine.upstream import UpstreamBackend
 from vlmserve.errors import InvalidRequest, VlmserveError
 from vlmserve.registry.manager import Lease, ModelManager
 from vlmserve.streaming import Emit, Event, Resumption, SessionManager, SessionRecord, error_emit
@@ -79,7 +80,7 @@ async def _observed(
     """Pass chunks through, recording time to first token, token counts and duration."""
     started, first = time.perf_counter(), None
     async for chunk in chunks:
-        if first is None and chunk.token_ids:
+        if first is None and (chunk.token_ids or chunk.text):
             first = time.perf_counter() - started
         if chunk.finish_reason is not None and metrics is not None:
             total = time.perf_counter() - started
@@ -107,10 +108,23 @@ class ChatService:
     def _generate(self, backend: ChatBackend, prepared: Any) -> AsyncIterator[Chunk]:
         return _observed(backend.generate(prepared), self.metrics, backend.model_id)
 
+    async def _request(
+        self, backend: ChatBackend, body: ChatCompletionRequest, request_id: str
+    ) -> GenerateRequest:
+        """The engine request. A proxied model gets the wire body as is: its media are
+        neither fetched nor decoded here (only ``Converter.check``'s limits apply)."""
+        if not isinstance(backend, UpstreamBackend):
+            return await self.converter.to_request(body, request_id)
+        self.converter.check(body)
+        return GenerateRequest(
+            request_id, [], self.converter.sampling(body), response_format=response_format(body),
+            raw=body.model_dump(mode="json", exclude_unset=True),
+        )  # fmt: skip
+
     async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         needs = self.converter.needs(body)
         async with await self.models.acquire(body.model, "chat", HFChatBackend, needs) as backend:
-            prepared = await backend.prepare(await self.converter.to_request(body, request_id))
+            prepared = await backend.prepare(await self._request(backend, body, request_id))
             ids = _new_ids(backend.model_id)
             text, last = [], None
             async for chunk in self._generate(backend, prepared):
@@ -137,9 +151,10 @@ class ChatService:
             )
         needs = self.converter.needs(body)
         lease = await self.models.acquire(body.model, "chat", HFChatBackend, needs)
+        prepared = None
         try:
             backend = lease.backend
-            prepared = await backend.prepare(await self.converter.to_request(body, request_id))
+            prepared = await backend.prepare(await self._request(backend, body, request_id))
             ids = _new_ids(backend.model_id)
             record = {"body": body.model_dump(mode="json"), "id": ids.id,
                       "created": ids.created, "model": ids.model}  # fmt: skip
@@ -150,6 +165,8 @@ class ChatService:
                 on_cancel=_on_cancel(ids), on_error=_on_error, aliases=[ids.id],
             )  # fmt: skip
         except BaseException:
+            if prepared is not None and isinstance(lease.backend, UpstreamBackend):
+                await lease.backend.discard(prepared)
             lease.release()
             raise
         return session_id
@@ -161,6 +178,8 @@ class ChatService:
         try:
             body = ChatCompletionRequest.model_validate(stored["body"])
             lease = await self.models.acquire(stored["model"], "chat", HFChatBackend)
+            if isinstance(lease.backend, UpstreamBackend):  # its tokens are the upstream's
+                raise ValueError("a proxied generation cannot continue after a restart")
             request = await self.converter.to_request(body, f"resume-{record.session_id}")
             request.prefix_token_ids = [
                 t for e in events if e.meta for t in e.meta.get("token_ids", [])

@@ -25,6 +25,7 @@ from vlmserve.engine.types import (
     TextPart,
     VideoPart,
 )
+from vlmserve.engine.upstream import UpstreamBackend
 from vlmserve.errors import InvalidRequest, VlmserveError
 from vlmserve.registry.manager import EMBEDDING, ModelManager
 
@@ -60,6 +61,11 @@ def _truncate(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
     return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
 
 
+async def _forward(backend: UpstreamBackend, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A proxied model: the same endpoint on one of its replicas, under its upstream name."""
+    return await backend.forward(path, {**body, "model": backend.config.model})
+
+
 def _encode(vector: np.ndarray, fmt: str) -> list[float] | str:
     if fmt == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode()
@@ -71,11 +77,15 @@ class WorkerService:
         self.models = models
         self.converter = converter
 
-    async def frames(self, frames: list[str]) -> list[Any]:
+    @staticmethod
+    def _nonempty(frames: list[str]) -> None:
         if not frames:
             raise InvalidRequest(
                 "frames is empty; send at least one base64 JPEG frame", param="frames"
             )
+
+    async def frames(self, frames: list[str]) -> list[Any]:
+        self._nonempty(frames)
         picked = _sample(frames, self.converter.settings.max_video_frames)
         try:
             return list(await asyncio.gather(*(self.converter.image(f) for f in picked)))
@@ -84,14 +94,19 @@ class WorkerService:
             raise
 
     async def encode_video(self, frames: list[str], model: str | None) -> list[float]:
-        decoded = await self.frames(frames)
+        self._nonempty(frames)
         async with await self.models.acquire(model, EMBEDDING, HFEmbedBackend) as backend:
+            if isinstance(backend, UpstreamBackend):
+                return (await _forward(backend, "/encode-video", {"frames": frames}))["embedding"]
+            decoded = await self.frames(frames)
             return (await backend.embed([EmbedInput(frames=decoded)]))[0].tolist()
 
     async def encode_text(self, text: str, model: str | None) -> list[float]:
         if not text.strip():
             raise InvalidRequest("text is empty", param="text")
         async with await self.models.acquire(model, EMBEDDING, HFEmbedBackend) as backend:
+            if isinstance(backend, UpstreamBackend):
+                return (await _forward(backend, "/encode-text", {"text": text}))["embedding"]
             return (await backend.embed([EmbedInput(text=text)]))[0].tolist()
 
     async def _run(self, backend: ChatBackend, request: GenerateRequest) -> str:
@@ -99,15 +114,22 @@ class WorkerService:
         return "".join([chunk.text async for chunk in backend.generate(prepared)])
 
     async def caption(self, body: CaptionRequest) -> str:
-        frames = await self.frames(body.frames)
-        sampling = SamplingParams(max_tokens=body.max_new_tokens, temperature=0.0)
-        messages = caption_messages(frames, body.transcript)
-        request = GenerateRequest(uuid.uuid4().hex, messages, sampling)
+        self._nonempty(body.frames)
         async with await self.models.acquire(body.model, "caption", HFChatBackend) as backend:
+            if isinstance(backend, UpstreamBackend):
+                wire = body.model_dump(mode="json", exclude_unset=True)
+                return (await _forward(backend, "/caption", wire))["caption"]
+            frames = await self.frames(body.frames)
+            sampling = SamplingParams(max_tokens=body.max_new_tokens, temperature=0.0)
+            messages = caption_messages(frames, body.transcript)
+            request = GenerateRequest(uuid.uuid4().hex, messages, sampling)
             return await self._run(backend, request)
 
     async def generate(self, body: GenerateRequestIn) -> str:
         async with await self.models.acquire(body.model, "chat", HFChatBackend) as backend:
+            if isinstance(backend, UpstreamBackend):
+                wire = body.model_dump(mode="json", exclude_unset=True)
+                return (await _forward(backend, "/generate", wire))["text"]
             wire = ChatCompletionRequest(
                 model=backend.model_id,
                 messages=body.messages,
@@ -118,6 +140,9 @@ class WorkerService:
             return await self._run(backend, request)
 
     async def embeddings(self, body: EmbeddingsRequest) -> dict[str, Any]:
+        handle = self.models.resolve(body.model) if body.model else None
+        if handle is not None and isinstance(handle.backend, UpstreamBackend):
+            return await self._proxied_embeddings(body)
         if body.input is not None:
             items = [EmbedInput(text=t) for t in body.texts]
         else:
@@ -136,6 +161,12 @@ class WorkerService:
             ],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
+
+    async def _proxied_embeddings(self, body: EmbeddingsRequest) -> dict[str, Any]:
+        async with await self.models.acquire(body.model, EMBEDDING, HFEmbedBackend) as backend:
+            wire = body.model_dump(mode="json", exclude_unset=True)
+            answer = await _forward(backend, "/v1/embeddings", wire)
+            return {**answer, "model": backend.model_id}
 
     async def _multimodal_item(self, body: EmbeddingsRequest) -> EmbedInput:
         """vLLM's ``messages`` form: one embedding for the conversation's media and text."""

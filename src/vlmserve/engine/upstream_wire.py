@@ -1,0 +1,141 @@
+"""The OpenAI wire as an upstream proxy sees it: the body it sends, the SSE it reads, errors.
+
+Pure functions over dicts and lines (no I/O), so the proxy's translation is tested on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from vlmserve.engine.types import Chunk, FinishReason
+from vlmserve.errors import VlmserveError
+
+__all__ = ["ChunkReader", "UpstreamError", "error_from_body", "upstream_body"]
+
+# Fields of our own wire that an upstream must not see: the gateway runs the session itself.
+_GATEWAY_ONLY = ("session_id",)
+_FINISH = {r.value: r for r in FinishReason}
+
+
+class UpstreamError(VlmserveError):
+    """An upstream's own 4xx, passed on with its status and OpenAI error fields."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message, param=param, code=code)
+        self.status_code = status_code
+        self.error_type = error_type
+
+
+def upstream_body(raw: dict[str, Any], model: str, *, stream: bool = True) -> dict[str, Any]:
+    """The client's body for the upstream: its model name, streaming with a usage chunk."""
+    body = {k: v for k, v in raw.items() if k not in _GATEWAY_ONLY}
+    body["model"] = model
+    if stream:
+        body["stream"] = True
+        options = dict(body.get("stream_options") or {})
+        options["include_usage"] = True
+        body["stream_options"] = options
+    return body
+
+
+def error_from_body(status: int, content: bytes) -> UpstreamError:
+    """An upstream error answer (OpenAI ``{"error": {...}}`` or vLLM's flat shape)."""
+    try:
+        data = json.loads(content)
+    except ValueError:
+        data = None
+    err = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(err, dict):
+        err = data if isinstance(data, dict) and "message" in data else {}
+    message = str(err.get("message") or content[:500].decode(errors="replace") or "no details")
+    code = err.get("code")
+    return UpstreamError(
+        message,
+        status_code=status,
+        error_type=str(err.get("type") or "invalid_request_error"),
+        param=err.get("param") if isinstance(err.get("param"), str) else None,
+        code=str(code) if code is not None and not isinstance(code, int) else None,
+    )
+
+
+@dataclass(slots=True)
+class ChunkReader:
+    """Upstream SSE lines -> ``Chunk``s. The finish reason is held back until the usage chunk
+    (``stream_options.include_usage``) or the end, so the last Chunk carries the token counts."""
+
+    upstream_id: str | None = None  # the upstream's ``chatcmpl-...`` id (for its cancel route)
+    finish: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    pieces: int = 0  # content chunks seen: the completion count when no usage comes
+    done: bool = False
+    _event: str | None = None
+
+    def feed(self, line: str) -> list[Chunk]:
+        """One SSE line; returns the Chunks it completes (often none)."""
+        if not line or line.startswith((":", "id:", "retry:")):
+            if not line:
+                self._event = None
+            return []
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "event":
+            self._event = value
+            return []
+        if name != "data":
+            return []
+        if value == "[DONE]":
+            return self.close()
+        data = json.loads(value)
+        if self._event == "error" or "error" in data:
+            raise _stream_error(data)
+        return self._chunk(data)
+
+    def _chunk(self, data: dict[str, Any]) -> list[Chunk]:
+        self.upstream_id = self.upstream_id or data.get("id")
+        usage = data.get("usage")
+        if usage:
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+        out: list[Chunk] = []
+        for choice in data.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content") or ""
+            if text:
+                self.pieces += 1
+                out.append(Chunk(text, [], prompt_tokens=self.prompt_tokens,
+                                 completion_tokens=self.completion_tokens))  # fmt: skip
+            reason = choice.get("finish_reason")
+            if reason:
+                self.finish = _FINISH.get(reason, FinishReason.STOP)
+        if usage and self.finish is not None:
+            out += self.close()
+        return out
+
+    def close(self) -> list[Chunk]:
+        """The stream ended: the held-back finish (if any) with the counts."""
+        if self.done or self.finish is None:
+            self.done = self.done or self.finish is not None
+            return []
+        self.done = True
+        completion = self.completion_tokens or self.pieces
+        return [Chunk("", [], self.finish, self.prompt_tokens, completion)]
+
+
+def _stream_error(data: dict[str, Any]) -> VlmserveError:
+    err = data.get("error") if isinstance(data.get("error"), dict) else data
+    message = str(err.get("message") or "the upstream stream failed")
+    kind = str(err.get("type") or "")
+    if "invalid_request" in kind or "not_found" in kind:
+        return UpstreamError(message, status_code=400, error_type=kind,
+                             code=str(err.get("code") or "upstream_error"))  # fmt: skip
+    return VlmserveError(f"upstream: {message}", code="upstream_error")

@@ -1,0 +1,171 @@
+"""A gateway in front of real vlmserve worker processes (tiny checkpoint, loopback ports)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from sse_client import read_events
+from support import LiveServer, ServerProcess
+from vlmserve.api.app import build_app
+from vlmserve.config import Settings
+
+ADMIN = {"Authorization": "Bearer adm"}
+WORKER_ADMIN = {"Authorization": "Bearer wk"}
+
+
+def worker(tiny_dir: Path) -> ServerProcess:
+    args = ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu"]
+    return ServerProcess(args, env={"VLMSERVE_ADMIN_KEYS": '["wk"]'})
+
+
+def registry(path: Path, entry: str) -> str:
+    path.write_text(entry)
+    return str(path)
+
+
+def gateway_settings(reg: str, **kw: Any) -> Settings:
+    base = {"registry": reg, "device": "cpu", "admin_keys": ["adm"], "upstream_max_failures": 1,
+            "upstream_health_interval": 0.5, "upstream_eject_seconds": 60}  # fmt: skip
+    return Settings(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_dir: Path) -> Iterator[list[ServerProcess]]:
+    procs = [worker(tiny_dir), worker(tiny_dir)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    workers: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    urls = json.dumps([w.url for w in workers])
+    reg = registry(tmp_path_factory.mktemp("gw") / "registry.toml",
+                   f'[[models]]\nname = "tiny"\nbackend = "openai"\n'
+                   f"[models.backend_config]\nbase_urls = {urls}\n")  # fmt: skip
+    with LiveServer(build_app(gateway_settings(reg))) as server:
+        wait_ready(server.url)
+        yield server.url
+
+
+def wait_ready(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/ready").status_code != 200:
+        assert time.monotonic() < deadline, httpx.get(f"{url}/ready").text
+        time.sleep(0.1)
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0, **extra}  # fmt: skip
+
+
+def replicas(gw: str) -> dict[str, dict[str, Any]]:
+    models = httpx.get(f"{gw}/v1/gateway/replicas").json()["models"]
+    return {r["url"]: r for r in models[0]["replicas"]}
+
+
+def in_flight(workers: list[ServerProcess]) -> int:
+    total = 0
+    for w in workers:
+        state = httpx.get(f"{w.url}/admin/state", headers=WORKER_ADMIN).json()
+        total += sum(m["in_flight"] for m in state["models"])
+    return total
+
+
+def test_requests_spread_across_both_workers(gateway: str, workers: list[ServerProcess]) -> None:
+    for _ in range(6):
+        assert (
+            httpx.post(f"{gateway}/v1/chat/completions", json=chat(), timeout=60).status_code == 200
+        )
+    counts = [replicas(gateway)[w.url]["requests"] for w in workers]
+    assert all(c >= 2 for c in counts), counts
+
+
+def test_stream_resumes_with_last_event_id_after_disconnect(gateway: str) -> None:
+    with httpx.Client(timeout=60) as client:
+        body = chat(stream=True, session_id="gw-resume", max_tokens=40)
+        first, r = read_events(client, "POST", f"{gateway}/v1/chat/completions", json=body, limit=3)
+        assert r.status_code == 200 and len(first) == 3
+        rest, r = read_events(client, "GET", f"{gateway}/v1/streams/gw-resume",
+                              headers={"Last-Event-ID": first[-1].id})  # fmt: skip
+    assert r.status_code == 200
+    assert [e.index for e in rest] == list(range(3, 3 + len(rest)))
+    assert rest[-1].data == "[DONE]"
+    assert any(e.finish_reason == "length" for e in rest)
+
+
+def test_cancel_at_the_gateway_stops_generation_on_the_worker(
+    gateway: str, workers: list[ServerProcess]
+) -> None:
+    body = chat(stream=True, session_id="gw-cancel", max_tokens=20000, ignore_eos=True)
+    with httpx.Client(timeout=60) as client:
+        _, r = read_events(client, "POST", f"{gateway}/v1/chat/completions", json=body, limit=3)
+        assert r.status_code == 200
+        assert in_flight(workers) == 1
+        r = client.post(f"{gateway}/v1/cancel/gw-cancel")
+        assert r.status_code == 200 and r.json()["cancelled"] is True
+    deadline = time.monotonic() + 15
+    while in_flight(workers):
+        assert time.monotonic() < deadline, "the worker still generates after the cancel"
+        time.sleep(0.1)
+
+
+def test_vllm_backend_runs_and_stops_its_subprocess(tiny_dir: Path, tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "vlmserve.cli.main", "serve", "--model", str(tiny_dir),
+               "--served-model-name", "tiny", "--device", "cpu", "--port", "{port}"]  # fmt: skip
+    reg = registry(tmp_path / "registry.toml",
+                   f'[[models]]\nname = "tiny-vllm"\nserved_model_id = "tiny"\nbackend = "vllm"\n'
+                   f"[models.backend_config]\ncommand = {json.dumps(command)}\n"
+                   f'log_dir = "{tmp_path}"\nhealth_timeout = 120\n')  # fmt: skip
+    with LiveServer(build_app(gateway_settings(reg, load_on_startup=False))) as gw:
+        r = httpx.post(f"{gw.url}/admin/activate", json={"model": "tiny-vllm"}, headers=ADMIN,
+                       timeout=150)  # fmt: skip
+        assert r.status_code == 200, r.text
+        process = r.json()["upstream"]["process"]
+        family = [psutil.Process(process["pid"])]
+        family += family[0].children(recursive=True)
+        body = chat(model="tiny-vllm")
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "tiny-vllm"
+        r = httpx.post(f"{gw.url}/admin/deactivate", json={"model": "tiny-vllm"}, headers=ADMIN,
+                       timeout=60)  # fmt: skip
+        assert r.json()["state"] == "unloaded"
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family)
+    assert (tmp_path / "tiny-vllm.log").stat().st_size > 0
+
+
+def test_killed_worker_gets_no_traffic_and_both_down_is_503(
+    gateway: str, workers: list[ServerProcess]
+) -> None:
+    dead, alive = workers
+    dead.proc.kill()
+    dead.proc.wait()
+    before = replicas(gateway)[dead.url]["requests"]
+    for _ in range(6):  # before detection a request may hit it: retried on the other worker
+        r = httpx.post(f"{gateway}/v1/chat/completions", json=chat(), timeout=60)
+        assert r.status_code == 200, r.text
+    state = replicas(gateway)
+    assert state[dead.url]["requests"] <= before + 1
+    assert state[dead.url]["healthy"] is False or state[dead.url]["ejected_for_seconds"]
+    alive.proc.kill()
+    alive.proc.wait()
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=chat(), timeout=60)
+    assert r.status_code == 503
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == "upstream_unavailable"

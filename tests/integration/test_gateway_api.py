@@ -1,0 +1,168 @@
+"""A gateway in process, proxying to a vlmserve worker in process (ASGI transport)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from support import MODEL, make_settings
+from vlmserve.api.app import build_app
+from vlmserve.config import ModelConfig, Settings
+from vlmserve.engine.routing import PoolPolicy
+from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
+from vlmserve.registry.manager import ModelHandle, ModelManager, _handle
+from vlmserve.testing import build_lora_adapter
+
+WORKER = "http://worker.test"
+ADMIN = {"Authorization": "Bearer adm"}
+EMBED = "tiny-embed"
+
+
+@pytest.fixture(scope="module")
+def worker_models(tiny_dir: Path, chat_models: ModelManager) -> Iterator[ModelManager]:
+    cfg = ModelConfig(name=EMBED, source=str(tiny_dir), adapter=str(build_lora_adapter(tiny_dir)),
+                      roles=["embedding"])  # fmt: skip
+    embedder = _handle(cfg, Settings(device="cpu"))
+    embedder.backend.load()
+    yield ModelManager([*chat_models.handles, embedder])
+    embedder.backend.close()
+
+
+def upstream(
+    name: str, transport: httpx.AsyncBaseTransport, urls: list[str], **kw: Any
+) -> ModelHandle:
+    config = UpstreamConfig(model=kw.pop("model", MODEL), base_urls=urls, health_interval=0,
+                            policy=PoolPolicy(max_failures=1), **kw)  # fmt: skip
+    return ModelHandle(name, ["embedding"] if config.embedding else ["chat"],
+                       UpstreamBackend(name, config, transport=transport))  # fmt: skip
+
+
+@pytest.fixture
+async def gateway(tiny_dir: Path, worker_models: ModelManager) -> AsyncIterator[httpx.AsyncClient]:
+    async with contextlib.AsyncExitStack() as stack:
+        worker = build_app(make_settings(tiny_dir, max_model_len=200), models=worker_models)
+        await stack.enter_async_context(worker.router.lifespan_context(worker))
+        to_worker = httpx.ASGITransport(app=worker)
+        models = ModelManager([
+            upstream("gw-tiny", to_worker, [WORKER]),
+            upstream("gw-embed", to_worker, [WORKER], model=EMBED, embedding=True),
+            upstream("gw-empty", to_worker, []),
+            upstream("gw-bad", httpx.MockTransport(alive_but_broken), ["http://bad.test"]),
+        ])  # fmt: skip
+        app = build_app(Settings(device="cpu", admin_keys=["adm"]), models=models)
+        await stack.enter_async_context(app.router.lifespan_context(app))
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
+                                   timeout=60)  # fmt: skip
+        yield await stack.enter_async_context(client)
+        await models.aclose()
+
+
+def alive_but_broken(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/health":
+        return httpx.Response(200, json={"ok": True})
+    return httpx.Response(500, json={"error": {"message": "engine dead", "type": "internal_error"}})
+
+
+def chat(model: str = "gw-tiny", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 5, "temperature": 0, **extra}  # fmt: skip
+
+
+async def test_chat_completion_is_proxied_with_upstream_usage(gateway: httpx.AsyncClient) -> None:
+    r = await gateway.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "gw-tiny"
+    assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] > 0
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_stream_through_gateway_has_its_own_session_ids(gateway: httpx.AsyncClient) -> None:
+    body = chat(stream=True, session_id="gw-s1", stream_options={"include_usage": True})
+    r = await gateway.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    ids = [line[4:] for line in r.text.splitlines() if line.startswith("id: ")]
+    assert ids[0] == "gw-s1:0" and [int(i.rsplit(":", 1)[1]) for i in ids] == list(range(len(ids)))
+    assert "data: [DONE]" in r.text and '"completion_tokens": 5' in r.text
+
+
+async def test_upstream_4xx_reaches_the_client_with_its_status(gateway: httpx.AsyncClient) -> None:
+    r = await gateway.post("/v1/chat/completions", json=chat(max_tokens=250, stream=True))
+    assert r.status_code == 400  # the worker's context limit (200), not the gateway's
+    assert r.json()["error"]["param"] == "max_tokens"
+    assert "context limit of 200 tokens" in r.json()["error"]["message"]
+
+
+async def test_no_replica_is_503_with_retry_after(gateway: httpx.AsyncClient) -> None:
+    r = await gateway.post("/v1/chat/completions", json=chat("gw-empty"))
+    assert r.status_code == 503
+    assert int(r.headers["retry-after"]) >= 1
+    assert "register" in r.json()["error"]["message"]
+
+
+async def test_worker_endpoints_and_embeddings_are_proxied(gateway: httpx.AsyncClient) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "gw-tiny", "max_new_tokens": 3, "messages": messages}
+    r = await gateway.post("/generate", json=body)
+    assert r.status_code == 200 and isinstance(r.json()["text"], str)
+    r = await gateway.post("/encode-text", json={"text": "a cat", "model": "gw-embed"})
+    assert r.status_code == 200 and len(r.json()["embedding"]) > 8
+    r = await gateway.post("/v1/embeddings", json={"model": "gw-embed", "input": ["a", "b"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "gw-embed" and len(r.json()["data"]) == 2
+    r = await gateway.post("/encode-text", json={"text": "", "model": "gw-embed"})
+    assert r.status_code == 400
+
+
+async def test_register_and_deregister_a_replica(gateway: httpx.AsyncClient) -> None:
+    reg = {"model": "gw-empty", "url": WORKER, "instance": "w-1"}
+    assert (await gateway.post("/v1/gateway/register", json=reg)).status_code == 401
+    r = await gateway.post("/v1/gateway/register", json=reg, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    assert r.json()["healthy"] is True
+    assert (await gateway.post("/v1/chat/completions", json=chat("gw-empty"))).status_code == 200
+    # the idle watchdog's body (HttpDeregisterHook) is accepted as is
+    r = await gateway.post("/v1/gateway/deregister", json={"instance": "w-1", "reason": "idle"},
+                           headers=ADMIN)  # fmt: skip
+    assert r.json()["deregistered"] == ["gw-empty"]
+    assert (await gateway.post("/v1/chat/completions", json=chat("gw-empty"))).status_code == 503
+
+
+async def test_register_refuses_non_upstream_models_and_bad_urls(
+    gateway: httpx.AsyncClient,
+) -> None:
+    r = await gateway.post("/v1/gateway/register", headers=ADMIN,
+                           json={"model": "nope", "url": WORKER, "instance": "x"})  # fmt: skip
+    assert r.status_code == 404
+    body = {"model": "gw-empty", "url": "ftp://x", "instance": "x"}
+    r = await gateway.post("/v1/gateway/register", headers=ADMIN, json=body)
+    assert r.status_code == 422
+
+
+async def test_replica_failing_preflight_is_out_with_the_reason(gateway: httpx.AsyncClient) -> None:
+    bad = (await gateway.post("/admin/activate", json={"model": "gw-bad"}, headers=ADMIN)).json()
+    assert bad["backend"] == "openai" and bad["state"] == "ready"
+    replica = bad["upstream"]["replicas"][0]
+    assert replica["healthy"] is False
+    assert replica["reason"].startswith("preflight failed: models")
+    r = await gateway.post("/v1/chat/completions", json=chat("gw-bad"))
+    assert r.status_code == 503 and "preflight failed" in r.json()["error"]["message"]
+
+
+async def test_worker_registration_client_adds_itself(gateway: httpx.AsyncClient) -> None:
+    from vlmserve.api.registration import Registration
+
+    transport = gateway._transport  # the in-process gateway
+    reg = Registration("http://gw/v1/gateway/register", WORKER + "/", instance="w-9",
+                       api_key="adm", transport=transport, attempts=1)  # fmt: skip
+    assert await reg.register(["gw-empty"])
+    assert (await gateway.post("/v1/chat/completions", json=chat("gw-empty"))).status_code == 200
+    assert await reg.deregister()
+    refused = Registration("http://gw/v1/gateway/register", WORKER, instance="w-9",
+                           transport=transport, attempts=3, backoff=0)  # fmt: skip
+    assert not await refused.register(["gw-empty"])  # 401 without the admin key: no retry loop
