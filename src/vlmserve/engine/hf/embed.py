@@ -9,11 +9,17 @@ in left-padded batches of ``max_batch``; padding does not change any vector:
   computes the multimodal (t, h, w) positions from the real tokens of each row only (it
   takes the attention mask), so a left-padded row gets the same positions as alone;
 - the vision tower encodes each image/video separately (``cu_seqlens``), unaffected by others.
+
+Concurrent ``embed`` calls share forward passes: a ``MicroBatcher`` holds each request up to
+``batch_wait_ms`` (or until ``max_batch`` items wait), runs them together on the model's
+thread and hands every request its own rows. When a shared batch fails, each request is run
+again alone, so only the request at fault gets the error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Any
 
@@ -21,6 +27,7 @@ import numpy as np
 import torch
 
 from vlmserve.engine.hf.adapters import apply_adapter
+from vlmserve.engine.hf.embed_batcher import MicroBatcher
 from vlmserve.engine.hf.embed_inputs import (
     EmbedInput,
     EmbedPrompts,
@@ -69,8 +76,28 @@ class HFEmbedBackend(HFModel):
         super().__init__(model_id, options)
         self.adapter = adapter
         self.prompts = prompts
-        self.max_batch = max_batch  # most items in one forward pass
-        self.batch_wait_ms = batch_wait_ms  # how long a request waits for others to join it
+        self.forward_passes = 0  # model forward passes run, all requests together
+        self._batcher: MicroBatcher[EmbedInput, np.ndarray] = MicroBatcher(
+            self._run_groups, max_items=max_batch, wait_s=batch_wait_ms / 1000
+        )
+
+    @property
+    def max_batch(self) -> int:
+        """Most items in one forward pass (and in one gathered batch of requests)."""
+        return self._batcher.max_items
+
+    @max_batch.setter
+    def max_batch(self, value: int) -> None:
+        self._batcher.max_items = value
+
+    @property
+    def batch_wait_ms(self) -> float:
+        """How long a request waits for others to join its forward pass."""
+        return self._batcher.wait_s * 1000
+
+    @batch_wait_ms.setter
+    def batch_wait_ms(self, value: float) -> None:
+        self._batcher.wait_s = value / 1000
 
     def _load(self) -> Loaded:
         """The base model, then the adapter: checked against the base, applied, merged."""
@@ -102,17 +129,42 @@ class HFEmbedBackend(HFModel):
         return out
 
     async def embed(self, items: list[EmbedInput]) -> np.ndarray:
-        """Like ``embed_sync``, on this backend's own worker thread (one batch at a time)."""
+        """Like ``embed_sync``, on the model's thread, sharing forward passes with concurrent
+        calls. Bad items are refused here, before the request joins anyone else's batch."""
         _check_items(items)
         self._require()
+        return await self._batcher.submit(items)
+
+    async def _run_groups(self, groups: list[list[EmbedInput]]) -> list[np.ndarray | Exception]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.embed_sync, items)
+        return await loop.run_in_executor(self._executor, self._embed_groups, groups)
+
+    def _embed_groups(self, groups: list[list[EmbedInput]]) -> list[np.ndarray | Exception]:
+        """Blocking: every request's vectors from shared forward passes; if those fail, each
+        request alone, so that only the failing request gets an exception."""
+        try:
+            vectors = self.embed_sync([item for group in groups for item in group])
+        except Exception as exc:
+            if len(groups) == 1:
+                return [exc]
+            log.info("a batch of %d embedding requests failed (%s); running each alone",
+                     len(groups), exc)  # fmt: skip
+            return [self._embed_alone(group) for group in groups]
+        offsets = itertools.accumulate((len(group) for group in groups), initial=0)
+        return [vectors[start:end] for start, end in itertools.pairwise(offsets)]
+
+    def _embed_alone(self, items: list[EmbedInput]) -> np.ndarray | Exception:
+        try:
+            return self.embed_sync(items)
+        except Exception as exc:
+            return exc
 
     def _embed_batch(self, loaded: Loaded, items: list[EmbedInput]) -> np.ndarray:
         batch = build_batch(loaded.processor, items, self.prompts)
         inputs = {k: v.to(loaded.device) for k, v in batch.items()}
         if not any(k in inputs for k in _MEDIA_KEYS):
             inputs["position_ids"] = text_positions(inputs["attention_mask"])
+        self.forward_passes += 1
         with torch.inference_mode():
             hidden = final_hidden_states(loaded.model, inputs)  # [B, L, H]
             last = hidden[:, -1, :].float()  # left padding: every row's last real token
