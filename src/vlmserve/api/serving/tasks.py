@@ -1,0 +1,240 @@
+"""Task endpoints on top of chat completions: a built-in prompt + JSON schema per task.
+
+Each task becomes one ``ChatCompletionRequest`` (system prompt, media, instruction,
+``response_format`` json_schema) answered by ``ChatService.complete``; the answer is parsed
+and checked against the schema here, so a server without constrained decoding (or an answer
+cut off by ``max_tokens``) gives a clear 422 ``invalid_model_output``, never a 500.
+A clip sent as ``frames`` (base64 JPEGs) is decoded here and joins the prompt as one video.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import UploadFile
+
+from vlmserve.api.protocol.chat import ChatCompletionRequest
+from vlmserve.api.protocol.responses import CompletionIds, completion_body, usage
+from vlmserve.api.protocol.tasks import (
+    EntitiesRequest,
+    ExtractRequest,
+    IdCardRequest,
+    TaskOptions,
+    TriplesRequest,
+)
+from vlmserve.api.serving.chat import ChatService
+from vlmserve.api.serving.worker import WorkerService
+from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.types import VideoPart
+from vlmserve.errors import InvalidRequest, MediaError, PayloadTooLarge, VlmserveError
+from vlmserve.tasks import (
+    DEFAULT_ENTITY_TYPES,
+    MAX_ENTITIES,
+    MAX_TRIPLES,
+    OutputInvalid,
+    TaskPrompt,
+    entities_prompt,
+    id_card_prompt,
+    parse_json,
+    schema_errors,
+    triples_prompt,
+    validate_id_card,
+)
+
+__all__ = ["DEFAULT_ROLE", "TaskService", "read_upload"]
+
+DEFAULT_ROLE = "extract"  # ModelManager.for_role falls back to the chat model
+_UPLOAD_CHUNK = 1024 * 1024
+
+
+@dataclass(slots=True)
+class Answer:
+    data: Any
+    completion: dict[str, Any]
+
+    def envelope(self) -> dict[str, Any]:
+        return {"model": self.completion["model"], "usage": self.completion["usage"]}
+
+
+def _media_parts(body: ExtractRequest) -> list[dict[str, Any]]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in body.images]
+    if body.video:
+        parts.append({"type": "video_url", "video_url": {"url": body.video}})
+    return parts
+
+
+def _media_param(exc: VlmserveError, names: list[str]) -> None:
+    """Name a media item as the caller sent it (``images[1]``), not as the chat prompt holds it."""
+    prefix = "messages[1].content["
+    if exc.param and exc.param.startswith(prefix):
+        index = exc.param[len(prefix) :].split("]", 1)[0]
+        if index.isdigit() and int(index) < len(names):
+            exc.param = names[int(index)]
+
+
+def _require_input(body: ExtractRequest) -> None:
+    if body.video and body.frames is not None:
+        raise InvalidRequest("send a clip as `video` or as `frames`, not both", param="frames")
+    if not (
+        (body.text and body.text.strip()) or body.images or body.video or body.frames is not None
+    ):
+        raise InvalidRequest(
+            "nothing to extract from: send `text`, `images`, `video` or `frames`", param="text"
+        )
+
+
+def _invalid(
+    prompt: TaskPrompt, text: str, finish: str, problem: str, max_tokens: int
+) -> OutputInvalid:
+    if finish == "length":
+        hint = f"the answer was cut off at max_tokens={max_tokens}; raise max_tokens"
+    else:
+        hint = ("the model's server may not enforce response_format json_schema "
+                "(constrained decoding); check its version")  # fmt: skip
+    shown = text if len(text) <= 200 else text[:200] + "…"
+    return OutputInvalid(f"the {prompt.name} answer is unusable: {problem}; {hint}. "
+                         f"The answer began: {shown!r}")  # fmt: skip
+
+
+async def read_upload(file: UploadFile, limit: int, param: str = "file") -> bytes:
+    """An uploaded file's bytes, refused (413) past ``limit`` before anything is decoded."""
+    too_large = PayloadTooLarge(
+        f"the uploaded file is larger than {limit} bytes (VLMSERVE_MAX_MEDIA_BYTES); "
+        "send a smaller or more compressed image", param=param,
+    )  # fmt: skip
+    if file.size is not None and file.size > limit:
+        raise too_large
+    chunks, size = [], 0
+    while chunk := await file.read(_UPLOAD_CHUNK):
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    if size == 0:
+        raise MediaError("the uploaded file is empty; send the card photo", param=param)
+    return b"".join(chunks)
+
+
+def id_card_body(data: dict[str, Any]) -> dict[str, Any]:
+    """Seed 003's fields at the top level (normalised), then how each one checked out."""
+    result = validate_id_card(data)
+    return {**result.fields, "validation": result.validation(), "valid": result.valid}
+
+
+def _shaped(answer: Answer, opts: TaskOptions, key: str) -> dict[str, Any]:
+    if opts.json_schema is not None:  # a caller's schema: its answer as a whole
+        return {"result": answer.data, **answer.envelope()}
+    return {key: answer.data[key], **answer.envelope()}
+
+
+class TaskService:
+    def __init__(self, chat: ChatService, worker: WorkerService):
+        self.chat = chat
+        self.worker = worker
+
+    @classmethod
+    def of(cls, state: Any) -> TaskService:
+        return cls(state.chat, state.worker)
+
+    def _wire(
+        self, prompt: TaskPrompt, opts: TaskOptions, parts: list[dict[str, Any]], text: str | None
+    ) -> ChatCompletionRequest:
+        said = prompt.instruction if not text else f"Text:\n{text}\n\n{prompt.instruction}"
+        context = self.chat.converter.settings.max_model_len
+        return ChatCompletionRequest.model_validate({
+            "model": opts.model or f"role:{DEFAULT_ROLE}",
+            "messages": [
+                {"role": "system", "content": prompt.system},
+                {"role": "user", "content": [*parts, {"type": "text", "text": said}]},
+            ],
+            "max_tokens": opts.max_tokens or min(prompt.max_tokens, max(1, context // 2)),
+            "temperature": opts.temperature,
+            "response_format": prompt.response_format(),
+        })  # fmt: skip
+
+    async def _ask(
+        self, prompt: TaskPrompt, wire: ChatCompletionRequest, request_id: str,
+        frames: list[str] | None = None,
+    ) -> Answer:  # fmt: skip
+        if frames is None:
+            completion = await self.chat.complete(wire, request_id)
+        else:
+            completion = await self._complete_with_frames(wire, frames, request_id)
+        choice = completion["choices"][0]
+        text, finish = choice["message"]["content"] or "", choice.get("finish_reason") or ""
+        budget = wire.max_tokens or 0
+        try:
+            data = parse_json(text)
+        except ValueError as exc:
+            raise _invalid(prompt, text, finish, str(exc), budget) from None
+        errors = schema_errors(data, prompt.schema)
+        if errors:
+            problem = f"it does not fit the schema ({errors[0]})"
+            raise _invalid(prompt, text, finish, problem, budget)
+        return Answer(data, completion)
+
+    async def _complete_with_frames(
+        self, wire: ChatCompletionRequest, frames: list[str], request_id: str
+    ) -> dict[str, Any]:
+        """Like ``ChatService.complete``, with the decoded frames as one video in the prompt."""
+        images = await self.worker.frames(frames)  # 400 when empty; sampled to the frame limit
+        converter = self.chat.converter
+        needs = converter.needs(wire) | {"video"}
+        lease = await self.chat.models.acquire(wire.model, "chat", HFChatBackend, needs)
+        async with lease as backend:
+            request = await converter.to_request(wire, request_id)
+            request.messages[-1].content.insert(0, VideoPart(frames=images))
+            prepared = await backend.prepare(request)
+            text, last = [], None
+            async for chunk in backend.generate(prepared):
+                text.append(chunk.text)
+                last = chunk
+        if last is None or last.finish_reason is None:
+            raise VlmserveError("generation ended without a result")
+        ids = CompletionIds(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), backend.model_id)
+        counts = usage(last.prompt_tokens, last.completion_tokens)
+        return completion_body(ids, "".join(text), last.finish_reason.value, counts)
+
+    async def _extract(self, prompt: TaskPrompt, body: ExtractRequest, request_id: str) -> Answer:
+        _require_input(body)
+        wire = self._wire(prompt, body, _media_parts(body), body.text)
+        try:
+            return await self._ask(prompt, wire, request_id, body.frames)
+        except VlmserveError as exc:
+            _media_param(exc, [f"images[{i}]" for i in range(len(body.images))] + ["video"])
+            raise
+
+    async def entities(self, body: EntitiesRequest, request_id: str) -> dict[str, Any]:
+        types = body.entity_types or list(DEFAULT_ENTITY_TYPES)
+        prompt = entities_prompt(types, body.json_schema, body.max_items or MAX_ENTITIES)
+        return _shaped(await self._extract(prompt, body, request_id), body, "entities")
+
+    async def triples(self, body: TriplesRequest, request_id: str) -> dict[str, Any]:
+        prompt = triples_prompt(body.json_schema, body.max_items or MAX_TRIPLES)
+        return _shaped(await self._extract(prompt, body, request_id), body, "triples")
+
+    async def id_card(self, body: IdCardRequest, request_id: str) -> dict[str, Any]:
+        prompt = id_card_prompt(body.json_schema)
+        parts = [{"type": "image_url", "image_url": {"url": body.image}}]
+        try:
+            answer = await self._ask(prompt, self._wire(prompt, body, parts, None), request_id)
+        except VlmserveError as exc:
+            _media_param(exc, ["image"])
+            raise
+        if body.json_schema is not None:
+            return {"result": answer.data, **answer.envelope()}
+        return {**id_card_body(answer.data), **answer.envelope()}
+
+    async def ktp_upload(self, file: UploadFile, request_id: str) -> dict[str, Any]:
+        """Seed 003's ``/ktp-ocr/``: a multipart photo, size-checked before decoding."""
+        data = await read_upload(file, self.chat.converter.settings.max_media_bytes)
+        body = IdCardRequest(image=base64.b64encode(data).decode())
+        try:
+            return await self.id_card(body, request_id)
+        except (MediaError, PayloadTooLarge) as exc:
+            exc.param = "file"
+            raise
