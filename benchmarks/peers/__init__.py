@@ -1,0 +1,1 @@
+"""Peer servers for benchmarks/serve.py: install scripts, launch specs, result tables."""

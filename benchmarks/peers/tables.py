@@ -1,0 +1,157 @@
+"""Summaries of load reports across rounds, ratios between servers, and the rich tables.
+
+Inputs are ``LoadReport.to_dict()`` dicts, so this module needs neither the servers nor the load
+tester and is tested on canned reports.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["Row", "ratio_rows", "render", "summarize"]
+
+
+@dataclass(slots=True)
+class Row:
+    """One server at one concurrency: medians over rounds (throughput range kept too)."""
+
+    server: str
+    concurrency: int
+    rounds: int
+    requests: int
+    failed: int
+    output_tps: float
+    output_tps_min: float
+    output_tps_max: float
+    ttft_p50_ms: float
+    tpot_p50_ms: float
+    e2e_p50_ms: float
+    usage_missing: int = 0  # replies without a usage chunk: tokens counted from stream chunks
+
+
+def summarize(samples: Iterable[tuple[str, int, dict[str, Any]]]) -> list[Row]:
+    """Group ``(server, concurrency, report)`` by server and concurrency, in first-seen order."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for server, concurrency, report in samples:
+        groups.setdefault((server, concurrency), []).append(report)
+    rows = []
+    for (server, concurrency), reports in groups.items():
+        tps = [float(r["output_throughput"]) for r in reports]
+        rows.append(
+            Row(
+                server=server,
+                concurrency=concurrency,
+                rounds=len(reports),
+                requests=sum(int(r["requests"]) for r in reports),
+                failed=sum(int(r["failed"]) for r in reports),
+                output_tps=statistics.median(tps),
+                output_tps_min=min(tps),
+                output_tps_max=max(tps),
+                ttft_p50_ms=_median_of(reports, "ttft_ms"),
+                tpot_p50_ms=_median_of(reports, "tpot_ms"),
+                e2e_p50_ms=_median_of(reports, "e2e_ms"),
+                usage_missing=sum(int(r.get("usage_missing", 0)) for r in reports),
+            )
+        )
+    rows.sort(key=lambda r: r.concurrency)  # stable: server order within a level is kept
+    return rows
+
+
+def _median_of(reports: list[dict[str, Any]], metric: str) -> float:
+    values = [r[metric]["median"] for r in reports if r.get(metric, {}).get("median") is not None]
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b and b == b and a == a else None  # None when b is 0 or either is NaN
+
+
+def ratio_rows(rows: list[Row], base: str, others: list[str]) -> list[dict[str, Any]]:
+    """``base``/other for output tok/s (>1: base faster) and TTFT p50 (<1: base answers sooner)."""
+    by_key = {(r.server, r.concurrency): r for r in rows}
+    out = []
+    for concurrency in dict.fromkeys(r.concurrency for r in rows):
+        mine = by_key.get((base, concurrency))
+        for other in others:
+            theirs = by_key.get((other, concurrency))
+            if mine is None or theirs is None:
+                continue
+            out.append(
+                {
+                    "concurrency": concurrency,
+                    "base": base,
+                    "other": other,
+                    "output_tps_ratio": _ratio(mine.output_tps, theirs.output_tps),
+                    "ttft_p50_ratio": _ratio(mine.ttft_p50_ms, theirs.ttft_p50_ms),
+                }
+            )
+    return out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None or value != value else format(value, spec)
+
+
+def results_table(rows: list[Row]) -> Table:
+    table = Table(title="Output tokens/s and latency (medians over rounds)")
+    table.add_column("conc", justify="right")
+    table.add_column("server", no_wrap=True)
+    for name in ("out tok/s", "range", "TTFT p50 ms", "TPOT p50 ms"):
+        table.add_column(name, justify="right")
+    table.add_column("e2e p50 ms", justify="right")
+    table.add_column("failed", justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.concurrency),
+            r.server,
+            _fmt(r.output_tps, ",.1f"),
+            f"{_fmt(r.output_tps_min, ',.0f')}-{_fmt(r.output_tps_max, ',.0f')}",
+            _fmt(r.ttft_p50_ms, ",.1f"),
+            _fmt(r.tpot_p50_ms, ",.2f"),
+            _fmt(r.e2e_p50_ms, ",.0f"),
+            f"{r.failed}/{r.requests}" if r.failed else "0",
+        )
+    return table
+
+
+def ratios_table(ratios: list[dict[str, Any]], sequential: str) -> Table:
+    table = Table(title="Ratios (tok/s >1 and TTFT <1 favour the first server)")
+    for name in ("conc", "comparison", "out tok/s ratio", "TTFT p50 ratio"):
+        table.add_column(name, justify="left" if name == "comparison" else "right")
+    for r in ratios:
+        label = f"{r['base']} / {r['other']}"
+        if r["other"] == sequential:
+            label += " (batched vs one-at-a-time)"
+        table.add_row(
+            str(r["concurrency"]),
+            label,
+            _fmt(r["output_tps_ratio"], ".2f"),
+            _fmt(r["ttft_p50_ratio"], ".2f"),
+        )
+    return table
+
+
+def render(
+    console: Console,
+    rows: list[Row],
+    ratios: list[dict[str, Any]],
+    status: dict[str, str],
+    sequential: str,
+) -> None:
+    console.print(results_table(rows))
+    if ratios:
+        console.print(ratios_table(ratios, sequential))
+    for server in dict.fromkeys(r.server for r in rows if r.usage_missing):
+        console.print(
+            f"[yellow]{server}: replies without a usage chunk; its output tokens are counted "
+            "from stream chunks and may undercount"
+        )
+    for server, state in status.items():
+        if state != "ok":
+            console.print(f"[red]{server}: not measured: {state}")

@@ -1,0 +1,282 @@
+"""Side-by-side serving benchmark: vlmserve against vLLM (CPU build) and ``transformers serve``.
+
+    python benchmarks/serve.py                                  # vlmserve batched vs one-at-a-time
+    python benchmarks/serve.py --peer vllm --rounds 3 --json out.json
+    python benchmarks/serve.py --peer vllm --peer transformers-serve --concurrency 1 8
+
+Every server serves the same checkpoint (default: the tiny random-weight Qwen2-VL) on a free
+loopback port and is driven by the same client (``vlmserve.client.loadtest``) with image requests
+of a fixed output length. Measurements are interleaved: each round visits every concurrency level
+and, within it, every server in turn (the order rotates per round), so slow drift of the machine
+hits all servers alike. Only one server is under load at a time; the others sit idle (or are
+stopped, with ``--one-at-a-time``). Peers live in their own venvs (``benchmarks/peers/``); a peer
+that is missing or fails to start is reported as such, never silently skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peers.servers import (
+    PEERS,
+    VLMSERVE,
+    VLMSERVE_ONE,
+    BodyRewrite,
+    Server,
+    ServerSpec,
+    free_ports,
+    vlmserve_spec,
+)
+from peers.tables import Row, ratio_rows, render, summarize
+
+__all__ = ["BenchConfig", "Sample", "build_config", "main", "parse_args", "plan_specs"]
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    model_dir: str
+    concurrencies: list[int]
+    rounds: int
+    requests: int  # per measurement; 0 = auto (max(8, 2 x concurrency))
+    warmup: int
+    image: tuple[int, int] | None
+    max_tokens: int
+    prompt_words: int
+    peers: list[str]
+    sequential: bool  # also measure vlmserve with --max-num-seqs 1
+    one_at_a_time: bool  # stop each server after its turn instead of leaving it idle
+    dtype: str
+    peers_dir: Path
+    startup_timeout: float
+    json_path: Path | None
+    log_dir: Path
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Sample:
+    server: str
+    concurrency: int
+    round: int
+    report: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: dict[str, str] = field(default_factory=dict)  # server -> "ok" | why not measured
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+
+
+def parse_image(text: str) -> tuple[int, int] | None:
+    if text.lower() in ("", "none", "0"):
+        return None
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--image {text!r}: use WxH such as 64x64, or none"
+        ) from None
+    return w, h
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="checkpoint dir (default: the tiny random-weight Qwen2-VL)")
+    p.add_argument("--peer", action="append", default=[], choices=sorted(PEERS), dest="peers")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level")
+    p.add_argument("--requests", type=int, default=0, help="per measurement (0: 2 x conc, >= 8)")
+    p.add_argument("--warmup", type=int, default=8, help="warm-up requests after each start")
+    p.add_argument("--image", type=parse_image, default=(64, 64), help="WxH or none")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens (ignore_eos)")
+    p.add_argument("--prompt-words", type=int, default=32)
+    p.add_argument("--dtype", default="float32", help="same dtype for every server")
+    p.add_argument("--no-sequential", action="store_true", help="skip vlmserve --max-num-seqs 1")
+    p.add_argument("--one-at-a-time", action="store_true", help="stop each server after its turn")
+    p.add_argument("--peers-dir", help="peer venvs (default: $VLMSERVE_PEERS_DIR or ~/.cache/...)")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--json", dest="json_path", help="write samples, summary and ratios here")
+    p.add_argument("--log-dir", help="server logs (default: a temp dir under the peers dir)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def default_peers_dir() -> Path:
+    env = os.environ.get("VLMSERVE_PEERS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "vlmserve" / "peers"
+
+
+def build_config(ns: argparse.Namespace) -> BenchConfig:
+    if any(c < 1 for c in ns.concurrency) or ns.rounds < 1 or ns.max_tokens < 1:
+        raise SystemExit("--concurrency, --rounds and --max-tokens must be at least 1")
+    peers_dir = Path(ns.peers_dir) if ns.peers_dir else default_peers_dir()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log_dir = Path(ns.log_dir) if ns.log_dir else peers_dir / "logs" / stamp
+    return BenchConfig(
+        model_dir=ns.model or "",
+        concurrencies=list(dict.fromkeys(ns.concurrency)),
+        rounds=ns.rounds,
+        requests=ns.requests,
+        warmup=ns.warmup,
+        image=ns.image,
+        max_tokens=ns.max_tokens,
+        prompt_words=ns.prompt_words,
+        peers=list(dict.fromkeys(ns.peers)),
+        sequential=not ns.no_sequential,
+        one_at_a_time=ns.one_at_a_time,
+        dtype=ns.dtype,
+        peers_dir=peers_dir,
+        startup_timeout=ns.startup_timeout,
+        json_path=Path(ns.json_path) if ns.json_path else None,
+        log_dir=log_dir,
+        seed=ns.seed,
+    )
+
+
+def plan_specs(cfg: BenchConfig, ports: list[int]) -> list[ServerSpec]:
+    """vlmserve (batched), then vlmserve one-at-a-time, then each peer, one port each."""
+    specs = [vlmserve_spec(cfg.model_dir, ports[0], cfg.dtype)]
+    if cfg.sequential:
+        specs.append(vlmserve_spec(cfg.model_dir, ports[len(specs)], cfg.dtype, max_num_seqs=1))
+    for name in cfg.peers:
+        specs.append(PEERS[name](cfg.model_dir, ports[len(specs)], cfg.dtype, cfg.peers_dir))
+    return specs
+
+
+def requests_for(cfg: BenchConfig, concurrency: int) -> int:
+    return cfg.requests if cfg.requests > 0 else max(8, 2 * concurrency)
+
+
+def load_config(spec: ServerSpec, cfg: BenchConfig, concurrency: int, requests: int) -> Any:
+    """The same client settings for every server (``ignore_eos`` only where it is understood)."""
+    from vlmserve.client.loadtest import LoadConfig
+
+    return LoadConfig(
+        base_url=spec.url,
+        model=spec.model,
+        concurrency=concurrency,
+        requests=requests,
+        image=cfg.image,
+        max_tokens=cfg.max_tokens,
+        prompt_words=cfg.prompt_words,
+        ignore_eos=spec.ignore_eos,
+        seed=cfg.seed,
+    )
+
+
+def measure(spec: ServerSpec, cfg: BenchConfig, concurrency: int, requests: int) -> dict[str, Any]:
+    from vlmserve.client.loadtest import run_load
+
+    load = load_config(spec, cfg, concurrency, requests)
+    extra = spec.extra_body(cfg.max_tokens)
+    transport = BodyRewrite(extra, connections=concurrency) if extra else None
+    report = asyncio.run(run_load(load, transport=transport))
+    return report.to_dict()
+
+
+def start(spec: ServerSpec, cfg: BenchConfig, out: Outcome, console: Console) -> Server | None:
+    if spec.missing:
+        out.status[spec.name] = f"not installed: {spec.missing}"
+        console.print(f"[yellow]{spec.name}: {out.status[spec.name]}")
+        return None
+    server = Server(spec, cfg.log_dir)
+    console.print(f"starting {spec.name} on :{spec.port} (log {server.log_path})")
+    try:
+        began = time.monotonic()
+        server.start(cfg.startup_timeout)
+        console.print(f"  ready in {time.monotonic() - began:.1f}s; warming up")
+        if cfg.warmup > 0:
+            measure(spec, cfg, min(8, cfg.warmup), cfg.warmup)
+    except Exception as exc:  # any failure is reported per server; the run goes on
+        server.stop()
+        out.status[spec.name] = f"failed to start: {exc}"
+        console.print(f"[red]{spec.name}: {out.status[spec.name]}")
+        return None
+    out.status[spec.name] = "ok"
+    return server
+
+
+def run_rounds(specs: list[ServerSpec], cfg: BenchConfig, console: Console) -> Outcome:
+    out = Outcome(commands={s.name: s.argv for s in specs})
+    running: dict[str, Server] = {}
+    try:
+        for rnd in range(cfg.rounds):
+            for c in cfg.concurrencies:
+                shift = rnd % len(specs)
+                for spec in specs[shift:] + specs[:shift]:
+                    if out.status.get(spec.name, "ok") != "ok":
+                        continue
+                    if spec.name not in running:
+                        server = start(spec, cfg, out, console)
+                        if server is None:
+                            continue
+                        running[spec.name] = server
+                    n = requests_for(cfg, c)
+                    report = measure(spec, cfg, c, n)
+                    out.samples.append(Sample(spec.name, c, rnd, report))
+                    console.print(
+                        f"round {rnd + 1}/{cfg.rounds} c={c:<3} {spec.name:<20} "
+                        f"{report['output_throughput']:8.1f} tok/s  "
+                        f"TTFT p50 {report['ttft_ms']['median']:7.1f} ms  "
+                        f"failed {report['failed']}/{report['requests']}"
+                    )
+                    if cfg.one_at_a_time:
+                        running.pop(spec.name).stop()
+    finally:
+        for server in running.values():
+            server.stop()
+    return out
+
+
+def to_json(cfg: BenchConfig, out: Outcome, rows: list[Row], ratios: list[dict]) -> dict:
+    config = asdict(cfg)
+    config.update(peers_dir=str(cfg.peers_dir), log_dir=str(cfg.log_dir))
+    config["json_path"] = str(cfg.json_path) if cfg.json_path else None
+    return {
+        "config": config,
+        "servers": {
+            name: {"status": state, "command": out.commands.get(name)}
+            for name, state in out.status.items()
+        },
+        "samples": [asdict(s) for s in out.samples],
+        "summary": [asdict(r) for r in rows],
+        "ratios": ratios,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = build_config(parse_args(argv))
+    console = Console(width=None if sys.stdout.isatty() else 132)  # logs: no 80-column wrap
+    if not cfg.model_dir:
+        from vlmserve.testing import build_qwen2_vl
+
+        cfg.model_dir = str(build_qwen2_vl())
+    if shutil.which("vlmserve") is None:
+        console.print("[yellow]no `vlmserve` on PATH; using python -m vlmserve.cli.main")
+    specs = plan_specs(cfg, free_ports(2 + len(cfg.peers)))
+    out = run_rounds(specs, cfg, console)
+    rows = summarize([(s.server, s.concurrency, s.report) for s in out.samples])
+    ratios = ratio_rows(rows, VLMSERVE, [s.name for s in specs if s.name != VLMSERVE])
+    render(console, rows, ratios, out.status, VLMSERVE_ONE)
+    if cfg.json_path:
+        cfg.json_path.write_text(json.dumps(to_json(cfg, out, rows, ratios), indent=2))
+        console.print(f"wrote {cfg.json_path}")
+    return 0 if out.status.get(VLMSERVE) == "ok" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""benchmarks/serve.py plumbing: arguments, server command lines, process cleanup, the
+rewrite for peers without ``ignore_eos``, and the summary / ratio tables on canned load reports.
+No peer and no model server is started here (the benchmark itself is run by hand)."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from rich.console import Console
+
+from vlmserve.client.stats import LoadReport, Summary
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load_serve():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_serve"] = module  # dataclasses look their module up here
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+serve = _load_serve()
+from peers import servers, tables  # noqa: E402 -- importable once serve.py is loaded
+
+
+def report(tps: float, ttft: float, *, failed: int = 0, requests: int = 16) -> dict:
+    """A real LoadReport's dict: the shape serve.py reads must match the load tester's."""
+    lat = Summary(mean=ttft, median=ttft, p90=ttft * 2, p99=ttft * 3)
+    return LoadReport(
+        requests=requests, completed=requests - failed, failed=failed, errors={},
+        duration_s=1.0, request_throughput=1.0, output_throughput=tps,
+        total_token_throughput=tps, total_input_tokens=100, total_output_tokens=int(tps),
+        ttft_ms=lat, tpot_ms=Summary(5, 5, 6, 7), itl_ms=Summary(5, 5, 6, 7),
+        e2e_ms=Summary(300, 300, 400, 500), goodput=None,
+    ).to_dict()  # fmt: skip
+
+
+def config(tmp_path: Path, *extra: str):
+    argv = ["--model", str(tmp_path / "ckpt"), "--peers-dir", str(tmp_path / "peers"), *extra]
+    return serve.build_config(serve.parse_args(argv))
+
+
+def test_defaults_are_image_requests_of_fixed_length_at_three_concurrencies(tmp_path):
+    cfg = config(tmp_path)
+    assert cfg.concurrencies == [1, 8, 32]
+    assert cfg.image == (64, 64)
+    assert cfg.max_tokens == 64
+    assert cfg.sequential and cfg.peers == [] and cfg.rounds >= 2
+    assert serve.requests_for(cfg, 1) == 8 and serve.requests_for(cfg, 32) == 64
+
+
+def test_image_flag_takes_wxh_or_none_and_rejects_the_rest(tmp_path, capsys):
+    assert config(tmp_path, "--image", "32x48").image == (32, 48)
+    assert config(tmp_path, "--image", "none").image is None
+    with pytest.raises(SystemExit):
+        config(tmp_path, "--image", "64")
+    assert "use WxH" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="at least 1"):
+        config(tmp_path, "--concurrency", "0")
+
+
+def test_plan_gives_each_server_its_own_port_and_the_one_at_a_time_flag(tmp_path):
+    cfg = config(tmp_path, "--peer", "vllm", "--peer", "transformers-serve", "--peer", "vllm")
+    specs = serve.plan_specs(cfg, servers.free_ports(4))
+    assert [s.name for s in specs] == ["vlmserve", "vlmserve-1seq", "vllm", "transformers-serve"]
+    assert len({s.port for s in specs}) == 4
+    one = specs[1]
+    assert one.argv[one.argv.index("--max-num-seqs") + 1] == "1"
+    assert one.env["VLMSERVE_MAX_NUM_SEQS"] == "1"
+    assert "--max-num-seqs" not in specs[0].argv
+    vllm = specs[2]
+    assert vllm.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # not `vllm serve`
+    assert vllm.env["HF_HUB_OFFLINE"] == "1" and vllm.ready_path == "/health"
+    assert vllm.ignore_eos and vllm.extra_body(64) == {}
+
+
+def test_missing_peer_is_reported_as_not_installed_with_the_fix(tmp_path):
+    cfg = config(tmp_path, "--peer", "vllm")
+    spec = serve.plan_specs(cfg, [1, 2, 3])[2]
+    out = serve.Outcome()
+    assert serve.start(spec, cfg, out, Console(file=io.StringIO())) is None
+    assert out.status["vllm"].startswith("not installed: ")
+    assert "install_vllm.sh" in out.status["vllm"]
+
+
+def test_transformers_serve_pins_length_with_generation_config_not_ignore_eos(tmp_path):
+    cfg = config(tmp_path, "--no-sequential", "--peer", "transformers-serve")
+    spec = serve.plan_specs(cfg, [1, 2])[1]
+    assert spec.model == cfg.model_dir  # a pinned `transformers serve DIR` only answers to DIR
+    assert not spec.ignore_eos
+    extra = spec.extra_body(64)
+    assert json.loads(extra["generation_config"]) == {"min_new_tokens": 64, "max_new_tokens": 64}
+
+
+async def test_body_rewrite_drops_ignore_eos_and_adds_the_extra_fields():
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json={})
+
+    transport = servers.BodyRewrite({"generation_config": "{}"}, connections=2)
+    transport.inner = httpx.MockTransport(handler)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        body = {"model": "m", "max_tokens": 8, "ignore_eos": True, "stream": True}
+        await client.post("/v1/chat/completions", json=body)
+    assert seen == [{"model": "m", "max_tokens": 8, "stream": True, "generation_config": "{}"}]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_stop_kills_the_server_and_the_children_it_forked(tmp_path):
+    port = servers.free_ports(1)[0]
+    child_pid = tmp_path / "child.pid"
+    script = f"sleep 300 & echo $! > {child_pid}; exec {sys.executable} -m http.server {port}"
+    spec = servers.ServerSpec(
+        name="fake", argv=["sh", "-c", script], port=port, model="m", ready_path="/"
+    )
+    server = servers.Server(spec, tmp_path / "logs")
+    server.start(timeout=30)
+    leader, child = server.proc.pid, int(child_pid.read_text())
+    server.stop(grace=5)
+    deadline = time.monotonic() + 5
+    while not (_gone(leader) and _gone(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(leader) and _gone(child)
+
+
+def test_a_server_that_exits_at_start_raises_with_its_log(tmp_path):
+    argv = [sys.executable, "-c", "import sys; print('bad flag --foo'); sys.exit(3)"]
+    spec = servers.ServerSpec(name="bad", argv=argv, port=servers.free_ports(1)[0], model="m")
+    server = servers.Server(spec, tmp_path)
+    with pytest.raises(servers.StartError, match=r"exited with 3: bad flag --foo"):
+        server.start(timeout=30)
+    server.stop()
+
+
+def test_summary_takes_medians_over_rounds_and_ratios_compare_with_vlmserve():
+    samples = [
+        ("vlmserve", 8, report(100.0, 40.0)),
+        ("vlmserve", 8, report(300.0, 60.0)),
+        ("vlmserve", 8, report(200.0, 50.0, failed=1)),
+        ("vllm", 8, report(400.0, 25.0)),
+        ("vlmserve-1seq", 8, report(50.0, 200.0)),
+        ("vlmserve", 1, report(90.0, 30.0)),
+    ]
+    rows = tables.summarize(samples)
+    assert (rows[0].server, rows[0].concurrency) == ("vlmserve", 1)  # sorted by level
+    mine = next(r for r in rows if r.server == "vlmserve" and r.concurrency == 8)
+    assert (mine.output_tps, mine.output_tps_min, mine.output_tps_max) == (200.0, 100.0, 300.0)
+    assert mine.ttft_p50_ms == 50.0 and mine.rounds == 3
+    assert (mine.failed, mine.requests) == (1, 48)
+    ratios = tables.ratio_rows(rows, "vlmserve", ["vlmserve-1seq", "vllm"])
+    by_other = {r["other"]: r for r in ratios}
+    assert set(by_other) == {"vllm", "vlmserve-1seq"}  # no peer row at c=1: nothing to divide
+    assert by_other["vllm"]["output_tps_ratio"] == pytest.approx(0.5)
+    assert by_other["vllm"]["ttft_p50_ratio"] == pytest.approx(2.0)
+    assert by_other["vlmserve-1seq"]["output_tps_ratio"] == pytest.approx(4.0)
+
+
+def test_rendered_tables_show_ratios_and_servers_not_measured():
+    no_usage = {**report(0.0, 0), "usage_missing": 16}  # like `transformers serve` streams
+    rows = tables.summarize([("vlmserve", 8, report(200.0, 50.0)), ("vllm", 8, no_usage)])
+    ratios = tables.ratio_rows(rows, "vlmserve", ["vllm"])
+    assert ratios[0]["output_tps_ratio"] is None  # division by zero tok/s is shown as "-"
+    console = Console(record=True, width=160, file=io.StringIO())
+    status = {"vlmserve": "ok", "vllm": "ok", "transformers-serve": "not installed: no venv"}
+    tables.render(console, rows, ratios, status, "vlmserve-1seq")
+    text = console.export_text()
+    assert "vlmserve / vllm" in text and "200.0" in text
+    assert "transformers-serve: not measured: not installed: no venv" in text
+    assert "vllm: replies without a usage chunk" in text
+    assert "vlmserve: replies without" not in text
+
+
+def test_json_output_holds_config_statuses_samples_and_ratios(tmp_path):
+    cfg = config(tmp_path, "--json", str(tmp_path / "out.json"))
+    out = serve.Outcome(status={"vlmserve": "ok"}, commands={"vlmserve": ["vlmserve", "serve"]})
+    out.samples.append(serve.Sample("vlmserve", 8, 0, report(200.0, 50.0)))
+    rows = tables.summarize([(s.server, s.concurrency, s.report) for s in out.samples])
+    doc = json.loads(json.dumps(serve.to_json(cfg, out, rows, [])))
+    assert doc["servers"]["vlmserve"] == {"status": "ok", "command": ["vlmserve", "serve"]}
+    assert doc["samples"][0]["report"]["output_throughput"] == 200.0
+    assert doc["summary"][0]["output_tps"] == 200.0
+    assert doc["config"]["image"] == [64, 64] and doc["config"]["max_tokens"] == 64
