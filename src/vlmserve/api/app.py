@@ -161,6 +161,9 @@ def build_app(
             metrics.set_model_state(h.name, "unloading" if h.draining else h.backend.state)
             metrics.set_model_load_seconds(h.name, h.backend.load_seconds or 0.0)
             metrics.set_queue_depth(h.name, h.in_flight)
+            vision_cache = getattr(h.backend, "vision_cache_stats", None)
+            if vision_cache is not None:
+                metrics.set_vision_cache(h.name, vision_cache())
         return metrics_endpoint(metrics)
 
     app.add_api_route("/metrics", scrape, methods=["GET"], include_in_schema=False)

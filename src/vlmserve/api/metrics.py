@@ -98,10 +98,17 @@ class Metrics:
         )
         self.media_bytes = make(Counter, "media_bytes", "media bytes read", ["kind"])
         self.media_frames = make(Counter, "media_frames", "video frames decoded")
-        self.vision_cache_hits = make(Counter, "vision_cache_hits", "vision-encoder cache hits")
+        self.vision_cache_hits = make(
+            Counter, "vision_cache_hits", "images/videos whose vision-tower output was cached",
+            ["model"],
+        )  # fmt: skip
         self.vision_cache_misses = make(
-            Counter, "vision_cache_misses", "vision-encoder cache misses"
+            Counter, "vision_cache_misses", "images/videos run through the vision tower", ["model"]
         )
+        self.vision_cache_bytes = make(
+            Gauge, "vision_cache_bytes", "bytes held by the vision-tower cache", ["model"]
+        )
+        self._vision_seen: dict[str, tuple[int, int]] = {}
 
     # -- requests (the middleware calls these) --
     def request_started(self, route: str) -> None:
@@ -160,8 +167,16 @@ class Metrics:
         if frames:
             self.media_frames.inc(frames)
 
-    def observe_vision_cache(self, hit: bool) -> None:
-        (self.vision_cache_hits if hit else self.vision_cache_misses).inc()
+    def set_vision_cache(self, model: str, stats: dict[str, int]) -> None:
+        """Read the engine's cumulative cache counters (at scrape time) into the series."""
+        hits, misses = stats.get("hits", 0), stats.get("misses", 0)
+        seen_hits, seen_misses = self._vision_seen.get(model, (0, 0))
+        if hits < seen_hits or misses < seen_misses:  # the model was reloaded: new counters
+            seen_hits = seen_misses = 0
+        self.vision_cache_hits.labels(model=model).inc(hits - seen_hits)
+        self.vision_cache_misses.labels(model=model).inc(misses - seen_misses)
+        self.vision_cache_bytes.labels(model=model).set(stats.get("bytes", 0))
+        self._vision_seen[model] = (hits, misses)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -136,8 +136,7 @@ def test_engine_side_series_move() -> None:
     m.set_model_load_seconds("tiny", 4.5)
     m.observe_media("image", 1000)
     m.observe_media("video", 5000, frames=8)
-    m.observe_vision_cache(hit=True)
-    m.observe_vision_cache(hit=False)
+    m.set_vision_cache("tiny", {"hits": 1, "misses": 1, "bytes": 4096})
     text = m.render().decode()
     assert value(text, "vlmserve_queue_depth", model="tiny") == 3
     assert value(text, "vlmserve_prompt_tokens_total", model="tiny") == 10
@@ -151,5 +150,17 @@ def test_engine_side_series_move() -> None:
     assert value(text, "vlmserve_model_load_seconds", model="tiny") == 4.5
     assert value(text, "vlmserve_media_bytes_total", kind="video") == 5000
     assert value(text, "vlmserve_media_frames_total") == 8
-    assert value(text, "vlmserve_vision_cache_hits_total") == 1
-    assert value(text, "vlmserve_vision_cache_misses_total") == 1
+    assert value(text, "vlmserve_vision_cache_hits_total", model="tiny") == 1
+    assert value(text, "vlmserve_vision_cache_misses_total", model="tiny") == 1
+    assert value(text, "vlmserve_vision_cache_bytes", model="tiny") == 4096
+
+
+def test_vision_cache_counters_follow_the_engine_across_scrapes_and_reloads() -> None:
+    m = Metrics()
+    m.set_vision_cache("tiny", {"hits": 3, "misses": 2, "bytes": 10})
+    m.set_vision_cache("tiny", {"hits": 5, "misses": 2, "bytes": 20})  # two more hits
+    m.set_vision_cache("tiny", {"hits": 1, "misses": 1, "bytes": 5})  # reloaded: counts anew
+    text = m.render().decode()
+    assert value(text, "vlmserve_vision_cache_hits_total", model="tiny") == 6
+    assert value(text, "vlmserve_vision_cache_misses_total", model="tiny") == 3
+    assert value(text, "vlmserve_vision_cache_bytes", model="tiny") == 5
