@@ -65,20 +65,33 @@ class BodyLimitMiddleware:
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             await self._reject(send)
             return
-        seen = 0
+        seen, too_large, started = 0, False, False
 
         async def counting_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, too_large
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    too_large = True
                     raise _BodyTooLarge
             return message
 
+        async def guarded_send(message: Message) -> None:
+            # FastAPI turns an error raised while it reads the body into its own 400; once the
+            # body is known to be too large, that answer is dropped and the 413 sent instead.
+            nonlocal started
+            if too_large:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not too_large:
+                raise
+        if too_large and not started:
             await self._reject(send)
 
     async def _reject(self, send: Send) -> None:

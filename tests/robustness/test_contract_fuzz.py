@@ -1,0 +1,122 @@
+"""Contract fuzzing: schemathesis walks the app's own OpenAPI schema, every operation, against a
+real uvicorn server sharing the loaded tiny model.
+
+Pass: 0 responses >= 500, 0 response-schema / content-type / header violations, 0 hangs (every
+call has a 10 s limit), and no body leaks a traceback, an address or a server path. Because the
+operations come from ``app.openapi()``, routes added later (the gateway's) are fuzzed as soon as
+they exist. Generation stays cheap: ``max_tokens`` defaults to 8 and the context is 64 tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.core.failures import FailureGroup
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from conftest import Scale, leaks  # tests/robustness/conftest.py (a plain import of helpers)
+from vlmserve.api.app import build_app
+from vlmserve.config import Settings
+
+pytestmark = pytest.mark.robustness
+
+ADMIN = {"Authorization": "Bearer fuzz-admin"}
+CHEAP = {"max_tokens": 8, "max_model_len": 64, "admin_keys": ["fuzz-admin"],
+         "api_keys": ["fuzz-user"], "media_fetch_timeout": 2.0}  # fmt: skip
+CALL_TIMEOUT = 10.0
+
+
+def _schema_dict() -> dict[str, Any]:
+    return build_app(Settings()).openapi()
+
+
+SCHEMA = schemathesis.openapi.from_dict(_schema_dict())
+OPERATIONS = [r.ok() for r in SCHEMA.get_all_operations()]
+
+
+def _guard(case: Any) -> None:
+    """Never let the fuzzer unload the model the whole test session shares."""
+    body = case.body if isinstance(case.body, dict) else {}
+    if case.operation.path == "/admin/deactivate" and body.get("model") in ("tiny", "role:chat"):
+        case.body["model"] = "not-the-shared-model"
+
+
+def _check(case: Any, response: Any, found: dict[str, list[str]]) -> None:
+    label = f"{case.method} {case.formatted_path}"
+    if response.status_code >= 500:
+        found["5xx"].append(f"{label} -> {response.status_code} for body {case.body!r:.400}")
+    bad = leaks(response.text)
+    if bad:
+        found["leak"].append(f"{label}: {bad} in {response.text[:300]}")
+    checks = [content_type_conformance, response_schema_conformance, response_headers_conformance]
+    try:
+        case.validate_response(response, checks=checks)
+    except FailureGroup as exc:
+        found["schema"].append(f"{label}: {exc}"[:800])
+    try:
+        case.validate_response(response, checks=[status_code_conformance])
+    except FailureGroup:
+        found["undocumented_status"].append(f"{label} -> {response.status_code}")
+
+
+def _fuzz(op: Any, mode: GenerationMode, base: str, n: int, found: dict, stats: Counter) -> None:
+    session = requests.Session()
+
+    @given(case=op.as_strategy(generation_mode=mode))
+    @settings(max_examples=n, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    def run(case: Any) -> None:
+        _guard(case)
+        started = time.monotonic()
+        try:
+            response = case.call(base_url=base, session=session, headers=ADMIN,
+                                 timeout=CALL_TIMEOUT)  # fmt: skip
+        except requests.Timeout:
+            found["hang"].append(f"{case.method} {case.formatted_path}")
+            return
+        stats[response.status_code] += 1
+        stats["slowest_ms"] = max(stats["slowest_ms"], int(1000 * (time.monotonic() - started)))
+        _check(case, response, found)
+
+    try:
+        run()
+    except Unsatisfiable:  # nothing to negate (no parameters, no body): positive mode covers it
+        assert mode is GenerationMode.NEGATIVE
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("op", OPERATIONS, ids=[o.label for o in OPERATIONS])
+def test_operation_never_5xx_never_violates_its_schema(
+    op: Any, live_server: Any, scale: Scale, record_property: Any
+) -> None:
+    server = live_server(**CHEAP)
+    found: dict[str, list[str]] = {k: [] for k in ("5xx", "schema", "hang", "leak",
+                                                   "undocumented_status")}  # fmt: skip
+    stats: Counter = Counter()
+    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+        _fuzz(op, mode, server.url, scale.fuzz_examples, found, stats)
+    calls = sum(v for k, v in stats.items() if isinstance(k, int))
+    record_property("calls", calls)
+    record_property("statuses", dict(stats))
+    undocumented = Counter(s.rsplit(" ", 1)[-1] for s in found["undocumented_status"])
+    print(f"\n{op.label}: {calls} calls, statuses {dict(stats)}, undocumented {dict(undocumented)}")
+    assert calls > 0
+    assert found["5xx"] == [], found["5xx"][:5]
+    assert found["hang"] == [], found["hang"][:5]
+    assert found["leak"] == [], found["leak"][:5]
+    assert found["schema"] == [], found["schema"][:3]
