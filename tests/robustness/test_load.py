@@ -65,12 +65,6 @@ def test_header_floods_do_no_harm(server: ServerProcess) -> None:
     assert growth < 64
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (CVE-2025-48956 class): `vlmserve serve` runs uvicorn with http='auto', which "
-    "picks httptools, so h11_max_incomplete_event_size is ignored and a 1 MiB header is "
-    "accepted; fix: http='h11' in cli/main.py _run (diff in docs/security.md)",
-)
 def test_one_mib_header_is_refused(server: ServerProcess) -> None:
     answer = _send_raw(server.port, b"X-Big: " + b"a" * 2**20 + b"\r\n")
     assert not answer.startswith(b"HTTP/1.1 200"), answer

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from vlmserve.api.auth import AuthMiddleware
-from vlmserve.api.errors import install_error_handlers
+from vlmserve.api.errors import ERROR_RESPONSES, install_error_handlers
 from vlmserve.api.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from vlmserve.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from vlmserve.api.registration import Registration
@@ -138,6 +138,7 @@ def build_app(
         version="0.1.0",
         summary="OpenAI-compatible server for vision-language models",
         lifespan=lifespan,
+        responses=ERROR_RESPONSES,
     )
     app.state.settings = settings
     app.state.models = models

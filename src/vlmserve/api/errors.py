@@ -8,13 +8,49 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve.errors import Overloaded, ServiceUnavailable, VlmserveError
 
-__all__ = ["error_body", "error_response", "install_error_handlers"]
+__all__ = [
+    "ERROR_RESPONSES",
+    "ErrorResponse",
+    "error_body",
+    "error_response",
+    "install_error_handlers",
+]
 
 log = logging.getLogger(__name__)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every 4xx/5xx this server sends."""
+
+    error: ErrorDetail
+
+
+_DOCUMENTED = {
+    400: "invalid request (bad input, undecodable or blocked media, unsupported feature)",
+    401: "missing or wrong API key",
+    403: "forbidden",
+    404: "unknown model, session or route",
+    413: "over a size limit (body, media bytes, pixels, frames)",
+    422: "request does not match the schema",
+    429: "queue full; retry after Retry-After seconds",
+    503: "model not ready or no healthy replica; retry after Retry-After seconds",
+}
+# Declared on every operation so OpenAPI clients (and contract fuzzers) know the error shape.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text} for code, text in _DOCUMENTED.items()
+}
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
@@ -40,6 +76,12 @@ def _location(loc: tuple[Any, ...]) -> str:
 def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":  # the body is not JSON: say why, no position noise
+        reason = (first.get("ctx") or {}).get("error", "")
+        message = f"the body is not valid JSON: {reason}" if reason else "body is not valid JSON"
+        return JSONResponse(
+            error_body(message, "invalid_request_error", "invalid_json", None), status_code=422
+        )
     param = _location(tuple(first.get("loc", ())))
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:

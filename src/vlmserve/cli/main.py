@@ -53,6 +53,7 @@ def _run(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        http="h11",  # h11 caps header size; httptools (uvicorn's "auto") has no limit
         h11_max_incomplete_event_size=64 * 1024,
         timeout_graceful_shutdown=30,
     )

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vlmserve.api.protocol.text import UnicodeText, valid_unicode
+
 __all__ = [
     "ChatCompletionRequest",
     "ChatMessageIn",
@@ -33,7 +35,7 @@ class UrlRef(BaseModel):
 
 class TextContentPart(_Part):
     type: Literal["text", "input_text"]
-    text: str
+    text: UnicodeText
 
 
 class ImageUrlPart(_Part):
@@ -92,7 +94,7 @@ ContentPart = Annotated[
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: UnicodeText | list[ContentPart] | None = None
     name: str | None = None
 
 
@@ -140,7 +142,7 @@ class ChatCompletionRequest(BaseModel):
         stops = [value] if isinstance(value, str) else value
         if stops is not None and (len(stops) > 16 or any(len(s) > 256 for s in stops)):
             raise ValueError("at most 16 stop strings of at most 256 characters each")
-        return stops
+        return [valid_unicode(s) for s in stops] if stops is not None else None
 
     @field_validator("session_id")
     @classmethod

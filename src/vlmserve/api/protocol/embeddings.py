@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vlmserve.api.protocol.chat import ChatMessageIn
+from vlmserve.api.protocol.text import UnicodeText
 
 __all__ = ["EmbeddingsRequest"]
 
@@ -15,7 +16,7 @@ class EmbeddingsRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1, max_length=512)
-    input: str | list[str] | None = None
+    input: UnicodeText | list[UnicodeText] | None = None
     messages: list[ChatMessageIn] | None = Field(default=None, min_length=1)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)

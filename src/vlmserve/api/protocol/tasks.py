@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vlmserve.api.protocol.text import UnicodeText
 from vlmserve.tasks import check_schema
 
 __all__ = [
@@ -47,7 +48,7 @@ class TaskOptions(BaseModel):
 
 
 class ExtractRequest(TaskOptions):
-    text: str | None = Field(default=None, max_length=200_000)
+    text: UnicodeText | None = Field(default=None, max_length=200_000)
     images: list[str] = Field(default_factory=list, description="image URLs or data URLs")
     video: str | None = Field(default=None, description="a video URL or data URL")
     frames: list[str] | None = Field(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from vlmserve.api.protocol.chat import ChatMessageIn
+from vlmserve.api.protocol.text import UnicodeText
 
 __all__ = [
     "CaptionRequest",
@@ -29,7 +30,7 @@ class EncodeVideoRequest(_In):
 
 
 class EncodeTextRequest(_In):
-    text: str
+    text: UnicodeText
 
 
 class EmbeddingResponse(BaseModel):
@@ -38,7 +39,7 @@ class EmbeddingResponse(BaseModel):
 
 class CaptionRequest(_In):
     frames: list[str]
-    transcript: str | None = Field(default=None, description="audio transcript for context")
+    transcript: UnicodeText | None = Field(default=None, description="audio transcript for context")
     max_new_tokens: int = Field(default=CAPTION_MAX_TOKENS, ge=1, le=CAPTION_MAX_TOKENS)
 
 

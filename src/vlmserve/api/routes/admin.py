@@ -7,7 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-router = APIRouter(prefix="/admin", tags=["admin"])
+from vlmserve.api.routing import StrictJSONRoute
+
+router = APIRouter(prefix="/admin", tags=["admin"], route_class=StrictJSONRoute)
 
 
 class ModelRef(BaseModel):

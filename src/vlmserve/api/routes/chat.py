@@ -8,11 +8,12 @@ from typing import Any
 from fastapi import APIRouter, Query, Request, Response
 
 from vlmserve.api.protocol.chat import ChatCompletionRequest
+from vlmserve.api.routing import StrictJSONRoute
 from vlmserve.api.serving.sse import ClientGone, run_until_disconnect, sse_response
 from vlmserve.errors import InvalidRequest
 from vlmserve.streaming import parse_event_id
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 log = logging.getLogger(__name__)
 
 

@@ -7,8 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from vlmserve.api.protocol.embeddings import EmbeddingsRequest
+from vlmserve.api.routing import StrictJSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post("/v1/embeddings")

@@ -15,11 +15,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vlmserve.api.routing import StrictJSONRoute
 from vlmserve.errors import AuthenticationError
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1/gateway", tags=["gateway"])
+router = APIRouter(prefix="/v1/gateway", tags=["gateway"], route_class=StrictJSONRoute)
 
 
 class RegisterRequest(BaseModel):

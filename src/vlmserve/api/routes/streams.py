@@ -5,11 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
+from vlmserve.api.routing import StrictJSONRoute
 from vlmserve.api.serving.sse import sse_response
 from vlmserve.errors import NotFound
 from vlmserve.streaming import parse_event_id
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 async def _cancel(request: Request, key: str) -> dict[str, object]:

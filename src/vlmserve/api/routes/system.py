@@ -7,7 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-router = APIRouter()
+from vlmserve.api.routing import StrictJSONRoute
+
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.get("/health")

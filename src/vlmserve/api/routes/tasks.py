@@ -16,10 +16,11 @@ from vlmserve.api.protocol.tasks import (
     IdCardValidateRequest,
     TriplesRequest,
 )
+from vlmserve.api.routing import StrictJSONRoute
 from vlmserve.api.serving.sse import ClientGone, run_until_disconnect
 from vlmserve.api.serving.tasks import TaskService, id_card_body
 
-router = APIRouter(tags=["tasks"])
+router = APIRouter(tags=["tasks"], route_class=StrictJSONRoute)
 
 
 async def _answer(request: Request, work: Any) -> Any:

@@ -13,8 +13,9 @@ from vlmserve.api.protocol.worker import (
     GenerateRequestIn,
     GenerateResponse,
 )
+from vlmserve.api.routing import StrictJSONRoute
 
-router = APIRouter(tags=["worker"])
+router = APIRouter(tags=["worker"], route_class=StrictJSONRoute)
 
 
 @router.post("/encode-video")
