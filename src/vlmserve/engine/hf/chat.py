@@ -1,8 +1,12 @@
-"""The ``hf`` chat backend: a transformers model in this process, one generation at a time.
+"""The ``hf`` chat backend: a transformers model in this process, requests batched continuously.
 
-Generation runs in a dedicated worker thread so the event loop stays free; tokens are
-handed back with ``loop.call_soon_threadsafe``. Closing the async generator returned by
-``generate`` sets a cancel flag that the model checks after every decode step.
+Qwen2-VL models run on the continuous-batching engine (``engine.hf.batching``, design in
+docs/engine.md): requests join the running batch at step boundaries and leave the moment
+they finish. Other architectures fall back to ``model.generate``, one request at a time.
+Either way the model runs on one dedicated thread; tokens are handed back to the event
+loop with ``loop.call_soon_threadsafe``. Closing the async generator returned by
+``generate`` (``aclose``, a cancelled task, a client gone) takes the request out within
+one decode step.
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from vlmserve.engine.hf.batching import END, BatchEngine, supports
 from vlmserve.engine.hf.generation import run_generation
 from vlmserve.engine.hf.inputs import Prepared, build_inputs, render_prompt
 from vlmserve.engine.hf.lifecycle import HFModel, ModelState
@@ -23,7 +28,8 @@ from vlmserve.errors import InvalidRequest, Overloaded
 __all__ = ["HFChatBackend", "ModelState"]
 
 log = logging.getLogger(__name__)
-_END = object()
+_MERGE_BACKLOG = 32  # chunks waiting for the consumer before they are merged into one
+_MERGE_CROWDED = 2  # the same while the engine decodes several streams
 
 
 class HFChatBackend(HFModel):
@@ -46,9 +52,49 @@ class HFChatBackend(HFModel):
         self.max_num_seqs = max_num_seqs  # sequences decoded together (continuous batching)
         self.max_num_batched_tokens = max_num_batched_tokens  # prompt tokens per prefill step
         self.vision_cache_bytes = vision_cache_bytes  # vision-tower outputs kept by content hash
-        self.tokens_generated = 0  # every token the model produced, all requests
-        self.in_flight = 0
+        self.in_flight = 0  # requests streaming now (queued or decoding)
+        self.engine: BatchEngine | None = None  # None: not loaded, or not a batchable model
+        self._tokens_before = 0  # tokens produced by earlier engines and the fallback path
         self._grammars: Any = None  # engine.hf.grammar.GrammarCompiler, built on first use
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def load(self) -> None:
+        super().load()
+        loaded = self._require()
+        if not supports(loaded.model):
+            log.info(
+                "%s: %s is served one request at a time (no batched runner for it)",
+                self.model_id,
+                type(loaded.model).__name__,
+            )
+            return
+        self.engine = BatchEngine(
+            loaded.model,
+            loaded.processor.tokenizer,
+            _eos_ids(loaded.model),
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            vision_cache_bytes=self.vision_cache_bytes,
+            submit=lambda fn: self._executor.submit(fn),
+        )
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self._tokens_before += self.engine.tokens_generated
+            self.engine = None
+        super().close()
+
+    @property
+    def tokens_generated(self) -> int:
+        """Every token the model produced, all requests, since this backend was built."""
+        return self._tokens_before + (self.engine.tokens_generated if self.engine else 0)
+
+    def vision_cache_stats(self) -> dict[str, int]:
+        """Vision-tower cache counters (hits, misses, bytes, entries); zeros when unused."""
+        if self.engine is None:
+            return {"hits": 0, "misses": 0, "bytes": 0, "entries": 0}
+        return self.engine.vision_cache_stats()
 
     # --- requests ------------------------------------------------------------------------
     def render_prompt(self, messages: list[ChatMessage]) -> str:
@@ -85,18 +131,40 @@ class HFChatBackend(HFModel):
         return self._grammars.compile(response_format)
 
     async def generate(self, prepared: Prepared) -> AsyncIterator[Chunk]:
-        loaded = self._require()
-        if self.in_flight >= self.max_queued:
+        self._require()
+        engine = self.engine
+        waiting = engine.queued if engine is not None else max(0, self.in_flight - 1)
+        if waiting >= self.max_queued:
             raise Overloaded(
-                f"{self.in_flight} requests are already queued for {self.model_id!r} "
+                f"{waiting} requests are already waiting for {self.model_id!r} "
                 "(VLMSERVE_MAX_QUEUED_REQUESTS); retry later"
             )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
+        if engine is not None:
+            seq = engine.new_sequence(prepared, loop, queue)
+            engine.submit(seq)
+            stop: Callable[[], None] = lambda: setattr(seq, "cancelled", True)  # noqa: E731
+            crowded: Callable[[], bool] = lambda: engine.running > 1  # noqa: E731
+        else:
+            stop, crowded = self._start_alone(prepared, loop, queue), lambda: False
+        self.in_flight += 1
+        try:
+            async for chunk in _coalesced(queue, crowded):
+                yield chunk
+        finally:
+            stop()  # read by the engine at its next step boundary
+            self.in_flight -= 1
+
+    def _start_alone(
+        self, prepared: Prepared, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any]
+    ) -> Callable[[], None]:
+        """Models without a batched runner: ``model.generate`` for this request alone."""
+        loaded = self._require()
         cancel = threading.Event()
 
         def emit(chunk: Chunk) -> None:
-            self.tokens_generated += len(chunk.token_ids)
+            self._tokens_before += len(chunk.token_ids)
             loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
         def job() -> None:
@@ -107,16 +175,51 @@ class HFChatBackend(HFModel):
             except BaseException as exc:  # handed to the consumer, which re-raises it
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
             finally:
-                loop.call_soon_threadsafe(queue.put_nowait, _END)
+                loop.call_soon_threadsafe(queue.put_nowait, END)
 
-        self.in_flight += 1
-        future = loop.run_in_executor(self._executor, job)
-        try:
-            while (item := await queue.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancel.set()
-            self.in_flight -= 1
-            future.add_done_callback(lambda f: f.exception())  # never "exception never retrieved"
+        self._executor.submit(job)
+        return cancel.set
+
+
+async def _coalesced(
+    queue: asyncio.Queue[Any], crowded: Callable[[], bool]
+) -> AsyncIterator[Chunk]:
+    """The queue's chunks until END (exceptions re-raised), one token per chunk while the
+    consumer keeps up. When chunks pile up they are merged into one, as vLLM's output
+    collector does, so a saturated event loop pays one SSE event per wake-up instead of
+    one per token and catches up: as soon as two are waiting while the engine decodes
+    several streams (``crowded``), or once ``_MERGE_BACKLOG`` are waiting for a lone one."""
+    pending: Any = None
+    while True:
+        item = pending if pending is not None else await queue.get()
+        pending = None
+        if item is END:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        waiting = queue.qsize()
+        merge = waiting >= _MERGE_BACKLOG or (waiting >= _MERGE_CROWDED and crowded())
+        while merge and not queue.empty() and item.finish_reason is None:
+            nxt = queue.get_nowait()
+            if not isinstance(nxt, Chunk):
+                pending = nxt
+                break
+            item = _merge(item, nxt)
+        yield item
+
+
+def _merge(first: Chunk, then: Chunk) -> Chunk:
+    return Chunk(
+        text=first.text + then.text,
+        token_ids=first.token_ids + then.token_ids,
+        finish_reason=then.finish_reason,
+        prompt_tokens=then.prompt_tokens,
+        completion_tokens=then.completion_tokens,
+    )
+
+
+def _eos_ids(model: Any) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}

@@ -1,0 +1,13 @@
+"""Continuous batching for Qwen2-VL in the ``hf`` engine (design: docs/engine.md).
+
+``BatchEngine`` (engine.py) runs the step loop; ``Scheduler`` admits requests; the runner
+(runner.py) does prefill and decode forwards over a ``SlotKVCache``; ``Sampler`` picks
+tokens for all rows at once; ``PromptEmbedder`` + ``VisionCache`` turn images and videos
+into prompt embeddings, skipping the vision tower for content it has seen.
+"""
+
+from vlmserve.engine.hf.batching.engine import END, BatchEngine
+from vlmserve.engine.hf.batching.runner import supports
+from vlmserve.engine.hf.batching.vision_cache import VisionCache
+
+__all__ = ["END", "BatchEngine", "VisionCache", "supports"]

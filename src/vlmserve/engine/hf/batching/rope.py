@@ -1,0 +1,78 @@
+"""Qwen2-VL multimodal rotary positions (M-RoPE) from lookup tables.
+
+M-RoPE splits the rotary half-dimensions into sections (``mrope_section``, e.g. [16, 24, 24]);
+section ``i`` rotates by the token's temporal (i % 3 == 0), height (1) or width (2) position.
+Text tokens have the same position on all three axes, which is ordinary RoPE. Both cases are
+served by gathering from one table of ``cos(p * inv_freq)`` so the angle of a position is
+bit-identical whichever batch the token sits in (an elementwise ``cos`` over a packed batch
+takes a scalar path for the last elements, whose rounding can differ from the vector path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RotaryTables"]
+
+
+class RotaryTables:
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        sections: list[int],
+        scaling: float,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.inv_freq = inv_freq.float().to(device)  # [D/2]
+        self.scaling = scaling
+        self.dtype, self.device = dtype, device
+        half = int(self.inv_freq.numel())
+        # axis (0 = t, 1 = h, 2 = w) that each rotary half-dimension takes its position from
+        axis = [i % 3 for i, n in enumerate(sections) for _ in range(n)]
+        if len(axis) != half:
+            raise ValueError(f"mrope_section {sections} does not cover {half} rotary dims")
+        self.axis = torch.tensor(axis, device=device)  # [D/2]
+        self.cos_half = torch.empty(0, half, device=device)  # [P, D/2] float32
+        self.sin_half = torch.empty(0, half, device=device)
+        self.cos_full = torch.empty(0, 1, 2 * half, dtype=dtype, device=device)  # [P, 1, D]
+        self.sin_full = torch.empty(0, 1, 2 * half, dtype=dtype, device=device)  # signed
+        self._grow(4096)
+
+    def _grow(self, positions: int) -> None:
+        size = max(positions, 2 * self.cos_half.shape[0])
+        p = torch.arange(size, dtype=torch.float32, device=self.device)
+        freqs = p[:, None] * self.inv_freq[None, :]  # [P, D/2]
+        self.cos_half = freqs.cos() * self.scaling
+        self.sin_half = freqs.sin() * self.scaling
+        cos, sin = self._full(self.cos_half, self.sin_half)
+        self.cos_full, self.sin_full = cos, sin  # the text path: one lookup each
+
+    def _full(self, cos_h: torch.Tensor, sin_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Half tables [N, D/2] -> (cos [N, 1, D], signed sin [N, 1, D]) in the model dtype.
+
+        ``rotate_half(x) * sin == swap_halves(x) * cat(-sin, sin)``: see ``apply``."""
+        cos = torch.cat((cos_h, cos_h), dim=-1).to(self.dtype)
+        sin = torch.cat((-sin_h, sin_h), dim=-1).to(self.dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def text(self, positions: torch.Tensor, highest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [N], same on all three axes, at most ``highest`` -> cos, sin: [N, 1, D]."""
+        if highest >= self.cos_full.shape[0]:
+            self._grow(highest + 1)
+        return self.cos_full[positions], self.sin_full[positions]
+
+    def multimodal(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [3, N] (t, h, w) -> cos, sin: [N, 1, D]."""
+        need = int(positions.max()) + 1
+        if need > self.cos_half.shape[0]:
+            self._grow(need)
+        per_dim = positions.t()[:, self.axis]  # [N, D/2]: the position each dim rotates by
+        return self._full(self.cos_half.gather(0, per_dim), self.sin_half.gather(0, per_dim))
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [N, heads, D]; cos, sin: [N, 1, D] from ``text``/``multimodal``."""
+        n, heads, d = x.shape
+        swapped = x.reshape(n, heads, 2, d // 2).flip(2).reshape(n, heads, d)
+        return x * cos + swapped * sin
