@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -61,22 +62,30 @@ def vlmserve_cmd() -> list[str]:
 
 
 class ServerProcess:
+    """A real ``vlmserve`` process. Its output goes to a temporary file, never a pipe: a
+    pipe nobody reads fills up (access logs) and blocks the server's event loop."""
+
     def __init__(self, args: list[str], env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [*vlmserve_cmd(), *args, "--port", str(self.port)],
             env={**os.environ, **(env or {})},
-            stdout=subprocess.PIPE,
+            stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,
         )
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")  # type: ignore[union-attr]
+                raise RuntimeError(f"server exited: {self.output()}")
             try:
                 if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
                     return
@@ -88,8 +97,10 @@ class ServerProcess:
     def stop(self) -> str:
         self.proc.terminate()
         try:
-            out, _ = self.proc.communicate(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, _ = self.proc.communicate()
+            self.proc.wait()
+        out = self.output()
+        self.log.close()
         return out

@@ -103,6 +103,27 @@ async def test_a_full_queue_is_a_429_in_the_openai_shape_then_drains(
     assert drained.json()["usage"]["completion_tokens"] == 5
 
 
+async def test_a_stream_refused_by_a_full_queue_is_an_http_429_not_a_200(
+    one_row_client: tuple[httpx.AsyncClient, HFChatBackend],
+) -> None:
+    client, backend = one_row_client
+    engine = backend.engine
+    assert engine is not None
+    post = client.post
+    running = asyncio.create_task(post("/v1/chat/completions", json=chat("Long", max_tokens=3000)))
+    await _until(lambda: engine.running == 1 and engine.tokens_generated > 0)
+    queued = asyncio.create_task(post("/v1/chat/completions", json=chat("Next", max_tokens=5)))
+    await _until(lambda: engine.queued == 1)
+    refused = await post("/v1/chat/completions", json=chat("Too many", max_tokens=5, stream=True))
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert backend.in_flight == 2  # the refused stream never reached the engine
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    assert (await asyncio.wait_for(queued, 30)).status_code == 200
+
+
 async def _until(condition: Any, timeout: float = 30) -> None:
     async with asyncio.timeout(timeout):
         while not condition():

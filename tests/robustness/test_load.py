@@ -105,7 +105,7 @@ async def test_64_streams_get_only_200_429_503_and_rss_stays_flat(
     print(f"\nload {scale.load_seconds:.0f}s x 64 streams: {dict(seen)} ({total} requests), "
           f"RSS {first / 2**20:.0f} -> {last / 2**20:.0f} MiB ({drift:+.1%})")  # fmt: skip
     assert set(seen) <= {200, 429, 503, "200_sse_overloaded"}, seen
-    assert seen[429] + seen["200_sse_overloaded"] > 0, "the queue bound never showed"
+    assert seen[429] > 0, "the queue bound never showed as a 429"
     assert seen[200] > 0
     assert abs(drift) < 0.10
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200

@@ -91,6 +91,12 @@ async def _observed(
         yield chunk
 
 
+def _admit(backend: ChatBackend) -> None:
+    admit = getattr(backend, "admit", None)  # optional: backends with a bounded queue
+    if admit is not None:
+        admit()
+
+
 class ChatService:
     def __init__(
         self,
@@ -124,6 +130,7 @@ class ChatService:
     async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         needs = self.converter.needs(body)
         async with await self.models.acquire(body.model, "chat", HFChatBackend, needs) as backend:
+            _admit(backend)
             prepared = await backend.prepare(await self._request(backend, body, request_id))
             ids = _new_ids(backend.model_id)
             text, last = [], None
@@ -154,6 +161,7 @@ class ChatService:
         prepared = None
         try:
             backend = lease.backend
+            _admit(backend)  # a full queue is a 429 now, not an error event inside a 200 stream
             prepared = await backend.prepare(await self._request(backend, body, request_id))
             ids = _new_ids(backend.model_id)
             record = {"body": body.model_dump(mode="json"), "id": ids.id,

@@ -130,8 +130,8 @@ class HFChatBackend(HFModel):
             )
         return self._grammars.compile(response_format)
 
-    async def generate(self, prepared: Prepared) -> AsyncIterator[Chunk]:
-        self._require()
+    def admit(self) -> None:
+        """Raise Overloaded (429) when the queue is full: called before any work is done."""
         engine = self.engine
         waiting = engine.queued if engine is not None else max(0, self.in_flight - 1)
         if waiting >= self.max_queued:
@@ -139,6 +139,11 @@ class HFChatBackend(HFModel):
                 f"{waiting} requests are already waiting for {self.model_id!r} "
                 "(VLMSERVE_MAX_QUEUED_REQUESTS); retry later"
             )
+
+    async def generate(self, prepared: Prepared) -> AsyncIterator[Chunk]:
+        self._require()
+        self.admit()
+        engine = self.engine
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         if engine is not None:
