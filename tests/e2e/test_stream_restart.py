@@ -52,8 +52,9 @@ def persisted(db: Path, session_id: str) -> int:
 
 
 def test_kill_9_mid_stream_then_restart_continues_the_generation(
-    tiny_dir: Path, tmp_path: Path
+    tiny_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    trials = 20 if request.config.getoption("--long") else 10  # release checks: 20 kills
     db = tmp_path / "streams.db"
     env = {"VLMSERVE_PERSIST_SESSIONS": "1", "VLMSERVE_SESSIONS_DB_PATH": str(db)}
     server = start(tiny_dir, env)
@@ -63,7 +64,7 @@ def test_kill_9_mid_stream_then_restart_continues_the_generation(
         with httpx.Client(base_url=server.url, timeout=120) as c:
             reference, _ = read_events(c, "POST", "/v1/chat/completions", json=body())
         expected = text_of(reference)
-        for trial in range(10):
+        for trial in range(trials):
             k = rng.randint(1, 40)
             with httpx.Client(base_url=server.url, timeout=120) as c:
                 first, response = read_events(
@@ -82,7 +83,7 @@ def test_kill_9_mid_stream_then_restart_continues_the_generation(
             assert text_of(first + rest) == expected, f"trial {trial}, killed after {k} events"
     finally:
         server.stop()
-    assert mid_generation >= 8, "the kills should land while the engine is still generating"
+    assert mid_generation >= 0.8 * trials, "the kills should land while the engine generates"
     with sqlite3.connect(db) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 

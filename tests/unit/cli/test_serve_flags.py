@@ -29,7 +29,7 @@ def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_pat
         "--model", "some/model", "--attn-implementation", "sdpa", "--min-pixels", "3136",
         "--max-pixels", "50176", "--max-video-frames", "4", "--trust-remote-code",
         "--log-level", "debug", "--registry", str(registry), "--max-num-seqs", "1",
-        "--max-num-batched-tokens", "512", "--vision-cache-bytes", "0",
+        "--max-num-batched-tokens", "512", "--vision-cache-bytes", "0", "--stream-interval", "2",
         "--max-queued-requests", "7", "--api-key", "k1", "--api-key", "k2",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -38,7 +38,7 @@ def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_pat
     assert (s.max_video_frames, s.trust_remote_code, s.log_level) == (4, True, "debug")
     assert s.registry == str(registry)
     assert (s.max_num_seqs, s.max_num_batched_tokens, s.vision_cache_bytes) == (1, 512, 0)
-    assert s.max_queued_requests == 7
+    assert s.max_queued_requests == 7 and s.stream_interval == 2
     assert s.api_keys == ["k1", "k2"]
 
 

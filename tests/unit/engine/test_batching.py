@@ -364,3 +364,31 @@ async def test_prompts_over_the_prefill_token_budget_still_run_one_per_step(
         assert [o.tokens for o in together] == [o.tokens for o in alone]
     finally:
         backend.close()
+
+
+async def _events_per_row(backend: HFChatBackend, rows: int, tokens: int) -> list[list[int]]:
+    """Token counts of each stream event, per row, for `rows` concurrent requests."""
+    sizes: list[list[int]] = [[] for _ in range(rows)]
+
+    async def consume(i: int) -> None:
+        prepared = await backend.prepare(request(f"Row {i}", max_tokens=tokens))
+        async for chunk in backend.generate(prepared):
+            if chunk.token_ids:
+                sizes[i].append(len(chunk.token_ids))
+
+    await asyncio.gather(*(consume(i) for i in range(rows)))
+    return sizes
+
+
+async def test_a_busy_batch_streams_tokens_in_groups_of_stream_interval(tiny_dir: Path) -> None:
+    means = {}
+    for interval in (1, 4):
+        backend = make_backend(tiny_dir, max_num_seqs=8, stream_interval=interval)
+        try:
+            sizes = await _events_per_row(backend, rows=6, tokens=48)
+        finally:
+            backend.close()
+        assert all(sum(s) == 48 for s in sizes)  # grouping never drops or repeats a token
+        means[interval] = sum(map(sum, sizes)) / sum(map(len, sizes))
+    assert means[4] >= 2.5 * means[1], means  # fewer, larger events under load
+    assert means[4] >= 3.0, means

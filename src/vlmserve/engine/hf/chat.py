@@ -45,6 +45,7 @@ class HFChatBackend(HFModel):
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 8192,
         vision_cache_bytes: int = 0,
+        stream_interval: int = 4,
     ):
         super().__init__(model_id, options)
         self.max_model_len = max_model_len
@@ -52,6 +53,7 @@ class HFChatBackend(HFModel):
         self.max_num_seqs = max_num_seqs  # sequences decoded together (continuous batching)
         self.max_num_batched_tokens = max_num_batched_tokens  # prompt tokens per prefill step
         self.vision_cache_bytes = vision_cache_bytes  # vision-tower outputs kept by content hash
+        self.stream_interval = stream_interval  # tokens per stream event when the batch is busy
         self.in_flight = 0  # requests streaming now (queued or decoding)
         self.engine: BatchEngine | None = None  # None: not loaded, or not a batchable model
         self._tokens_before = 0  # tokens produced by earlier engines and the fallback path
@@ -76,6 +78,7 @@ class HFChatBackend(HFModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             vision_cache_bytes=self.vision_cache_bytes,
             submit=lambda fn: self._executor.submit(fn),
+            stream_interval=self.stream_interval,
         )
 
     def close(self) -> None:

@@ -35,11 +35,10 @@ __all__ = ["END", "BatchEngine"]
 
 log = logging.getLogger(__name__)
 END = object()  # the last item a consumer receives
-# With this many rows decoding, outputs go to the event loops every _BUSY_INTERVAL steps:
-# the consumers then merge 2 tokens per SSE event, halving the event loop's per-token work
-# (which shares the GIL with this thread) at the cost of tokens arriving in pairs.
+# With this many rows decoding, outputs go to the event loops every `stream_interval` steps:
+# the consumers then merge that many tokens per SSE event, dividing the event loop's per-token
+# work (which shares the GIL with this thread) at the cost of tokens arriving in groups.
 _BUSY_ROWS = 4
-_BUSY_INTERVAL = 2
 _SMALL_MODEL_PARAMS = 50_000_000  # below this a decode step's matmuls take microseconds
 
 
@@ -54,6 +53,7 @@ class BatchEngine:
         max_num_batched_tokens: int,
         vision_cache_bytes: int,
         submit: Callable[[Callable[[], None]], Any],
+        stream_interval: int = 4,
     ):
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
@@ -73,6 +73,7 @@ class BatchEngine:
         self._threads = 1 if _small(model) and self.runner.device.type == "cpu" else 0
         self.tokens_generated = 0
         self.steps = 0
+        self.stream_interval = max(1, stream_interval)  # steps between outputs under load
         self.peak_running = 0  # most rows decoded in one step since start
 
     # --- called from event loops ---------------------------------------------------------
@@ -119,7 +120,8 @@ class BatchEngine:
                 except Exception as exc:  # a bug or OOM: fail what was in flight, keep serving
                     log.exception("engine step failed; failing %d requests", self.running)
                     self._fail_running(exc)
-                if len(self.scheduler.running) < _BUSY_ROWS or self.steps % _BUSY_INTERVAL == 0:
+                busy = len(self.scheduler.running) >= _BUSY_ROWS
+                if not busy or self.steps % self.stream_interval == 0:
                     self._flush()
             self._flush()
         if self._closed:
