@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CompletionIds", "chunk_json", "completion_body", "usage"]
+__all__ = ["CompletionIds", "chunk_json", "completion_body", "sse_json", "usage"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,7 +44,17 @@ def chunk_json(
     }
     if usage_ is not None:
         body["usage"] = usage_
-    return json.dumps(body, ensure_ascii=False)
+    return sse_json(body)
+
+
+# JSON leaves these raw, but many SSE readers (httpx's aiter_lines, Python's splitlines) treat
+# them as line breaks and would cut an event in two; escaped, they are still the same JSON.
+_LINE_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def sse_json(body: Any) -> str:
+    """Compact UTF-8 JSON that is always one line for every SSE reader."""
+    return json.dumps(body, ensure_ascii=False).translate(_LINE_SEPARATORS)
 
 
 def completion_body(
