@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -71,12 +72,18 @@ class ServerSpec:
         return {"generation_config": json.dumps(pinned)}
 
 
+def _below_ephemeral() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(1024, low - 8000) + random.randrange(4000)
+
+
 def free_ports(n: int, start: int | None = None) -> list[int]:
     """``n`` free loopback ports, consecutive where possible, from ``start`` (default: any)."""
-    if start is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            start = min(s.getsockname()[1], 65535 - 10 * n)
+    if start is None:  # below the ephemeral range: a peer's own sockets (vLLM binds several)
+        start = _below_ephemeral()  # or outgoing connections can't take a port between restarts
     ports: list[int] = []
     port = start
     while len(ports) < n and port < 65536:
