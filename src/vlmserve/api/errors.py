@@ -103,7 +103,7 @@ def _http_response(request: Request, exc: StarletteHTTPException) -> JSONRespons
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     rid = getattr(request.state, "request_id", "-")
-    log.exception("unhandled error in request %s", rid)
+    log.error("unhandled error in request %s", rid, exc_info=exc)
     message = f"internal server error (request id {rid}); the server log has the details"
     return JSONResponse(error_body(message, "internal_error", "internal_error"), status_code=500)
 

@@ -12,6 +12,7 @@ others are accepted and ignored (the engine's grammar enforces what it can).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 __all__ = ["MAX_SCHEMA_BYTES", "check_schema", "parse_json", "schema_errors"]
@@ -144,7 +145,20 @@ def parse_json(text: str) -> Any:
         body = body.split("\n", 1)[1] if "\n" in body else ""
         body = body.rsplit("```", 1)[0]
     try:
-        return json.loads(body)
+        return json.loads(body, parse_float=_finite, parse_constant=_not_a_number)
     except json.JSONDecodeError as exc:
         where = f"{exc.msg} at character {exc.pos}"
         raise ValueError(f"the model's answer is not valid JSON ({where})") from exc
+    except OverflowError as exc:  # e.g. 1e999: valid JSON, but no float can hold it
+        raise ValueError(f"the model's answer holds a number out of range ({exc})") from exc
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise OverflowError(text)
+    return value
+
+
+def _not_a_number(text: str) -> Any:
+    raise OverflowError(text)

@@ -79,3 +79,9 @@ def test_a_caller_schema_must_be_a_small_object_schema(schema: object) -> None:
 def test_a_caller_object_schema_is_accepted_as_is() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
     assert check_schema(schema) is schema
+
+
+@pytest.mark.parametrize("answer", ['{"n": 2e999}', "-1e400", "[NaN]", '{"x": Infinity}'])
+def test_an_answer_with_a_number_no_float_can_hold_is_refused_not_a_500(answer: str) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        parse_json(answer)
