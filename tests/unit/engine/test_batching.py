@@ -392,3 +392,20 @@ async def test_a_busy_batch_streams_tokens_in_groups_of_stream_interval(tiny_dir
         means[interval] = sum(map(sum, sizes)) / sum(map(len, sizes))
     assert means[4] >= 2.5 * means[1], means  # fewer, larger events under load
     assert means[4] >= 3.0, means
+
+
+def test_admission_holds_queue_places_for_requests_still_preparing(tiny_dir: Path) -> None:
+    backend = make_backend(tiny_dir, max_num_seqs=1, max_queued=2)
+    try:
+        first, second = backend.admit(), backend.admit()
+        with pytest.raises(Overloaded):
+            backend.admit()  # two places are held although the engine's queue is empty
+        first()
+        first()  # releasing twice frees one place only
+        third = backend.admit()
+        with pytest.raises(Overloaded):
+            backend.admit()
+        second(), third()
+        backend.admit()()
+    finally:
+        backend.close()

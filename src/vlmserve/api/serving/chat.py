@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from vlmserve.api.metrics import Metrics
@@ -91,10 +91,23 @@ async def _observed(
         yield chunk
 
 
-def _admit(backend: ChatBackend) -> None:
+def _admit(backend: ChatBackend) -> Callable[[], None]:
+    """Reserve a queue place (429 now when full); returns its release."""
     admit = getattr(backend, "admit", None)  # optional: backends with a bounded queue
-    if admit is not None:
-        admit()
+    return admit() if admit is not None else _nothing
+
+
+def _nothing() -> None:
+    pass
+
+
+async def _admitted(
+    release: Callable[[], None], chunks: AsyncIterator[Chunk]
+) -> AsyncIterator[Chunk]:
+    """Hand the reserved queue place over as the engine takes the request (no await between)."""
+    release()
+    async for chunk in chunks:
+        yield chunk
 
 
 class ChatService:
@@ -130,13 +143,16 @@ class ChatService:
     async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         needs = self.converter.needs(body)
         async with await self.models.acquire(body.model, "chat", HFChatBackend, needs) as backend:
-            _admit(backend)
-            prepared = await backend.prepare(await self._request(backend, body, request_id))
-            ids = _new_ids(backend.model_id)
-            text, last = [], None
-            async for chunk in self._generate(backend, prepared):
-                text.append(chunk.text)
-                last = chunk
+            release = _admit(backend)
+            try:
+                prepared = await backend.prepare(await self._request(backend, body, request_id))
+                ids = _new_ids(backend.model_id)
+                text, last = [], None
+                async for chunk in _admitted(release, self._generate(backend, prepared)):
+                    text.append(chunk.text)
+                    last = chunk
+            finally:
+                release()
         if last is None or last.finish_reason is None:
             raise VlmserveError("generation ended without a result")
         return completion_body(
@@ -158,21 +174,22 @@ class ChatService:
             )
         needs = self.converter.needs(body)
         lease = await self.models.acquire(body.model, "chat", HFChatBackend, needs)
-        prepared = None
+        prepared, release = None, _nothing
         try:
             backend = lease.backend
-            _admit(backend)  # a full queue is a 429 now, not an error event inside a 200 stream
+            release = _admit(backend)  # a full queue is a 429 now, not an event in a 200 stream
             prepared = await backend.prepare(await self._request(backend, body, request_id))
             ids = _new_ids(backend.model_id)
             record = {"body": body.model_dump(mode="json"), "id": ids.id,
                       "created": ids.created, "model": ids.model}  # fmt: skip
-            chunks = self._generate(backend, prepared)
+            chunks = _admitted(release, self._generate(backend, prepared))
             emits = _emits(chunks, ids, body.stream_options, first=True)
             await self.sessions.start(
                 session_id, record, _leased(lease, emits),
                 on_cancel=_on_cancel(ids), on_error=_on_error, aliases=[ids.id],
             )  # fmt: skip
         except BaseException:
+            release()
             if prepared is not None and isinstance(lease.backend, UpstreamBackend):
                 await lease.backend.discard(prepared)
             lease.release()

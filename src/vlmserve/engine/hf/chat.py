@@ -57,6 +57,7 @@ class HFChatBackend(HFModel):
         self.in_flight = 0  # requests streaming now (queued or decoding)
         self.engine: BatchEngine | None = None  # None: not loaded, or not a batchable model
         self._tokens_before = 0  # tokens produced by earlier engines and the fallback path
+        self._reserved = 0  # admitted requests still preparing (queue places held for them)
         self._grammars: Any = None  # engine.hf.grammar.GrammarCompiler, built on first use
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -133,19 +134,38 @@ class HFChatBackend(HFModel):
             )
         return self._grammars.compile(response_format)
 
-    def admit(self) -> None:
-        """Raise Overloaded (429) when the queue is full: called before any work is done."""
+    def _waiting(self) -> int:
         engine = self.engine
-        waiting = engine.queued if engine is not None else max(0, self.in_flight - 1)
+        return engine.queued if engine is not None else max(0, self.in_flight - 1)
+
+    def _refuse_if_full(self, waiting: int) -> None:
         if waiting >= self.max_queued:
             raise Overloaded(
                 f"{waiting} requests are already waiting for {self.model_id!r} "
                 "(VLMSERVE_MAX_QUEUED_REQUESTS); retry later"
             )
 
+    def admit(self) -> Callable[[], None]:
+        """Reserve a place in the queue before any work is done (Overloaded, 429, when full).
+
+        Requests prepare concurrently, so the place is held from here until the request
+        reaches the engine: call the returned function then (or on failure; it is idempotent).
+        """
+        self._refuse_if_full(self._waiting() + self._reserved)
+        self._reserved += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._reserved -= 1
+
+        return release
+
     async def generate(self, prepared: Prepared) -> AsyncIterator[Chunk]:
         self._require()
-        self.admit()
+        self._refuse_if_full(self._waiting())  # callers that did not admit (worker routes)
         engine = self.engine
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
