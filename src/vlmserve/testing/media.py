@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import base64
 import io
-from fractions import Fraction
 
 import numpy as np
 from PIL import Image
+
+from vlmserve.media.encode import data_url, encode_mp4
 
 __all__ = ["data_url", "gradient_image", "image_bytes", "mp4_bytes"]
 
@@ -36,21 +36,5 @@ def image_bytes(width: int = 64, height: int = 64, fmt: str = "PNG", seed: int =
 
 def mp4_bytes(frames: int = 8, width: int = 64, height: int = 48, fps: int = 8) -> bytes:
     """An H.264 (or MPEG-4 part 2, where libx264 is missing) MP4 made with PyAV."""
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.time_base = Fraction(1, fps)
-        for i in range(frames):
-            frame = av.VideoFrame.from_image(gradient_image(width, height, seed=i))
-            frame.pts = i
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode(None))
-    return buf.getvalue()
-
-
-def data_url(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+    frames_ = (gradient_image(width, height, seed=i) for i in range(frames))
+    return encode_mp4(frames_, width, height, fps)
