@@ -78,10 +78,10 @@ async def one_row_client(tiny_dir: Path) -> AsyncIterator[tuple[httpx.AsyncClien
     models.close()
 
 
-async def test_a_full_queue_is_a_429_in_the_openai_shape_then_drains(
-    one_row_client: tuple[httpx.AsyncClient, HFChatBackend],
-) -> None:
-    client, backend = one_row_client
+async def _fill_queue(
+    client: httpx.AsyncClient, backend: HFChatBackend
+) -> tuple[asyncio.Task[Any], asyncio.Task[Any]]:
+    """One request decoding (long), one waiting: the one-row engine's queue is full."""
     engine = backend.engine
     assert engine is not None
     post = client.post
@@ -89,15 +89,27 @@ async def test_a_full_queue_is_a_429_in_the_openai_shape_then_drains(
     await _until(lambda: engine.running == 1 and engine.tokens_generated > 0)
     queued = asyncio.create_task(post("/v1/chat/completions", json=chat("Next", max_tokens=5)))
     await _until(lambda: engine.queued == 1)
-    refused = await post("/v1/chat/completions", json=chat("Too many", max_tokens=5))
+    return running, queued
+
+
+async def _free_row(running: asyncio.Task[Any]) -> None:
+    running.cancel()  # the client goes away: its row frees, the queued request runs
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+
+
+async def test_a_full_queue_is_a_429_in_the_openai_shape_then_drains(
+    one_row_client: tuple[httpx.AsyncClient, HFChatBackend],
+) -> None:
+    client, backend = one_row_client
+    running, queued = await _fill_queue(client, backend)
+    refused = await client.post("/v1/chat/completions", json=chat("Too many", max_tokens=5))
     assert refused.status_code == 429, refused.text
     error = refused.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert "VLMSERVE_MAX_QUEUED_REQUESTS" in error["message"]
     assert int(refused.headers["retry-after"]) >= 1
-    running.cancel()  # the client goes away: its row frees, the queued request runs
-    with contextlib.suppress(asyncio.CancelledError):
-        await running
+    await _free_row(running)
     drained = await asyncio.wait_for(queued, 30)
     assert drained.status_code == 200, drained.text
     assert drained.json()["usage"]["completion_tokens"] == 5
@@ -107,20 +119,13 @@ async def test_a_stream_refused_by_a_full_queue_is_an_http_429_not_a_200(
     one_row_client: tuple[httpx.AsyncClient, HFChatBackend],
 ) -> None:
     client, backend = one_row_client
-    engine = backend.engine
-    assert engine is not None
-    post = client.post
-    running = asyncio.create_task(post("/v1/chat/completions", json=chat("Long", max_tokens=3000)))
-    await _until(lambda: engine.running == 1 and engine.tokens_generated > 0)
-    queued = asyncio.create_task(post("/v1/chat/completions", json=chat("Next", max_tokens=5)))
-    await _until(lambda: engine.queued == 1)
-    refused = await post("/v1/chat/completions", json=chat("Too many", max_tokens=5, stream=True))
+    running, queued = await _fill_queue(client, backend)
+    body = chat("Too many", max_tokens=5, stream=True)
+    refused = await client.post("/v1/chat/completions", json=body)
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "overloaded"
     assert backend.in_flight == 2  # the refused stream never reached the engine
-    running.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await running
+    await _free_row(running)
     assert (await asyncio.wait_for(queued, 30)).status_code == 200
 
 

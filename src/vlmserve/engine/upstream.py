@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,6 +219,19 @@ class UpstreamBackend:
 
     async def _open(self, body: dict[str, Any], tried: set[str]) -> UpstreamStream:
         client = self._require()
+
+        def send(replica: Replica) -> Awaitable[httpx.Response]:
+            url = replica.url + "/v1/chat/completions"
+            return client.send(client.build_request("POST", url, json=body), stream=True)
+
+        replica, response = await self._first_success(tried, send)
+        return UpstreamStream(body, replica, response, tried)
+
+    async def _first_success(
+        self, tried: set[str], send: Callable[[Replica], Awaitable[httpx.Response]]
+    ) -> tuple[Replica, httpx.Response]:
+        """Replicas in turn until one answers 2xx: connection errors, 5xx and 429 try the next;
+        a 4xx raises at once; none left raises the last error (or 503)."""
         last: VlmserveError | None = None
         while True:
             try:
@@ -226,9 +239,8 @@ class UpstreamBackend:
             except ServiceUnavailable:
                 raise (last if last is not None else self.pool.unavailable(tried)) from None
             tried.add(replica.url)
-            request = client.build_request("POST", replica.url + "/v1/chat/completions", json=body)
             try:
-                response = await client.send(request, stream=True)
+                response = await send(replica)
             except _RETRYABLE as exc:
                 self._failed(replica, f"{type(exc).__name__} on connect")
                 continue
@@ -236,7 +248,7 @@ class UpstreamBackend:
                 self.pool.give(replica)
                 raise
             if response.is_success:
-                return UpstreamStream(body, replica, response, tried)
+                return replica, response
             content = await response.aread()
             await response.aclose()
             last = self._refused(replica, response.status_code, content)
@@ -334,27 +346,12 @@ class UpstreamBackend:
         embeddings). Same retry and error rules as chat, without streaming."""
         client = self._require()
         self.pool.admit()
-        tried: set[str] = set()
-        last: VlmserveError | None = None
         try:
-            while True:
-                try:
-                    replica = await self.pool.take(tried)
-                except ServiceUnavailable:
-                    raise (last if last is not None else self.pool.unavailable(tried)) from None
-                tried.add(replica.url)
-                try:
-                    response = await client.post(replica.url + path, json=body)
-                except _RETRYABLE as exc:
-                    self._failed(replica, f"{type(exc).__name__} on connect")
-                    continue
-                except BaseException:
-                    self.pool.give(replica)
-                    raise
-                if response.is_success:
-                    self.pool.give(replica)
-                    self.pool.succeeded(replica)
-                    return response.json()
-                last = self._refused(replica, response.status_code, response.content)
+            replica, response = await self._first_success(
+                set(), lambda replica: client.post(replica.url + path, json=body)
+            )
+            self.pool.give(replica)
+            self.pool.succeeded(replica)
+            return response.json()
         finally:
             self.pool.leave()
