@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from peers.cache import CacheCheck, cache_table, run_cache_check
 from peers.servers import (
     PEERS,
     VLMSERVE,
@@ -64,6 +65,10 @@ class BenchConfig:
     json_path: Path | None
     log_dir: Path
     seed: int = 0
+    cache_image: tuple[int, int] | None = (448, 448)  # None: skip the media-cache check
+    cache_max_pixels: int = 1280 * 28 * 28  # Qwen2-VL's documented cap (the tiny one: 224x224)
+    cache_rounds: int = 3
+    cache_requests: int = 12
 
 
 @dataclass(slots=True)
@@ -112,6 +117,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", dest="json_path", help="write samples, summary and ratios here")
     p.add_argument("--log-dir", help="server logs (default: a temp dir under the peers dir)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cache-image", type=parse_image, default=(448, 448),
+        help="WxH for the repeated-vs-new image TTFT check of vlmserve's media caches, or none",
+    )  # fmt: skip
+    p.add_argument(
+        "--cache-max-pixels", type=int, default=1280 * 28 * 28,
+        help="vlmserve --max-pixels for that check (default: Qwen2-VL's documented 1280*28*28)",
+    )  # fmt: skip
+    p.add_argument("--cache-rounds", type=int, default=3, help="cold/warm rounds of that check")
+    p.add_argument("--cache-requests", type=int, default=12, help="requests per cold/warm round")
     return p.parse_args(argv)
 
 
@@ -123,6 +138,8 @@ def default_peers_dir() -> Path:
 def build_config(ns: argparse.Namespace) -> BenchConfig:
     if any(c < 1 for c in ns.concurrency) or ns.rounds < 1 or ns.max_tokens < 1:
         raise SystemExit("--concurrency, --rounds and --max-tokens must be at least 1")
+    if ns.cache_rounds < 1 or ns.cache_requests < 1:
+        raise SystemExit("--cache-rounds and --cache-requests must be at least 1")
     peers_dir = Path(ns.peers_dir) if ns.peers_dir else default_peers_dir()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_dir = Path(ns.log_dir) if ns.log_dir else peers_dir / "logs" / stamp
@@ -144,6 +161,10 @@ def build_config(ns: argparse.Namespace) -> BenchConfig:
         json_path=Path(ns.json_path) if ns.json_path else None,
         log_dir=log_dir,
         seed=ns.seed,
+        cache_image=ns.cache_image,
+        cache_rounds=ns.cache_rounds,
+        cache_requests=ns.cache_requests,
+        cache_max_pixels=ns.cache_max_pixels,
     )
 
 
@@ -242,6 +263,26 @@ def run_rounds(specs: list[ServerSpec], cfg: BenchConfig, console: Console) -> O
     return out
 
 
+def check_caches(spec: ServerSpec, cfg: BenchConfig, console: Console) -> CacheCheck | None:
+    """TTFT of a repeated image against new ones, on a fresh vlmserve (caches empty)."""
+    if cfg.cache_image is None:
+        return None
+    spec = replace(spec, argv=[*spec.argv, "--max-pixels", str(cfg.cache_max_pixels)])
+    server = Server(spec, cfg.log_dir)
+    console.print(f"media-cache check: starting {spec.name} on :{spec.port}")
+    try:
+        server.start(cfg.startup_timeout)
+        return run_cache_check(
+            spec.url, spec.model, cfg.cache_image, rounds=cfg.cache_rounds,
+            requests=cfg.cache_requests, log=console.print,
+        )  # fmt: skip
+    except Exception as exc:  # reported, and the throughput results still print
+        console.print(f"[red]media-cache check failed: {exc}")
+        return None
+    finally:
+        server.stop()
+
+
 def to_json(cfg: BenchConfig, out: Outcome, rows: list[Row], ratios: list[dict]) -> dict:
     config = asdict(cfg)
     config.update(peers_dir=str(cfg.peers_dir), log_dir=str(cfg.log_dir))
@@ -269,11 +310,16 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[yellow]no `vlmserve` on PATH; using python -m vlmserve.cli.main")
     specs = plan_specs(cfg, free_ports(2 + len(cfg.peers)))
     out = run_rounds(specs, cfg, console)
+    cache = check_caches(specs[0], cfg, console) if out.status.get(VLMSERVE) == "ok" else None
     rows = summarize([(s.server, s.concurrency, s.report) for s in out.samples])
     ratios = ratio_rows(rows, VLMSERVE, [s.name for s in specs if s.name != VLMSERVE])
     render(console, rows, ratios, out.status, VLMSERVE_ONE)
+    if cache is not None:
+        console.print(cache_table(cache))
     if cfg.json_path:
-        cfg.json_path.write_text(json.dumps(to_json(cfg, out, rows, ratios), indent=2))
+        result = to_json(cfg, out, rows, ratios)
+        result["media_cache"] = cache.to_dict() if cache is not None else None
+        cfg.json_path.write_text(json.dumps(result, indent=2))
         console.print(f"wrote {cfg.json_path}")
     return 0 if out.status.get(VLMSERVE) == "ok" else 1
 

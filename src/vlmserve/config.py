@@ -79,6 +79,8 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(default=32, ge=1)  # decoded together; 1 = one at a time
     max_num_batched_tokens: int = Field(default=8192, ge=1)  # prompt tokens per prefill step
     vision_cache_bytes: int = Field(default=256 * MiB, ge=0)  # vision-tower outputs; 0 = off
+    # preprocessed images by content (vLLM's --mm-processor-cache-gb); 0 = off
+    processor_cache_bytes: int = Field(default=256 * MiB, ge=0)
     # vLLM's --stream-interval: with 4+ sequences decoding, tokens go out in groups of up to
     # this many per stream event (fewer, larger events keep the API responsive); 1 = each token
     stream_interval: int = Field(default=4, ge=1)

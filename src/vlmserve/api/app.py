@@ -165,6 +165,9 @@ def build_app(
             vision_cache = getattr(h.backend, "vision_cache_stats", None)
             if vision_cache is not None:
                 metrics.set_vision_cache(h.name, vision_cache())
+            processor_cache = getattr(h.backend, "processor_cache_stats", None)
+            if processor_cache is not None:
+                metrics.set_processor_cache(h.name, processor_cache())
         return metrics_endpoint(metrics)
 
     app.add_api_route("/metrics", scrape, methods=["GET"], include_in_schema=False)

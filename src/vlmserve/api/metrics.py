@@ -108,7 +108,17 @@ class Metrics:
         self.vision_cache_bytes = make(
             Gauge, "vision_cache_bytes", "bytes held by the vision-tower cache", ["model"]
         )
-        self._vision_seen: dict[str, tuple[int, int]] = {}
+        self.processor_cache_hits = make(
+            Counter, "processor_cache_hits", "images whose preprocessed pixels were cached",
+            ["model"],
+        )  # fmt: skip
+        self.processor_cache_misses = make(
+            Counter, "processor_cache_misses", "images run through the image processor", ["model"]
+        )
+        self.processor_cache_bytes = make(
+            Gauge, "processor_cache_bytes", "bytes held by the image-processor cache", ["model"]
+        )
+        self._cache_seen: dict[tuple[str, str], tuple[int, int]] = {}
 
     # -- requests (the middleware calls these) --
     def request_started(self, route: str) -> None:
@@ -169,14 +179,29 @@ class Metrics:
 
     def set_vision_cache(self, model: str, stats: dict[str, int]) -> None:
         """Read the engine's cumulative cache counters (at scrape time) into the series."""
+        series = (self.vision_cache_hits, self.vision_cache_misses, self.vision_cache_bytes)
+        self._set_cache("vision", series, model, stats)
+
+    def set_processor_cache(self, model: str, stats: dict[str, int]) -> None:
+        series = (
+            self.processor_cache_hits,
+            self.processor_cache_misses,
+            self.processor_cache_bytes,
+        )
+        self._set_cache("processor", series, model, stats)
+
+    def _set_cache(
+        self, cache: str, series: tuple[Any, Any, Any], model: str, stats: dict[str, int]
+    ) -> None:
+        hits_c, misses_c, bytes_g = series
         hits, misses = stats.get("hits", 0), stats.get("misses", 0)
-        seen_hits, seen_misses = self._vision_seen.get(model, (0, 0))
+        seen_hits, seen_misses = self._cache_seen.get((cache, model), (0, 0))
         if hits < seen_hits or misses < seen_misses:  # the model was reloaded: new counters
             seen_hits = seen_misses = 0
-        self.vision_cache_hits.labels(model=model).inc(hits - seen_hits)
-        self.vision_cache_misses.labels(model=model).inc(misses - seen_misses)
-        self.vision_cache_bytes.labels(model=model).set(stats.get("bytes", 0))
-        self._vision_seen[model] = (hits, misses)
+        hits_c.labels(model=model).inc(hits - seen_hits)
+        misses_c.labels(model=model).inc(misses - seen_misses)
+        bytes_g.labels(model=model).set(stats.get("bytes", 0))
+        self._cache_seen[(cache, model)] = (hits, misses)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

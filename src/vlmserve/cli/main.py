@@ -127,6 +127,10 @@ def serve(
         Optional[int],  # noqa: UP045
         typer.Option(help="Bytes of vision-tower outputs cached by image hash (0 = off)."),
     ] = None,
+    processor_cache_bytes: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="Bytes of preprocessed images cached by content (0 = off)."),
+    ] = None,
     stream_interval: Annotated[
         Optional[int],  # noqa: UP045
         typer.Option(help="Tokens per stream event when 4+ requests decode (1 = every token)."),
@@ -162,6 +166,7 @@ def serve(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             vision_cache_bytes=vision_cache_bytes,
+            processor_cache_bytes=processor_cache_bytes,
             stream_interval=stream_interval,
             max_queued_requests=max_queued_requests,
             api_keys=api_key or None,

@@ -44,6 +44,7 @@ MediaKind = Literal["image", "video"]
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 _URLSAFE = str.maketrans("-_", "+/")
+_ASCII_SPACE = "".join(c for c in map(chr, range(128)) if c.isspace())  # what str.split drops
 _PATH_MAX = 4096
 _USER_AGENT = "vlmserve-media-fetch"
 
@@ -115,15 +116,24 @@ def _read_data_url(text: str, policy: MediaPolicy, kind: MediaKind) -> bytes:
     return data
 
 
+def _without_space(text: str) -> str:
+    if text.isascii() and not any(c in text for c in _ASCII_SPACE):
+        return text  # the usual case: no copy
+    return "".join(text.split())
+
+
 def _decode_base64(text: str, policy: MediaPolicy, kind: str) -> bytes:
     """Standard or URL-safe base64, padding optional, whitespace ignored; size-checked first."""
     limit = _max_base64_len(policy)
     if len(text) > 2 * limit + _PATH_MAX:
         raise _too_large(kind, policy)
-    compact = "".join(text.split())
+    # each scan below is a fast search; the copies they avoid cost ~0.5 ms per MB
+    compact = _without_space(text)
     if len(compact) > limit:
         raise _too_large(kind, policy, len(compact.rstrip("=")) * 3 // 4)
-    compact = compact.translate(_URLSAFE).rstrip("=")
+    if "-" in compact or "_" in compact:
+        compact = compact.translate(_URLSAFE)
+    compact = compact.rstrip("=")
     if not compact:
         raise MediaError(f"the {kind} base64 data is empty")
     if len(compact) % 4 == 1:

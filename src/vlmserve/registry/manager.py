@@ -107,6 +107,7 @@ def _handle(cfg: ModelConfig, settings: Settings) -> ModelHandle:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             vision_cache_bytes=settings.vision_cache_bytes,
             stream_interval=settings.stream_interval,
+            processor_cache_bytes=settings.processor_cache_bytes,
         )
     return ModelHandle(
         name=cfg.served_name, roles=list(cfg.roles), backend=backend, source=cfg.source,

@@ -31,6 +31,7 @@ def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_pat
         "--log-level", "debug", "--registry", str(registry), "--max-num-seqs", "1",
         "--max-num-batched-tokens", "512", "--vision-cache-bytes", "0", "--stream-interval", "2",
         "--max-queued-requests", "7", "--api-key", "k1", "--api-key", "k2",
+        "--processor-cache-bytes", "1024",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     s = captured[0]
@@ -39,6 +40,7 @@ def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_pat
     assert s.registry == str(registry)
     assert (s.max_num_seqs, s.max_num_batched_tokens, s.vision_cache_bytes) == (1, 512, 0)
     assert s.max_queued_requests == 7 and s.stream_interval == 2
+    assert s.processor_cache_bytes == 1024
     assert s.api_keys == ["k1", "k2"]
 
 

@@ -334,6 +334,33 @@ def test_sampler_bans_eos_until_min_tokens_and_top_k_1_is_greedy() -> None:
     assert sampler.sample(logits.clone(), rows) == [4, 5, 4]  # type: ignore[arg-type]
 
 
+def test_sampled_tokens_follow_the_distribution_and_never_take_a_masked_token() -> None:
+    sampler = Sampler(vocab_size=6, eos_ids=set(), device=torch.device("cpu"))
+
+    @dataclass
+    class Run:
+        completion: int = 0
+
+    @dataclass
+    class Row:
+        sampling: SamplingParams
+        run: Run = field(default_factory=Run)
+        matcher: Any = None
+        seen: Any = None
+        generator: Any = None
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.0, 0.2, 0.0])  # zeros: masked, as a grammar does
+    logits = probs.log().expand(8, 6)
+    rows = [Row(SamplingParams(temperature=1.0)) for _ in range(8)]
+    counts = torch.zeros(6)
+    for _ in range(500):
+        for token in sampler.sample(logits.clone(), rows):  # type: ignore[arg-type]
+            counts[token] += 1
+    assert counts[[1, 3, 5]].sum() == 0
+    share = counts / counts.sum()  # 4,000 draws: 3 sigma is about 0.024
+    assert torch.allclose(share, probs, atol=0.03), share.tolist()
+
+
 async def test_a_lagging_consumer_gets_the_backlog_merged_into_fewer_chunks(
     backend: HFChatBackend,
 ) -> None:

@@ -22,6 +22,8 @@ from vlmserve.engine.hf.generation import run_generation
 from vlmserve.engine.hf.inputs import Prepared, build_inputs, render_prompt
 from vlmserve.engine.hf.lifecycle import HFModel, ModelState
 from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.hf.processor_cache import CachedImageProcessor
+from vlmserve.engine.hf.processor_cache import install as install_processor_cache
 from vlmserve.engine.types import ChatMessage, Chunk, GenerateRequest
 from vlmserve.errors import InvalidRequest, Overloaded
 
@@ -46,6 +48,7 @@ class HFChatBackend(HFModel):
         max_num_batched_tokens: int = 8192,
         vision_cache_bytes: int = 0,
         stream_interval: int = 4,
+        processor_cache_bytes: int = 0,
     ):
         super().__init__(model_id, options)
         self.max_model_len = max_model_len
@@ -54,6 +57,8 @@ class HFChatBackend(HFModel):
         self.max_num_batched_tokens = max_num_batched_tokens  # prompt tokens per prefill step
         self.vision_cache_bytes = vision_cache_bytes  # vision-tower outputs kept by content hash
         self.stream_interval = stream_interval  # tokens per stream event when the batch is busy
+        self.processor_cache_bytes = processor_cache_bytes  # preprocessed images by content
+        self._processor_cache: CachedImageProcessor | None = None
         self.in_flight = 0  # requests streaming now (queued or decoding)
         self.engine: BatchEngine | None = None  # None: not loaded, or not a batchable model
         self._tokens_before = 0  # tokens produced by earlier engines and the fallback path
@@ -81,8 +86,12 @@ class HFChatBackend(HFModel):
             submit=lambda fn: self._executor.submit(fn),
             stream_interval=self.stream_interval,
         )
+        self._processor_cache = install_processor_cache(
+            loaded.processor, self.processor_cache_bytes
+        )
 
     def close(self) -> None:
+        self._processor_cache = None  # dropped with the processor
         if self.engine is not None:
             self.engine.close()
             self._tokens_before += self.engine.tokens_generated
@@ -99,6 +108,12 @@ class HFChatBackend(HFModel):
         if self.engine is None:
             return {"hits": 0, "misses": 0, "bytes": 0, "entries": 0}
         return self.engine.vision_cache_stats()
+
+    def processor_cache_stats(self) -> dict[str, int]:
+        """Image-processor cache counters (hits, misses, bytes, entries); zeros when unused."""
+        if self._processor_cache is None:
+            return {"hits": 0, "misses": 0, "bytes": 0, "entries": 0}
+        return self._processor_cache.stats()
 
     # --- requests ------------------------------------------------------------------------
     def render_prompt(self, messages: list[ChatMessage]) -> str:

@@ -193,7 +193,9 @@ def run_generation(
     if max_new > 0 and not cancel.is_set() and not done:
         if req.sampling.seed is not None:
             torch.manual_seed(req.sampling.seed)
-        inputs = {k: v.to(device) for k, v in prepared.inputs.items()}
+        inputs = {  # tensors only (the processor cache adds its keys, a list)
+            k: v.to(device) for k, v in prepared.inputs.items() if isinstance(v, torch.Tensor)
+        }
         stops: list[StoppingCriteria] = [_Stop(lambda: cancel.is_set() or run.stopped)]
         with torch.inference_mode():
             model.generate(

@@ -98,9 +98,13 @@ def run_processor(
         kwargs["videos"] = videos
         kwargs["do_sample_frames"] = False  # frames were sampled (and bounded) by vlmserve.media
     try:
-        return dict(processor(**kwargs))
+        out = dict(processor(**kwargs))
     except ValueError as exc:  # the processor's own input checks
         raise InvalidRequest(f"the model's processor rejected the input: {exc}") from exc
+    take_keys = getattr(getattr(processor, "image_processor", None), "take_keys", None)
+    if images and take_keys is not None and (keys := take_keys()) is not None:
+        out["image_keys"] = keys  # processor_cache: the vision cache's keys, already hashed
+    return out
 
 
 def build_inputs(processor: Any, request: GenerateRequest) -> Prepared:

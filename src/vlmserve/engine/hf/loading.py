@@ -70,16 +70,29 @@ def memory_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _processor_kwargs(opts: LoadOptions) -> dict[str, Any]:
+def load_processor(opts: LoadOptions) -> Any:
+    """The checkpoint's processor, with ``min_pixels``/``max_pixels`` applied when given.
+
+    Qwen2-VL names its pixel bounds ``size={"shortest_edge", "longest_edge"}`` and refuses a
+    ``size`` with only one of them, so a bound not given keeps the checkpoint's own value.
+    """
+    from transformers import AutoProcessor
+
     kwargs: dict[str, Any] = {"trust_remote_code": opts.trust_remote_code}
-    size = {}
-    if opts.min_pixels is not None:
-        size["shortest_edge"] = opts.min_pixels  # Qwen2-VL names its pixel bounds this way
-    if opts.max_pixels is not None:
-        size["longest_edge"] = opts.max_pixels
-    if size:
-        kwargs["size"] = size
-    return kwargs
+    processor = AutoProcessor.from_pretrained(opts.source, **kwargs)
+    if opts.min_pixels is None and opts.max_pixels is None:
+        return processor
+    current = getattr(getattr(processor, "image_processor", None), "size", None)
+    size = {
+        "shortest_edge": opts.min_pixels or _bound(current, "shortest_edge"),
+        "longest_edge": opts.max_pixels or _bound(current, "longest_edge"),
+    }
+    return AutoProcessor.from_pretrained(opts.source, size=size, **kwargs)
+
+
+def _bound(size: Any, name: str) -> int | None:
+    value = size.get(name) if isinstance(size, dict) else getattr(size, name, None)
+    return int(value) if value is not None else None
 
 
 def _missing_model_error(source: str, exc: Exception) -> ConfigError:
@@ -119,13 +132,13 @@ def _oom_error(source: str, device: torch.device, exc: BaseException) -> ConfigE
 
 def load_model(opts: LoadOptions) -> Loaded:
     """Load processor and model; raises ConfigError naming the model when that is impossible."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     device = resolve_device(opts.device)
     dtype = resolve_dtype(opts.dtype, device)
     local = Path(opts.source).is_dir()
     try:
-        processor = AutoProcessor.from_pretrained(opts.source, **_processor_kwargs(opts))
+        processor = load_processor(opts)
         model = AutoModelForImageTextToText.from_pretrained(
             opts.source,
             dtype=dtype,

@@ -1,11 +1,11 @@
 """Next tokens for a whole batch at once, each row with its own sampling parameters.
 
 Order (as transformers' ``generate``): grammar mask -> repetition penalty -> min_tokens
-(EOS banned) -> greedy argmax, or temperature -> top-k -> top-p -> sample. Sampling is the
-exponential race ``argmax(p / q), q ~ Exp(1)`` (equivalent to drawing from ``p``) with
-``q`` drawn from the row's own ``torch.Generator`` when it has a seed, so a seeded
-request samples the same tokens whatever else shares its batch. Every step is a handful of
-[B, V] tensor ops; Python loops only visit rows (seeded noise, grammar, penalties).
+(EOS banned) -> greedy argmax, or temperature -> top-k -> top-p -> sample. Sampling is
+by inverse CDF: one uniform per row, drawn from the row's own ``torch.Generator`` when it
+has a seed, so a seeded request samples the same tokens whatever else shares its batch.
+Every step is a handful of [B, V] tensor ops; Python loops only visit rows (seeded draws,
+grammar, penalties).
 """
 
 from __future__ import annotations
@@ -72,17 +72,15 @@ class Sampler:
         top_p = [1.0 if g else s.sampling.top_p for s, g in zip(seqs, greedy, strict=True)]
         if any(top_k) or any(p < 1.0 for p in top_p):
             scores = self._top_k_top_p(scores, top_k, top_p)
-        probs = scores.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(
-                len(unseeded), probs.shape[1], device=self.device
-            ).exponential_()
+        return _inverse_cdf(scores.softmax(dim=-1), self._uniforms(seqs))
+
+    def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One U[0, 1) per row, [B, 1]: a seeded row draws from its own generator."""
+        u = torch.rand(len(seqs), 1, device=self.device)
         for i, s in enumerate(seqs):
             if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        return (probs / noise).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=s.generator, device=self.device)
+        return u
 
     def _top_k_top_p(
         self, scores: torch.Tensor, top_k: list[int], top_p: list[float]
@@ -101,3 +99,17 @@ class Sampler:
             drop[:, -1] = False  # keep at least the most likely token
             ordered = ordered.masked_fill(drop, float("-inf"))
         return torch.empty_like(scores).scatter_(1, order, ordered)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row b takes the first token whose cumulative probability exceeds ``u[b] * total``.
+
+    One uniform per row instead of an exponential per vocabulary entry (that race cost
+    27 ns per entry on CPU: 0.2 ms a step for 8 rows of a 1k vocabulary, 33 ms for 8 rows of
+    Qwen2-VL's 151k). ``u`` stays strictly below the total, so the token found always has
+    probability > 0: a token the grammar masked out can never be drawn.
+    """
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)

@@ -84,15 +84,23 @@ class PromptEmbedder:
             return None
         pixels, grids = inputs[pixels_key], inputs[grid_key]
         sizes = grids.prod(dim=-1).tolist()  # patches per item
+        keys = inputs.get(f"{kind}_keys")  # from the processor cache: no need to hash again
+        if keys is None or len(keys) != len(sizes):
+            keys = [None] * len(sizes)
         out, start = [], 0
         for i, size in enumerate(sizes):
             item, grid = pixels[start : start + size], grids[i : i + 1]
             start += size
-            out.append(self._encode(kind, item, grid))
+            out.append(self._encode(kind, item, grid, keys[i]))
         return torch.cat(out)
 
-    def _encode(self, kind: str, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        key = content_key(kind, pixels, grid) if self.cache.enabled else None
+    def _encode(
+        self, kind: str, pixels: torch.Tensor, grid: torch.Tensor, key: bytes | None = None
+    ) -> torch.Tensor:
+        if self.cache.enabled and key is None:
+            key = content_key(kind, pixels, grid)
+        elif not self.cache.enabled:
+            key = None
         if key is not None and (hit := self.cache.get(key)) is not None:
             return hit
         if key is None:

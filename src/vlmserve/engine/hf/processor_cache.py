@@ -1,0 +1,146 @@
+"""Image-processor outputs kept by image content (vLLM's multimodal processor cache).
+
+A repeated image (every turn of a chat about one picture, many questions about one document)
+skips resizing, normalising and patchifying, and — because its entry also carries the key the
+vision cache files its features under — hashing its pixel patches again.
+
+Only for processors whose output is per-image patch rows plus a grid (Qwen2-VL's family):
+there each image is preprocessed on its own and the outputs are concatenated, so processing
+images one by one, some from the cache, gives exactly what one call over all of them gives.
+Any other output shape is passed through uncached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+__all__ = ["CachedImageProcessor", "install"]
+
+_KEYS = ("pixel_values", "image_grid_thw")
+
+
+class _Entry:
+    __slots__ = ("grid", "key", "pixels")
+
+    def __init__(self, pixels: torch.Tensor, grid: torch.Tensor, key: bytes):
+        self.pixels, self.grid, self.key = pixels, grid, key
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixels.numel() * self.pixels.element_size()
+
+
+def image_key(image: Any, options: str) -> bytes | None:
+    """A 128-bit hash of a decoded image's pixels, size and mode plus the call's options."""
+    tobytes = getattr(image, "tobytes", None)
+    if tobytes is None:  # arrays or tensors: not cached
+        return None
+    digest = hashlib.blake2b(b"image", digest_size=16)
+    digest.update(f"{image.mode}|{image.size}|{options}".encode())
+    digest.update(tobytes())
+    return digest.digest()
+
+
+class CachedImageProcessor:
+    """Wraps a processor's ``image_processor``; everything but ``__call__`` is delegated."""
+
+    def __init__(self, inner: Any, max_bytes: int):
+        self.inner = inner
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self._local = threading.local()  # keys of this thread's last call (see ``take_keys``)
+        self.bytes = self.hits = self.misses = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, images: Any, **kwargs: Any) -> Any:
+        from transformers.image_utils import make_flat_list_of_images
+
+        self._local.keys = None
+        flat = make_flat_list_of_images(images)
+        options = repr(sorted(kwargs.items()))
+        keys = [image_key(image, options) for image in flat]
+        if kwargs.get("return_tensors") != "pt" or any(k is None for k in keys):
+            return self.inner(images, **kwargs)
+        entries = [self._get(k) for k in keys]  # type: ignore[arg-type]
+        for i, entry in enumerate(entries):
+            if entry is None:
+                entry = self._process(flat[i], keys[i], kwargs)  # type: ignore[arg-type]
+                if entry is None:
+                    return self.inner(images, **kwargs)
+                entries[i] = entry
+        from transformers.image_processing_base import BatchFeature
+
+        self._local.keys = [b"p" + e.key for e in entries]  # type: ignore[union-attr]
+        return BatchFeature(
+            {
+                "pixel_values": _joined([e.pixels for e in entries]),  # type: ignore[union-attr]
+                "image_grid_thw": _joined([e.grid for e in entries]),  # type: ignore[union-attr]
+            }
+        )
+
+    def take_keys(self) -> list[bytes] | None:
+        """Vision-cache keys of the images of this thread's last call, in order (once)."""
+        keys, self._local.keys = getattr(self._local, "keys", None), None
+        return keys
+
+    def _process(self, image: Any, key: bytes, kwargs: dict[str, Any]) -> _Entry | None:
+        out = self.inner([image], **kwargs)
+        if set(out.keys()) != set(_KEYS):
+            return None  # not the patch-rows-plus-grid layout: caching would be unsafe
+        entry = _Entry(out["pixel_values"], out["image_grid_thw"], key)
+        self._put(key, entry)
+        return entry
+
+    def _get(self, key: bytes) -> _Entry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry
+
+    def _put(self, key: bytes, entry: _Entry) -> None:
+        with self._lock:
+            if entry.nbytes > self.max_bytes or key in self._entries:
+                return
+            self._entries[key] = entry
+            self.bytes += entry.nbytes
+            while self.bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self.bytes -= evicted.nbytes
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "bytes": self.bytes,
+                "entries": len(self._entries),
+            }
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One image's tensors are returned as they are (read-only downstream): no 5 MB copy."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def install(processor: Any, max_bytes: int) -> CachedImageProcessor | None:
+    """Wrap ``processor.image_processor`` in a cache of ``max_bytes`` (None: off or absent)."""
+    inner = getattr(processor, "image_processor", None)
+    if max_bytes <= 0 or inner is None:
+        return None
+    if isinstance(inner, CachedImageProcessor):
+        return inner
+    cached = CachedImageProcessor(inner, max_bytes)
+    processor.image_processor = cached
+    return cached
