@@ -79,15 +79,20 @@ async def test_stream_and_non_stream_give_the_same_answer(client: httpx.AsyncCli
 
 
 async def test_json_object_answers_are_json_objects(client: httpx.AsyncClient) -> None:
-    # Unbounded strings: a random model often runs to max_tokens; these seeds finish (seeded
-    # sampling on CPU is deterministic), and a finished json_object answer must be an object.
-    for seed in (2, 4):
+    # Unbounded strings: a random model often runs to max_tokens, so several seeds are tried;
+    # every answer that finishes must be a JSON object.
+    finished = 0
+    for seed in range(8):
         r = await client.post(
             "/v1/chat/completions", json=body({"type": "json_object"}, seed, max_tokens=256)
         )
         choice = r.json()["choices"][0]
-        assert choice["finish_reason"] == "stop", choice
-        assert isinstance(json.loads(choice["message"]["content"]), dict)
+        if choice["finish_reason"] == "stop":
+            finished += 1
+            assert isinstance(json.loads(choice["message"]["content"]), dict), choice
+        else:
+            assert choice["finish_reason"] == "length", choice
+    assert finished >= 2, f"only {finished} of 8 seeded json_object answers finished"
 
 
 @pytest.mark.parametrize(

@@ -203,3 +203,34 @@ def test_json_output_holds_config_statuses_samples_and_ratios(tmp_path):
     assert doc["samples"][0]["report"]["output_throughput"] == 200.0
     assert doc["summary"][0]["output_tps"] == 200.0
     assert doc["config"]["image"] == [64, 64] and doc["config"]["max_tokens"] == 64
+
+
+def test_cache_check_flags_default_to_a_448_image_at_qwens_pixel_cap(tmp_path):
+    cfg = config(tmp_path)
+    assert cfg.cache_image == (448, 448) and cfg.cache_max_pixels == 1280 * 28 * 28
+    assert config(tmp_path, "--cache-image", "none").cache_image is None
+    with pytest.raises(SystemExit, match="at least 1"):
+        config(tmp_path, "--cache-rounds", "0")
+
+
+def test_cache_check_times_new_and_repeated_images_and_the_caches_answer(live_server):
+    from peers.cache import cache_table, run_cache_check
+
+    from support import MODEL
+
+    server = live_server()
+    before = httpx.get(f"{server.url}/metrics").text
+    check = run_cache_check(server.url, MODEL, (96, 96), rounds=2, requests=3, log=lambda _: None)
+    assert len(check.cold_ttft_ms) == len(check.warm_ttft_ms) == 2
+    assert check.ratio is not None and check.ratio > 0
+    assert check.to_dict()["warm_over_cold"] == check.ratio
+
+    def hits(text: str) -> float:
+        lines = [ln for ln in text.splitlines() if ln.startswith("vlmserve_processor_cache_hits")]
+        return sum(float(ln.split()[-1]) for ln in lines if "_total" in ln)
+
+    after = httpx.get(f"{server.url}/metrics").text
+    assert hits(after) - hits(before) >= 6  # every warm request was a processor-cache hit
+    out = io.StringIO()
+    Console(file=out, width=140).print(cache_table(check))
+    assert "repeated / new" in out.getvalue()
