@@ -119,3 +119,16 @@ def test_one_pixel_bound_alone_keeps_the_checkpoints_other_bound(
     processor = load_processor(LoadOptions(source=str(tiny_dir), **bounds))
     out = run_processor(processor, [ONE], [gradient_image(448, 448)], [])
     assert out["pixel_values"].shape[0] == patches  # the tiny checkpoint caps at 224x224
+
+
+def test_a_processor_without_per_image_rows_passes_through_uncached() -> None:
+    from transformers import CLIPImageProcessor  # pixel_values [n, 3, H, W]: a batch, no grid
+
+    inner = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    cached = CachedImageProcessor(inner, 2**24)
+    images = [gradient_image(40, 40, seed=1), gradient_image(50, 40, seed=2)]
+    for _ in range(2):
+        out = cached(images, return_tensors="pt")
+        assert torch.equal(out["pixel_values"], inner(images, return_tensors="pt")["pixel_values"])
+        assert cached.take_keys() is None
+    assert cached.stats()["entries"] == 0 and cached.stats()["hits"] == 0

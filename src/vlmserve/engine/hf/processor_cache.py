@@ -56,6 +56,7 @@ class CachedImageProcessor:
         self._lock = threading.Lock()
         self._local = threading.local()  # keys of this thread's last call (see ``take_keys``)
         self.bytes = self.hits = self.misses = 0
+        self._bypass = False  # set when the output layout turns out not to be per-image rows
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -67,22 +68,22 @@ class CachedImageProcessor:
         flat = make_flat_list_of_images(images)
         options = repr(sorted(kwargs.items()))
         keys = [image_key(image, options) for image in flat]
-        if kwargs.get("return_tensors") != "pt" or any(k is None for k in keys):
+        if self._bypass or kwargs.get("return_tensors") != "pt" or None in keys:
             return self.inner(images, **kwargs)
-        entries = [self._get(k) for k in keys]  # type: ignore[arg-type]
-        for i, entry in enumerate(entries):
-            if entry is None:
-                entry = self._process(flat[i], keys[i], kwargs)  # type: ignore[arg-type]
-                if entry is None:
-                    return self.inner(images, **kwargs)
-                entries[i] = entry
+        entries: list[_Entry] = []
+        for image, key in zip(flat, keys, strict=True):
+            entry = self._get(key) or self._process(image, key, kwargs)  # type: ignore[arg-type]
+            if entry is None:  # not the patch-rows-plus-grid layout: never cache this processor
+                self._bypass = True
+                return self.inner(images, **kwargs)
+            entries.append(entry)
         from transformers.image_processing_base import BatchFeature
 
-        self._local.keys = [b"p" + e.key for e in entries]  # type: ignore[union-attr]
+        self._local.keys = [b"p" + e.key for e in entries]
         return BatchFeature(
             {
-                "pixel_values": _joined([e.pixels for e in entries]),  # type: ignore[union-attr]
-                "image_grid_thw": _joined([e.grid for e in entries]),  # type: ignore[union-attr]
+                "pixel_values": _joined([e.pixels for e in entries]),
+                "image_grid_thw": _joined([e.grid for e in entries]),
             }
         )
 
@@ -94,7 +95,7 @@ class CachedImageProcessor:
     def _process(self, image: Any, key: bytes, kwargs: dict[str, Any]) -> _Entry | None:
         out = self.inner([image], **kwargs)
         if set(out.keys()) != set(_KEYS):
-            return None  # not the patch-rows-plus-grid layout: caching would be unsafe
+            return None
         entry = _Entry(out["pixel_values"], out["image_grid_thw"], key)
         self._put(key, entry)
         return entry

@@ -4,8 +4,8 @@ Layout per layer: ``k[l], v[l]: [slots, kv_heads, capacity, head_dim]``. A row w
 token ``i`` at column ``i`` of its slot, so joining the batch copies nothing and leaving it
 moves one row (the last slot fills the hole; the batch stays dense in slots ``0..B-1``).
 Both dimensions grow by doubling as needed; the engine drops the buffers when it idles
-with a large cache. A paged cache (nano-vllm's block manager) replaces this by swapping ``slot`` for
-a block table and ``column`` for a slot mapping; the runner only calls ``write_*``,
+with a large cache. A paged cache (nano-vllm's block manager) replaces this by swapping
+``slot`` for a block table and ``column`` for a slot mapping; the runner only calls ``write_*``,
 ``keys``/``values`` and ``move``.
 """
 

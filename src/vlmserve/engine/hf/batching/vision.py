@@ -97,10 +97,10 @@ class PromptEmbedder:
     def _encode(
         self, kind: str, pixels: torch.Tensor, grid: torch.Tensor, key: bytes | None = None
     ) -> torch.Tensor:
-        if self.cache.enabled and key is None:
-            key = content_key(kind, pixels, grid)
-        elif not self.cache.enabled:
+        if not self.cache.enabled:
             key = None
+        elif key is None:
+            key = content_key(kind, pixels, grid)
         if key is not None and (hit := self.cache.get(key)) is not None:
             return hit
         if key is None:
