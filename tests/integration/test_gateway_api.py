@@ -141,7 +141,7 @@ async def test_register_refuses_non_upstream_models_and_bad_urls(
     assert r.status_code == 404
     body = {"model": "gw-empty", "url": "ftp://x", "instance": "x"}
     r = await gateway.post("/v1/gateway/register", headers=ADMIN, json=body)
-    assert r.status_code == 422
+    assert r.status_code == 400
 
 
 async def test_replica_failing_preflight_is_out_with_the_reason(gateway: httpx.AsyncClient) -> None:

@@ -22,7 +22,7 @@ async def test_non_finite_numbers_are_refused_with_the_error_shape(client, body:
     r = await client.post(
         "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
     )
-    assert r.status_code == 422, r.text
+    assert r.status_code == 400, r.text
     assert "finite" in r.json()["error"]["message"]
 
 
@@ -31,7 +31,7 @@ async def test_non_finite_numbers_are_refused_on_task_routes(client) -> None:
     r = await client.post(
         "/v1/extract/entities", content=body, headers={"Content-Type": "application/json"}
     )
-    assert r.status_code == 422, r.text
+    assert r.status_code == 400, r.text
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ async def test_non_finite_numbers_are_refused_on_task_routes(client) -> None:
 async def test_lone_surrogates_are_refused_naming_the_field(client, path: str, body: dict) -> None:
     raw = json.dumps(body)  # ASCII: the surrogate travels as a \\uXXXX escape, as clients send it
     r = await client.post(path, content=raw, headers={"Content-Type": "application/json"})
-    assert r.status_code == 422, r.text
+    assert r.status_code == 400, r.text
     assert "surrogate" in r.json()["error"]["message"]
 
 

@@ -137,5 +137,5 @@ async def test_response_formats_of_the_wrong_shape_fail_wire_validation(
     client: httpx.AsyncClient, response_format: Any
 ) -> None:
     r = await client.post("/v1/chat/completions", json=body(response_format, 0))
-    assert r.status_code == 422, r.text  # the API's request validation, before the engine
+    assert r.status_code == 400, r.text  # the API's request validation, before the engine
     assert r.json()["error"]["param"].startswith("response_format")

@@ -87,13 +87,13 @@ def test_declared_oversize_gets_413_without_sending_the_body(live_server: Any) -
 @pytest.mark.parametrize(
     ("body", "status"),
     [
-        (_chat(n=10**6), 422), (_chat(n=2), 400), (_chat(max_tokens=10**18), 400),
+        (_chat(n=10**6), 400), (_chat(n=2), 400), (_chat(max_tokens=10**18), 400),
         (_chat(max_tokens=2**63), 400), (_chat(max_completion_tokens=10**9), 400),
-        (_chat(top_k=10**12), 422), (_chat(seed=10**40), 422), (_chat(stop=["x"] * 1000), 422),
+        (_chat(top_k=10**12), 400), (_chat(seed=10**40), 400), (_chat(stop=["x"] * 1000), 400),
         ({**_chat(), "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://198.51.100.7/never-fetched.png"}}
         ] * 500}]}, 400),
-        ({**_chat(), "messages": [{"role": "user", "content": "hi"}] * 5000}, 422),
+        ({**_chat(), "messages": [{"role": "user", "content": "hi"}] * 5000}, 400),
     ],
 )  # fmt: skip
 async def test_absurd_requests_are_refused_in_under_50ms(

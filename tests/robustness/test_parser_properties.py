@@ -1,7 +1,7 @@
 """Parser properties (hypothesis): random mixes of content parts, data URLs, base64, broken
 unicode and absurd sampling numbers, sent through the real app in-process.
 
-Pass: every answer is 200 or a 400 / 413 / 422 in the OpenAI error shape, and no body contains a
+Pass: every answer is 200 or a 400 / 413 in the OpenAI error shape, and no body contains a
 traceback, a memory address (``0x`` + 8 hex digits) or an absolute server path.
 """
 
@@ -28,7 +28,7 @@ from vlmserve.testing.media import data_url, image_bytes, mp4_bytes
 
 pytestmark = pytest.mark.robustness
 
-ALLOWED = {200, 400, 413, 422}
+ALLOWED = {200, 400, 413}
 PNG = image_bytes(8, 8)
 MP4 = mp4_bytes(frames=2, width=16, height=16)
 

@@ -16,9 +16,14 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from vlmserve.api.auth import AuthMiddleware
+from vlmserve.api.docs import install_offline_docs
 from vlmserve.api.errors import ERROR_RESPONSES, install_error_handlers
 from vlmserve.api.metrics import Metrics, MetricsMiddleware, metrics_endpoint
-from vlmserve.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from vlmserve.api.middleware import (
+    BodyLimitMiddleware,
+    ErrorShieldMiddleware,
+    RequestIdMiddleware,
+)
 from vlmserve.api.registration import Registration
 from vlmserve.api.routes import admin, chat, embeddings, gateway, streams, system, tasks, worker
 from vlmserve.api.serving.chat import ChatService
@@ -36,7 +41,10 @@ from vlmserve.watchdog import (
     IdleWatchdog,
 )
 
-__all__ = ["build_app"]
+__all__ = ["CORS_EXPOSED_HEADERS", "CORS_METHODS", "build_app"]
+
+CORS_METHODS = ["GET", "POST", "DELETE"]
+CORS_EXPOSED_HEADERS = ["X-Session-ID", "X-Request-ID", "Retry-After"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +91,21 @@ def build_watchdog(settings: Settings, clock: ActivityClock) -> IdleWatchdog | N
         idle_command=settings.idle_command,
         deregister=_deregister_hook(settings),
     )
+
+
+def _load_numbers(handle: Any) -> tuple[int, int, float]:
+    """(decoding, waiting, slot usage) of one model. A batching engine knows them exactly; a
+    model served one at a time decodes at most one; a proxied model counts its in-flight calls."""
+    engine = getattr(handle.backend, "engine", None)
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is not None:
+        running = engine.running
+        waiting = engine.queued + max(0, handle.in_flight - running - engine.queued)
+        return running, waiting, running / max(1, scheduler.max_num_seqs)
+    if getattr(handle.backend, "kind", "hf") == "hf":  # hf backends set no kind (yet)
+        running = min(handle.in_flight, 1)
+        return running, handle.in_flight - running, float(running)
+    return handle.in_flight, 0, 0.0
 
 
 def build_app(
@@ -139,7 +162,10 @@ def build_app(
         summary="OpenAI-compatible server for vision-language models",
         lifespan=lifespan,
         responses=ERROR_RESPONSES,
+        docs_url=None,  # served from bundled assets below: FastAPI's pages load a CDN
+        redoc_url=None,
     )
+    install_offline_docs(app)
     app.state.settings = settings
     app.state.models = models
     app.state.sessions = sessions
@@ -161,7 +187,8 @@ def build_app(
         for h in models.handles:  # gauges read from the manager at scrape time
             metrics.set_model_state(h.name, "unloading" if h.draining else h.backend.state)
             metrics.set_model_load_seconds(h.name, h.backend.load_seconds or 0.0)
-            metrics.set_queue_depth(h.name, h.in_flight)
+            running, waiting, usage = _load_numbers(h)
+            metrics.set_load(h.name, running=running, waiting=waiting, usage=usage)
             vision_cache = getattr(h.backend, "vision_cache_stats", None)
             if vision_cache is not None:
                 metrics.set_vision_cache(h.name, vision_cache())
@@ -171,7 +198,8 @@ def build_app(
         return metrics_endpoint(metrics)
 
     app.add_api_route("/metrics", scrape, methods=["GET"], include_in_schema=False)
-    # Outermost first: RequestId -> Metrics -> CORS -> Auth -> Activity -> BodyLimit -> app
+    # Outermost first: RequestId -> Metrics -> CORS -> ErrorShield -> Auth -> Activity
+    # -> BodyLimit -> app
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(ActivityMiddleware, clock=clock)
     app.add_middleware(
@@ -180,12 +208,15 @@ def build_app(
         admin_keys=settings.admin_keys,
         metrics_public=settings.metrics_public,
     )
+    app.add_middleware(ErrorShieldMiddleware)  # inside CORS: a 500 carries its headers too
     if settings.cors_allow_origins:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_allow_origins,
-            allow_methods=["GET", "POST"],
+            allow_methods=CORS_METHODS,
             allow_headers=["*"],
+            expose_headers=CORS_EXPOSED_HEADERS,  # page scripts read the stream's session id
+            max_age=600,
         )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)

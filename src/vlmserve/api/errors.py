@@ -43,7 +43,7 @@ _DOCUMENTED = {
     403: "forbidden",
     404: "unknown model, session or route",
     413: "over a size limit (body, media bytes, pixels, frames)",
-    422: "request does not match the schema",
+    422: "the model's answer does not fit the task's schema (task routes)",
     429: "queue full; retry after Retry-After seconds",
     503: "model not ready or no healthy replica; retry after Retry-After seconds",
 }
@@ -65,30 +65,49 @@ def error_response(exc: VlmserveError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
+# Location parts pydantic adds for union members and validator wrappers
+# (``function-after[valid_unicode(), str]``, ``str``, ``list[...]``): not field names.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _is_field(part: str) -> bool:
+    return not any(c in part for c in "[]()-,") and part.lower() not in _TYPE_TAGS
+
+
 def _location(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p != "body"]
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    """``("body", "messages", 0, "content")`` -> ``messages[0].content``."""
+    out, last = "", None
+    for p in (str(p) for p in loc if p != "body"):
+        if p.isdigit():
+            out += f"[{p}]"
+        elif _is_field(p) and p != last:  # a tagged union repeats its tag: `image_url.image_url`
+            out += f".{p}" if out else p
+        last = p
     return out
 
 
 def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    # The deepest location is the most specific: for a union (``content`` as text or parts),
+    # pydantic reports every branch, and the branch that got furthest is the one meant.
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default=None) or {
+        "loc": (),
+        "msg": "invalid request",
+    }
     if first.get("type") == "json_invalid":  # the body is not JSON: say why, no position noise
         reason = (first.get("ctx") or {}).get("error", "")
         message = f"the body is not valid JSON: {reason}" if reason else "body is not valid JSON"
         return JSONResponse(
-            error_body(message, "invalid_request_error", "invalid_json", None), status_code=422
+            error_body(message, "invalid_request_error", "invalid_json", None), status_code=400
         )
     param = _location(tuple(first.get("loc", ())))
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    message = f"{param}: {reason}" if param else reason
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problems)"
     return JSONResponse(
         error_body(message, "invalid_request_error", "invalid_value", param or None),
-        status_code=422,
+        status_code=400,  # OpenAI answers a malformed request with 400, not 422
     )
 
 

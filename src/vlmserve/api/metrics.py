@@ -60,7 +60,30 @@ class Metrics:
             ["route"],
             buckets=_DURATION_BUCKETS,
         )
-        self.queue_depth = make(Gauge, "queue_depth", "requests waiting for the engine", ["model"])
+        self.queue_depth = make(
+            Gauge, "queue_depth", "requests waiting for the engine (not yet decoding)", ["model"]
+        )
+        self.running = make(Gauge, "num_requests_running", "requests decoding", ["model"])
+        self.waiting = make(
+            Gauge, "num_requests_waiting", "requests admitted, not yet decoding", ["model"]
+        )
+        self.cache_usage = make(
+            Gauge, "kv_cache_usage_ratio", "share of the engine's sequence slots in use", ["model"]
+        )
+        self._add_vllm_aliases()
+
+    def _add_vllm_aliases(self) -> None:
+        """The names Kubernetes inference routers read (Gateway API Inference Extension, llm-d,
+        vLLM production-stack): same values, vLLM's names and ``model_name`` label."""
+
+        def alias(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["model_name"], registry=self.registry)
+
+        self.vllm_running = alias("vllm:num_requests_running", "requests decoding")
+        self.vllm_waiting = alias("vllm:num_requests_waiting", "requests waiting")
+        self.vllm_cache_usage = alias(
+            "vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (here: sequence slots in use)"
+        )
 
     def _add_generation_series(self) -> None:
         make = self._make
@@ -132,8 +155,15 @@ class Metrics:
         self.request_duration.labels(route=route).observe(seconds)
 
     # -- engine side --
-    def set_queue_depth(self, model: str, depth: int) -> None:
-        self.queue_depth.labels(model=model).set(depth)
+    def set_load(self, model: str, *, running: int, waiting: int, usage: float) -> None:
+        """A model's requests decoding and waiting, and its cache usage (read at scrape time)."""
+        self.queue_depth.labels(model=model).set(waiting)
+        for gauge, value in ((self.running, running), (self.waiting, waiting)):
+            gauge.labels(model=model).set(value)
+        self.cache_usage.labels(model=model).set(usage)
+        self.vllm_running.labels(model_name=model).set(running)
+        self.vllm_waiting.labels(model_name=model).set(waiting)
+        self.vllm_cache_usage.labels(model_name=model).set(usage)
 
     def observe_ttft(self, model: str, seconds: float) -> None:
         self.ttft.labels(model=model).observe(seconds)
@@ -212,11 +242,22 @@ def metrics_endpoint(metrics: Metrics) -> Response:
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _flat_routes(routes: Iterable[object]) -> Iterable[object]:
+    """Routes with their paths, descending into included routers: FastAPI >= 0.16x keeps an
+    ``include_router`` as one nested entry (``original_router``) instead of copying its routes."""
+    for route in routes:
+        nested = getattr(route, "original_router", None)
+        if nested is not None:
+            yield from _flat_routes(getattr(nested, "routes", ()))
+        else:
+            yield route
+
+
 def _template_before_routing(scope: Scope) -> str:
     """The route template the router will pick (full match first, then partial), or unmatched."""
     routes: Iterable[object] = getattr(getattr(scope.get("app"), "router", None), "routes", ())
     partial: str | None = None
-    for route in routes:
+    for route in _flat_routes(routes):
         matches = getattr(route, "matches", None)
         path = getattr(route, "path", None)
         if matches is None or not isinstance(path, str):

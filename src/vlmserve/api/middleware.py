@@ -1,4 +1,7 @@
-"""Pure-ASGI middleware: request ids, and the body-size limit enforced before parsing."""
+"""Pure-ASGI middleware: request ids, the body-size limit enforced before parsing, and the last
+line of defence that turns an unhandled error into a 500 in the OpenAI shape *inside* the CORS
+layer (Starlette's own 500 is sent from outside every middleware, so it carries no CORS headers
+and a browser reports a CORS failure instead of the error)."""
 
 from __future__ import annotations
 
@@ -9,17 +12,48 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["BodyLimitMiddleware", "RequestIdMiddleware"]
+__all__ = ["BodyLimitMiddleware", "ErrorShieldMiddleware", "RequestIdMiddleware"]
 
 log = logging.getLogger("vlmserve.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-def _error_bytes(message: str, code: str) -> bytes:
-    body = {
-        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}
-    }
+def _error_bytes(message: str, code: str, type_: str = "invalid_request_error") -> bytes:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
     return json.dumps(body).encode()
+
+
+class ErrorShieldMiddleware:
+    """An exception that escapes the app becomes a 500 in the OpenAI shape, sent through the
+    middlewares outside this one (CORS, request id, metrics). Once a response has started (a
+    stream), the error is re-raised: nothing can be said on that response any more."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            rid = scope.get("state", {}).get("request_id", "-")
+            log.error("unhandled error in request %s", rid, exc_info=exc)
+            message = f"internal server error (request id {rid}); the server log has the details"
+            headers = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 500, "headers": headers})
+            body = _error_bytes(message, "internal_error", "internal_error")
+            await send({"type": "http.response.body", "body": body})
 
 
 class RequestIdMiddleware:

@@ -129,7 +129,7 @@ async def test_two_apps_do_not_share_state() -> None:
 
 def test_engine_side_series_move() -> None:
     m = Metrics()
-    m.set_queue_depth("tiny", 3)
+    m.set_load("tiny", running=2, waiting=3, usage=0.25)
     m.observe_generation("tiny", prompt_tokens=10, output_tokens=5, ttft=0.2, total=1.0)
     m.set_model_state("tiny", "loading")
     m.set_model_state("tiny", "ready")
@@ -139,6 +139,12 @@ def test_engine_side_series_move() -> None:
     m.set_vision_cache("tiny", {"hits": 1, "misses": 1, "bytes": 4096})
     text = m.render().decode()
     assert value(text, "vlmserve_queue_depth", model="tiny") == 3
+    assert value(text, "vlmserve_num_requests_waiting", model="tiny") == 3
+    assert value(text, "vlmserve_num_requests_running", model="tiny") == 2
+    assert value(text, "vlmserve_kv_cache_usage_ratio", model="tiny") == 0.25
+    assert value(text, "vllm:num_requests_waiting", model_name="tiny") == 3
+    assert value(text, "vllm:num_requests_running", model_name="tiny") == 2
+    assert value(text, "vllm:kv_cache_usage_perc", model_name="tiny") == 0.25
     assert value(text, "vlmserve_prompt_tokens_total", model="tiny") == 10
     assert value(text, "vlmserve_output_tokens_total", model="tiny") == 5
     assert value(text, "vlmserve_time_to_first_token_seconds_count", model="tiny") == 1

@@ -40,21 +40,29 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
 
 
+def _model_card(h: Any, created: int) -> dict[str, Any]:
+    return {
+        "id": h.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vlmserve",
+        "root": h.source,
+        "roles": h.roles,
+        "aliases": h.aliases,
+        "capabilities": sorted(h.capabilities) if h.capabilities is not None else None,
+        "ready": h.ready,
+    }
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     created = request.app.state.started_at
-    data = [
-        {
-            "id": h.name,
-            "object": "model",
-            "created": created,
-            "owned_by": "vlmserve",
-            "root": h.source,
-            "roles": h.roles,
-            "aliases": h.aliases,
-            "capabilities": sorted(h.capabilities) if h.capabilities is not None else None,
-            "ready": h.ready,
-        }
-        for h in request.app.state.models.handles
-    ]
+    data = [_model_card(h, created) for h in request.app.state.models.handles]
     return {"object": "list", "data": data}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    """One model by served name, alias or source (OpenAI's ``client.models.retrieve``)."""
+    handle = request.app.state.models.resolve(model_id)  # 404 model_not_found otherwise
+    return _model_card(handle, request.app.state.started_at)

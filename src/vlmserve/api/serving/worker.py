@@ -66,6 +66,24 @@ async def _forward(backend: UpstreamBackend, path: str, body: dict[str, Any]) ->
     return await backend.forward(path, {**body, "model": backend.config.model})
 
 
+def token_texts(arrays: list[list[int]], tokenizer: Any) -> list[str]:
+    """Token arrays are ids of the served model's own tokenizer (as vLLM reads them): checked
+    against its vocabulary, then embedded as the text they decode to."""
+    vocab = len(tokenizer)
+    for i, ids in enumerate(arrays):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"input[{i}] holds token id {bad}, outside this model's vocabulary of {vocab}: "
+                "token arrays must be ids of the served model's own tokenizer. Send the text "
+                "instead (LangChain's OpenAIEmbeddings sends OpenAI-tokenizer ids unless you set "
+                "check_embedding_ctx_length=False)",
+                param="input",
+                code="invalid_token_ids",
+            )
+    return [tokenizer.decode(ids) for ids in arrays]
+
+
 def _encode(vector: np.ndarray, fmt: str) -> list[float] | str:
     if fmt == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode()
@@ -143,13 +161,14 @@ class WorkerService:
         handle = self.models.resolve(body.model) if body.model else None
         if handle is not None and isinstance(handle.backend, UpstreamBackend):
             return await self._proxied_embeddings(body)
-        if body.input is not None:
-            items = [EmbedInput(text=t) for t in body.texts]
-        else:
+        items = [EmbedInput(text=t) for t in body.texts]
+        if body.messages is not None:
             items = [await self._multimodal_item(body)]
         async with await self.models.acquire(body.model, EMBEDDING, HFEmbedBackend) as backend:
-            vectors = _truncate(await backend.embed(items), body.dimensions)
             tokenizer = backend.processor.tokenizer
+            if body.token_arrays is not None:
+                items = [EmbedInput(text=t) for t in token_texts(body.token_arrays, tokenizer)]
+            vectors = _truncate(await backend.embed(items), body.dimensions)
             tokens = sum(len(tokenizer(backend.render(item))["input_ids"]) for item in items)
             model_id = backend.model_id
         return {
