@@ -1,4 +1,8 @@
-"""A small SSE reader for tests: parse events as they arrive, stop after any number of them."""
+"""A small SSE reader for tests: parse events as they arrive, stop after any number of them.
+
+``read_events`` asks for the resumable wire (``Accept: text/event-stream``, as EventSource
+does), so events carry their ``id:``; pass ``resumable=False`` for the default OpenAI wire.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+# What a browser's EventSource sends: the server answers with `id:` (and `event:`) lines.
+RESUMABLE = {"Accept": "text/event-stream"}
 
 
 @dataclass
@@ -65,9 +72,12 @@ def read_events(
     url: str,
     *,
     limit: int | None = None,
+    resumable: bool = True,
     **kwargs: Any,
 ) -> tuple[list[SSEEvent], httpx.Response]:
     """Read events (all, or the first ``limit`` then disconnect)."""
+    if resumable:
+        kwargs["headers"] = {**RESUMABLE, **(kwargs.get("headers") or {})}
     events: list[SSEEvent] = []
     with client.stream(method, url, **kwargs) as response:
         if response.status_code != 200:

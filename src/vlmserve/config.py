@@ -120,6 +120,7 @@ class Settings(BaseSettings):
     api_keys: list[str] = Field(default_factory=list)  # Bearer keys for /v1/*; empty: open
     admin_keys: list[str] = Field(default_factory=list)  # for /admin/*; empty: admin closed
     metrics_public: bool = True
+    ui: bool = True  # the web console at / (static files in the package); --no-ui: API only
 
     # --- idle watchdog (seed 000) -----------------------------------------------------------
     idle_seconds: float | None = None  # None: off; seed 000 used 480

@@ -110,6 +110,21 @@ def test_stream_resumes_with_last_event_id_after_disconnect(gateway: str) -> Non
     assert any(e.finish_reason == "length" for e in rest)
 
 
+def test_gateway_streams_on_the_openai_wire_by_default(gateway: str) -> None:
+    """Workers answer the gateway on the OpenAI wire; the gateway's own client gets it too
+    unless it asks for ``id:`` lines: every message is ``data: <json>``, as vLLM parses."""
+    body = chat(stream=True, max_tokens=6, ignore_eos=True, stream_options={"include_usage": True})
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.headers["x-session-id"]
+    messages = [m for m in r.text.split("\n\n") if m]
+    assert all(m.startswith("data: ") and "\n" not in m for m in messages), messages
+    assert messages[-1] == "data: [DONE]"
+    chunks = [json.loads(m.removeprefix("data: ")) for m in messages[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 and chunks[-1]["choices"] == []
+    replay = httpx.get(f"{gateway}/v1/streams/{r.headers['x-session-id']}", timeout=60)
+    assert [m.split("\n")[-1] for m in replay.text.split("\n\n") if m] == messages
+
+
 def test_cancel_at_the_gateway_stops_generation_on_the_worker(
     gateway: str, workers: list[ServerProcess]
 ) -> None:

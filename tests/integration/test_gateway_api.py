@@ -83,7 +83,8 @@ async def test_chat_completion_is_proxied_with_upstream_usage(gateway: httpx.Asy
 
 
 async def test_stream_through_gateway_has_its_own_session_ids(gateway: httpx.AsyncClient) -> None:
-    body = chat(stream=True, session_id="gw-s1", stream_options={"include_usage": True})
+    body = chat(stream=True, session_id="gw-s1",
+                stream_options={"include_usage": True, "resumable": True})  # fmt: skip
     r = await gateway.post("/v1/chat/completions", json=body)
     assert r.status_code == 200
     ids = [line[4:] for line in r.text.splitlines() if line.startswith("id: ")]

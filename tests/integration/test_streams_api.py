@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sse_client import SSEEvent, iter_events, read_events, text_of
+from sse_client import RESUMABLE, SSEEvent, iter_events, read_events, text_of
 from support import MODEL
 from vlmserve.registry.manager import ModelManager
 
@@ -88,7 +88,7 @@ def test_two_listeners_see_identical_sequences(live_server: Any) -> None:
     results: dict[str, list[SSEEvent]] = {}
     with (
         httpx.Client(base_url=server.url, timeout=60) as c,
-        c.stream("POST", "/v1/chat/completions", json=body(200)) as response,
+        c.stream("POST", "/v1/chat/completions", json=body(200), headers=RESUMABLE) as response,
     ):
         sid = response.headers["x-session-id"]
         second = threading.Thread(

@@ -29,6 +29,7 @@ from vlmserve.api.routes import admin, chat, embeddings, gateway, streams, syste
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.convert import Converter
 from vlmserve.api.serving.worker import WorkerService
+from vlmserve.api.ui import install_console
 from vlmserve.config import Settings
 from vlmserve.registry.manager import ModelManager
 from vlmserve.streaming import SessionManager, build_store
@@ -166,6 +167,7 @@ def build_app(
         redoc_url=None,
     )
     install_offline_docs(app)
+    console_paths = install_console(app, settings)  # the web console at /, unless --no-ui
     app.state.settings = settings
     app.state.models = models
     app.state.sessions = sessions
@@ -207,6 +209,7 @@ def build_app(
         api_keys=settings.api_keys,
         admin_keys=settings.admin_keys,
         metrics_public=settings.metrics_public,
+        public_paths=("/health", "/ready", *console_paths),  # the page loads before a key
     )
     app.add_middleware(ErrorShieldMiddleware)  # inside CORS: a 500 carries its headers too
     if settings.cors_allow_origins:

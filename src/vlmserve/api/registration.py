@@ -65,9 +65,12 @@ class Registration:
                    deregister_url=settings.deregister_url)  # fmt: skip
 
     async def register(self, models: Sequence[str]) -> bool:
-        """Register every model; True when all were accepted. Never raises (start-up goes on)."""
-        results = [await self._post_retrying(self.register_url, self._body(m)) for m in models]
-        return all(results)
+        """Register every model; True when all were accepted. Never raises (start-up goes on).
+        A refused key ends it: the same key would be refused for every other model too."""
+        for model in models:
+            if not await self._post_retrying(self.register_url, self._body(model)):
+                return False
+        return True
 
     async def deregister(self, reason: str = "shutdown") -> bool:
         body = {"instance": self.instance, "reason": reason}
@@ -101,5 +104,14 @@ class Registration:
             return None
         if response.is_success:
             return True
+        if response.status_code in (401, 403):
+            log.error(
+                "the gateway at %s refused this worker (HTTP %d): set VLMSERVE_GATEWAY_KEY on the "
+                "worker to one of the gateway's VLMSERVE_ADMIN_KEYS (a gateway without admin keys "
+                "accepts no worker); not retrying",
+                url,
+                response.status_code,
+            )
+            return False
         log.warning("POST %s answered %d: %s", url, response.status_code, response.text[:300])
         return None if response.status_code >= 500 or response.status_code == 429 else False

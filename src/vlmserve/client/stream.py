@@ -28,7 +28,11 @@ def carries_token(chunk: dict[str, Any]) -> bool:
 
 
 async def _events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:
-    """``(event name, data)`` per SSE event; the name is ``message`` unless the server sets one."""
+    """``(event name, data)`` per SSE event; the name is ``message`` unless the server sets one.
+
+    Reads both wires of vlmserve (and any OpenAI-compatible server): ``data:`` lines only, or
+    with ``id:`` lines (skipped) and ``event: error``; ``_read`` also takes an error payload,
+    ``{"error": {...}}``, without an event name (OpenAI, vLLM)."""
     name, data = "message", []
     async for line in response.aiter_lines():
         if not line:

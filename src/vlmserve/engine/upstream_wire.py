@@ -14,8 +14,11 @@ from vlmserve.errors import VlmserveError
 
 __all__ = ["ChunkReader", "UpstreamError", "error_from_body", "upstream_body"]
 
-# Fields of our own wire that an upstream must not see: the gateway runs the session itself.
+# Fields of our own wire that an upstream must not see: the gateway runs the session itself
+# (and its clients' choice of wire); the upstream answers on the OpenAI wire, or with `id:`
+# lines if it is an older vlmserve: ``ChunkReader`` reads both.
 _GATEWAY_ONLY = ("session_id",)
+_GATEWAY_ONLY_STREAM_OPTIONS = ("resumable",)
 _FINISH = {r.value: r for r in FinishReason}
 
 
@@ -42,7 +45,8 @@ def upstream_body(raw: dict[str, Any], model: str, *, stream: bool = True) -> di
     body["model"] = model
     if stream:
         body["stream"] = True
-        options = dict(body.get("stream_options") or {})
+        options = {k: v for k, v in (body.get("stream_options") or {}).items()
+                   if k not in _GATEWAY_ONLY_STREAM_OPTIONS}  # fmt: skip
         options["include_usage"] = True
         body["stream_options"] = options
     return body
@@ -71,7 +75,10 @@ def error_from_body(status: int, content: bytes) -> UpstreamError:
 @dataclass(slots=True)
 class ChunkReader:
     """Upstream SSE lines -> ``Chunk``s. The finish reason is held back until the usage chunk
-    (``stream_options.include_usage``) or the end, so the last Chunk carries the token counts."""
+    (``stream_options.include_usage``) or the end, so the last Chunk carries the token counts.
+
+    Reads the OpenAI wire (``data:`` lines; an error is ``data: {"error": {...}}``) and the
+    resumable one (``id:`` lines skipped; ``event: error`` marks an error)."""
 
     upstream_id: str | None = None  # the upstream's ``chatcmpl-...`` id (for its cancel route)
     finish: FinishReason | None = None
@@ -97,6 +104,9 @@ class ChunkReader:
         if value == "[DONE]":
             return self.close()
         data = json.loads(value)
+        if not isinstance(data, dict):
+            raise VlmserveError(f"upstream sent a non-object chunk: {value[:200]!r}",
+                                code="upstream_error")  # fmt: skip
         if self._event == "error" or "error" in data:
             raise _stream_error(data)
         return self._chunk(data)

@@ -7,6 +7,10 @@ Where a listener's events come from:
       another live replica (shared)   -> follow the store (``wait_events``) until [DONE]
     in the store, RUNNING, orphaned   -> the resumer continues it here, or it ends with a
       (crash, restart, stale owner)      ``server_restart`` error + [DONE]
+
+Where ``after`` lies is checked before any event: past the last event produced so far of a
+running session raises InvalidRequest (no client can have seen it); at or past the last event
+of an ended session gives no events at all (the API answers 204).
 """
 
 from __future__ import annotations
@@ -45,6 +49,17 @@ __all__ = ["Listener", "SessionManager"]
 logger = logging.getLogger(__name__)
 
 
+def _check_after(name: str, after: int, last: int, ended: bool) -> None:
+    """Raise when ``after`` is past what a running session has produced (module docstring)."""
+    if after > last and not ended:
+        raise InvalidRequest(
+            f"Last-Event-ID {name}:{after} is past the last event of this stream so far "
+            f"({name}:{last}); resume with the id of the last event you received",
+            param="Last-Event-ID",
+            code="invalid_last_event_id",
+        )
+
+
 class Listener:
     """What ``SessionManager.listen`` returns: an async iterator of events.
 
@@ -77,6 +92,11 @@ class Listener:
     async def aclose(self) -> None:
         if self._gen is not None:
             await self._gen.aclose()
+
+
+def _stream(name: str, session: Session, after: int) -> AsyncGenerator[Event, None]:
+    _check_after(name, after, session.last_index, session.done)
+    return session.stream(after)
 
 
 class SessionManager:
@@ -175,7 +195,7 @@ class SessionManager:
     async def _open(self, name: str, after: int) -> AsyncGenerator[Event, None]:
         session = self.get(name)
         if session is not None:
-            return session.stream(after)
+            return _stream(name, session, after)
         record = await self.store.get(name)
         if record is None:
             raise NotFound(
@@ -185,15 +205,18 @@ class SessionManager:
             )
         session = self._sessions.get(record.session_id)
         if session is not None:
-            return session.stream(after)
-        if record.state in FINAL_STATES:
-            return self._replay(record, after)
-        if self._live_elsewhere(record):
+            return _stream(name, session, after)
+        if record.state in FINAL_STATES or self._live_elsewhere(record):
+            # cancelled in the store while its owner still ends it: not ended yet
+            ended = record.state in FINAL_STATES and not self._live_elsewhere(record)
+            _check_after(name, after, record.last_index, ended)
+            if record.state in FINAL_STATES:
+                return self._replay(record, after)
             return self._follow(record, after)
         session = await self._take_over(record.session_id)
         if session is None:  # ended or claimed by another replica meanwhile: look again
             return await self._open(name, after)
-        return session.stream(after)
+        return _stream(name, session, after)
 
     def _live_elsewhere(self, record: SessionRecord) -> bool:
         """Another replica produces it and its heartbeat is fresh."""

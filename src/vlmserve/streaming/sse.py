@@ -1,10 +1,24 @@
 """Server-Sent Events wire format: encode events, parse ``Last-Event-ID`` values.
 
-id: <session_id>:<index>
-event: <type>            (only when the event has a type)
-data: <line 1>
-data: <line 2>           (one data line per line of the payload)
-<blank line>
+Two wires carry the same events, one SSE message per event, in the same order:
+
+OpenAI wire (the default; what OpenAI and vLLM send, what every client parses):
+    data: <line 1>
+    data: <line 2>           (one data line per line of the payload)
+    <blank line>
+
+Resumable wire (clients that ask for it, see ``vlmserve.api.serving.sse``):
+    id: <session_id>:<index>
+    event: <type>            (only when the event has a type, i.e. ``error``)
+    data: <line 1>
+    <blank line>
+
+An event's index is its position in the session: 0 for the first, one more for each next one.
+Every event counts once, whatever it holds: the role chunk, a content chunk (several tokens
+grouped by ``stream_interval`` are one event), the finish chunk, the usage chunk, an error
+event and the terminal ``[DONE]``. So on the OpenAI wire the index of a message is the number
+of messages received before it, and a client that received k messages resumes with
+``Last-Event-ID: <X-Session-ID>:<k-1>``.
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ from vlmserve.streaming.events import Event
 __all__ = [
     "MAX_SESSION_ID_LENGTH",
     "encode_comment",
+    "encode_data",
     "encode_event",
     "format_event_id",
     "parse_event_id",
@@ -49,13 +64,23 @@ def format_event_id(session_id: str, index: int) -> str:
     return f"{session_id}:{index}"
 
 
+def _data_lines(data: str) -> list[str]:
+    return [f"data: {line}" for line in _LINE_BREAK.split(data)]
+
+
 def encode_event(session_id: str, event: Event) -> bytes:
-    """One SSE message; multi-line data becomes several ``data:`` lines."""
+    """One SSE message of the resumable wire: ``id:``, ``event:`` (if typed), ``data:`` lines."""
     lines = [f"id: {format_event_id(session_id, event.index)}"]
     if event.event:
         lines.append(f"event: {event.event}")
-    lines.extend(f"data: {line}" for line in _LINE_BREAK.split(event.data))
+    lines.extend(_data_lines(event.data))
     return ("\n".join(lines) + "\n\n").encode("utf-8")
+
+
+def encode_data(event: Event) -> bytes:
+    """One SSE message of the OpenAI wire: ``data:`` lines only. An error event is told apart
+    by its payload, ``{"error": {...}}``, as OpenAI and vLLM send it."""
+    return ("\n".join(_data_lines(event.data)) + "\n\n").encode("utf-8")
 
 
 def encode_comment(text: str = "") -> bytes:

@@ -15,6 +15,7 @@ from vlmserve.streaming import (
     parse_event_id,
     validate_session_id,
 )
+from vlmserve.streaming.sse import encode_data
 
 
 def test_encode_event_writes_id_and_data_lines() -> None:
@@ -34,6 +35,21 @@ def test_encode_event_splits_multiline_data_into_several_data_lines() -> None:
 def test_encode_event_never_sends_meta() -> None:
     raw = encode_event("s", Event(1, "x", meta={"secret": "token ids"}))
     assert b"secret" not in raw
+
+
+def test_encode_data_writes_data_lines_only() -> None:
+    assert encode_data(Event(3, '{"a": 1}')) == b'data: {"a": 1}\n\n'
+    assert encode_data(Event(4, "[DONE]", terminal=True)) == b"data: [DONE]\n\n"
+
+
+def test_encode_data_sends_an_error_event_as_its_payload_only() -> None:
+    emit = error_emit("boom", "internal_error")
+    raw = encode_data(Event(5, emit.data, event=emit.event))
+    assert raw == b"data: " + emit.data.encode() + b"\n\n"  # no `event: error` line
+
+
+def test_encode_data_splits_multiline_data_and_never_sends_meta() -> None:
+    assert encode_data(Event(1, "a\nb", meta={"secret": 1})) == b"data: a\ndata: b\n\n"
 
 
 def test_encode_comment_is_an_sse_comment() -> None:

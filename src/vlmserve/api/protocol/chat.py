@@ -101,6 +101,9 @@ class ChatMessageIn(BaseModel):
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    # vlmserve: True = `id:`/`event:` lines (resumable wire), False = `data:` lines only,
+    # None = decided by the request (Accept: text/event-stream, Last-Event-ID)
+    resumable: bool | None = None
 
 
 class ResponseFormat(BaseModel):

@@ -9,12 +9,26 @@ from fastapi import APIRouter, Query, Request, Response
 
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.routing import StrictJSONRoute
-from vlmserve.api.serving.sse import ClientGone, run_until_disconnect, sse_response
+from vlmserve.api.serving.sse import (
+    ClientGone,
+    accepts_event_stream,
+    run_until_disconnect,
+    sse_response,
+)
 from vlmserve.errors import InvalidRequest
 from vlmserve.streaming import parse_event_id
 
 router = APIRouter(route_class=StrictJSONRoute)
 log = logging.getLogger(__name__)
+
+
+def _resumable(request: Request, body: ChatCompletionRequest, resuming: bool) -> bool:
+    """The wire of the answer (see ``vlmserve.api.serving.sse``): ``stream_options.resumable``
+    when given, else ``id:`` lines for a resume or an ``Accept: text/event-stream`` client."""
+    chosen = body.stream_options.resumable if body.stream_options else None
+    if chosen is not None:
+        return chosen
+    return resuming or accepts_event_stream(request.headers.get("accept"))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -36,10 +50,12 @@ async def chat_completions(
                 f"Last-Event-ID names session {session_id!r} but session_id is {body.session_id!r}",
                 param="session_id",
             )
-        return await sse_response(state.sessions, session_id, after)
+        resumable = _resumable(request, body, resuming=True)
+        return await sse_response(state.sessions, session_id, after, resumable=resumable)
     if body.stream:
         session_id = await state.chat.start_stream(body, request_id)
-        return await sse_response(state.sessions, session_id, -1)
+        resumable = _resumable(request, body, resuming=False)
+        return await sse_response(state.sessions, session_id, -1, resumable=resumable)
     try:
         return await run_until_disconnect(request, state.chat.complete(body, request_id))
     except ClientGone:

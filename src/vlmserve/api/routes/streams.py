@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Query, Request, Response
 
 from vlmserve.api.routing import StrictJSONRoute
 from vlmserve.api.serving.sse import sse_response
@@ -39,13 +38,14 @@ async def resume_stream(
     request: Request,
     session_id: str,
     last_event_id: str | None = Query(default=None, max_length=300),
-) -> StreamingResponse:
-    """Resume (or replay) a stream; works with browsers' EventSource, which reconnects with
-    a GET and the ``Last-Event-ID`` header by itself."""
+) -> Response:
+    """Resume (or replay) a stream, always with ``id:`` lines. Works with browsers'
+    EventSource, which reconnects with a GET and the ``Last-Event-ID`` header by itself: at or
+    past the end of an ended stream the answer is 204, which tells it to stop."""
     given = request.headers.get("last-event-id") or last_event_id
     after = -1
     if given:
         named, after = parse_event_id(given)
         if named != session_id:
             raise NotFound(f"Last-Event-ID is for session {named!r}, not {session_id!r}")
-    return await sse_response(request.app.state.sessions, session_id, after)
+    return await sse_response(request.app.state.sessions, session_id, after, resumable=True)

@@ -1,4 +1,19 @@
-"""Turn a session's events into an SSE response, and run JSON work until the client leaves."""
+"""Turn a session's events into an SSE response, and run JSON work until the client leaves.
+
+Which wire a response uses (``vlmserve.streaming.sse`` describes both):
+
+- the OpenAI wire (``data:`` lines only) by default, so that every OpenAI client parses it,
+  including those that split on blank lines and strip ``data: `` (vLLM's benchmark, LiteLLM);
+- the resumable wire (``id:`` and ``event:`` lines too) when the client asks for it: an
+  ``Accept`` header naming ``text/event-stream`` (browsers' EventSource sends it; the openai
+  SDK sends ``application/json``, httpx, curl and aiohttp ``*/*``), a ``Last-Event-ID`` header
+  or ``?last_event_id=``, ``GET /v1/streams/...``, or ``stream_options.resumable: true``.
+  ``stream_options.resumable: false`` asks for the OpenAI wire whatever else the request says.
+
+Every stream response carries ``X-Session-ID``. Resuming where nothing can follow (at or past
+the last event of an ended session) answers 204 without a body, which stops EventSource from
+reconnecting.
+"""
 
 from __future__ import annotations
 
@@ -6,41 +21,70 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from vlmserve.streaming import SessionManager, encode_event
+from vlmserve.streaming import DONE, Event, SessionManager, encode_event
+from vlmserve.streaming.sse import encode_data
 
-__all__ = ["ClientGone", "run_until_disconnect", "sse_response"]
+__all__ = ["ClientGone", "accepts_event_stream", "run_until_disconnect", "sse_response"]
 
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_CLOSING_DONE = encode_data(Event(-1, DONE))
 
 
 class ClientGone(Exception):
     """The client disconnected before a non-streaming answer was ready."""
 
 
+def accepts_event_stream(accept: str | None) -> bool:
+    """Whether an ``Accept`` header names ``text/event-stream`` (with a weight above 0)."""
+    for item in (accept or "").split(","):
+        media, *params = (part.strip().lower() for part in item.split(";"))
+        if media == "text/event-stream":
+            weight = next((p[2:].strip() for p in params if p.startswith("q=")), "1")
+            try:
+                return float(weight) > 0
+            except ValueError:
+                return True
+    return False
+
+
 async def sse_response(
     sessions: SessionManager,
     session_id: str,
     after: int,
+    *,
+    resumable: bool,
     extra_headers: dict[str, str] | None = None,
-) -> StreamingResponse:
-    """Replay after ``after`` then follow live. Unknown sessions raise (-> 404) before any byte."""
+) -> Response:
+    """Replay after ``after`` then follow live. Unknown sessions raise (-> 404) and an index
+    past the produced events of a running one raises (-> 400), both before any byte; nothing
+    left to send is a 204."""
+    headers = {**SSE_HEADERS, "X-Session-ID": session_id, **(extra_headers or {})}
     events = sessions.listen(session_id, after)
-    first = await anext(events)
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:  # at or past the end of an ended session
+        await events.aclose()
+        return Response(status_code=204, headers=headers)
+
+    def encode(event: Event) -> bytes:
+        return encode_event(session_id, event) if resumable else encode_data(event)
 
     async def body() -> AsyncIterator[bytes]:
+        last = first
         try:
-            yield encode_event(session_id, first)
-            async for event in events:
-                yield encode_event(session_id, event)
+            yield encode(first)
+            async for last in events:
+                yield encode(last)
         finally:
             await events.aclose()
+        if not resumable and not last.terminal:
+            yield _CLOSING_DONE  # a stream_gap notice ends it: OpenAI clients wait for [DONE]
 
-    headers = {**SSE_HEADERS, "X-Session-ID": session_id, **(extra_headers or {})}
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 

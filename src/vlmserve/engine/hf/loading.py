@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ __all__ = [
     "LoadOptions",
     "Loaded",
     "load_model",
+    "locate_source",
     "memory_bytes",
     "resolve_device",
     "resolve_dtype",
@@ -70,7 +71,7 @@ def memory_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def load_processor(opts: LoadOptions) -> Any:
+def load_processor(opts: LoadOptions, local_files_only: bool = False) -> Any:
     """The checkpoint's processor, with ``min_pixels``/``max_pixels`` applied when given.
 
     Qwen2-VL names its pixel bounds ``size={"shortest_edge", "longest_edge"}`` and refuses a
@@ -78,7 +79,10 @@ def load_processor(opts: LoadOptions) -> Any:
     """
     from transformers import AutoProcessor
 
-    kwargs: dict[str, Any] = {"trust_remote_code": opts.trust_remote_code}
+    kwargs: dict[str, Any] = {
+        "trust_remote_code": opts.trust_remote_code,
+        "local_files_only": local_files_only,
+    }
     processor = AutoProcessor.from_pretrained(opts.source, **kwargs)
     if opts.min_pixels is None and opts.max_pixels is None:
         return processor
@@ -102,6 +106,93 @@ def _missing_model_error(source: str, exc: Exception) -> ConfigError:
         "Offline or behind a firewall? Download the model on a machine with internet "
         "(e.g. `hf download ORG/NAME --local-dir DIR`) and pass --model DIR."
     )
+
+
+_DOWNLOAD_HINT = (
+    "Download it on a machine with internet (`hf download {repo} --local-dir DIR`), copy DIR "
+    "here and pass --model DIR."
+)
+
+
+def locate_source(source: str) -> str:
+    """Where to load ``source`` from: a local directory (``source`` itself, or the hub cache's
+    copy when the hub cannot be reached), or ``source`` as a hub id to download. Raises a
+    ConfigError that says what to do, in seconds, when the model cannot be had.
+
+    Why before transformers: ``from_pretrained`` reads a non-existent path as a hub id
+    ("Repo id must be in the form ...") and retries an unreachable hub for minutes, file by
+    file (even with a complete copy in the cache), before it gives up.
+    """
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model directory {source!r} has no config.json: it is not a transformers "
+                "checkpoint. Download one (`hf download ORG/NAME --local-dir DIR`) and pass "
+                "--model DIR."
+            )
+        return str(path)
+    if path.exists():
+        raise ConfigError(f"--model {source!r} is a file; pass the checkpoint's directory")
+    if not _is_repo_id(source):
+        what = "directory" if "/" in source or source.startswith((".", "~")) else "name"
+        raise ConfigError(
+            f"model {what} {source!r} does not exist (and it is no hub repo id ORG/NAME). Pass "
+            "--model an existing checkpoint directory (config.json, *.safetensors) or a hub "
+            "repo id."
+        )
+    unreachable = _hub_unreachable(source)
+    if unreachable is None:
+        return source
+    cached = _cached_snapshot(source)
+    if cached is not None:
+        log.warning("model hub unreachable (%s); loading %s from the cache", unreachable, source)
+        return cached
+    raise ConfigError(
+        f"cannot reach the model hub to get model {source!r} ({unreachable}), and it is not "
+        f"in the local cache; there is no local directory of that name either. "
+        + _DOWNLOAD_HINT.format(repo=source)
+    )
+
+
+def _cached_snapshot(repo: str) -> str | None:
+    """The hub cache's directory of ``repo`` (its main revision), if it holds a checkpoint."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError):
+        return None
+    return folder if (Path(folder) / "config.json").is_file() else None
+
+
+def _is_repo_id(source: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if source.startswith(("/", ".", "~")) or "\\" in source or source.count("/") > 1:
+        return False
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_unreachable(repo: str) -> str | None:
+    """Why the hub cannot be reached (one request, no retries), or None when it answers."""
+    from huggingface_hub import constants, model_info
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE
+        return "offline mode is on: HF_HUB_OFFLINE=1"
+    try:
+        model_info(repo, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except HfHubHTTPError:
+        return None  # it answered: from_pretrained reports 404s, gated repos and auth
+    except Exception as exc:  # refused, DNS, timeout, proxy: whatever the client raises
+        return f"{constants.ENDPOINT}: {type(exc).__name__}: {exc}"
+    return None
 
 
 def weight_bytes(source: str) -> int | None:
@@ -136,11 +227,12 @@ def load_model(opts: LoadOptions) -> Loaded:
 
     device = resolve_device(opts.device)
     dtype = resolve_dtype(opts.dtype, device)
-    local = Path(opts.source).is_dir()
+    located = replace(opts, source=locate_source(opts.source))
+    local = Path(located.source).is_dir()
     try:
-        processor = load_processor(opts)
+        processor = load_processor(located, local_files_only=local)
         model = AutoModelForImageTextToText.from_pretrained(
-            opts.source,
+            located.source,
             dtype=dtype,
             attn_implementation=opts.attn_implementation,
             trust_remote_code=opts.trust_remote_code,
