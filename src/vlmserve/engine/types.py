@@ -10,6 +10,9 @@ if TYPE_CHECKING:
     from PIL import Image
 
 __all__ = [
+    "GREEDY_BELOW",
+    "MIN_PENALTY",
+    "MIN_TEMPERATURE",
     "ChatMessage",
     "Chunk",
     "FinishReason",
@@ -29,6 +32,16 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+# Degenerate sampling values, as vLLM treats them (``vllm/sampling_params.py``): a temperature
+# below ``_SAMPLING_EPS`` (1e-5) means greedy; one below ``_MAX_TEMP`` (1e-2) is raised to it,
+# since logits / 1e-30 overflow float32 (inf - inf = NaN in the softmax). A repetition penalty
+# is any positive number (vLLM refuses only <= 0); the sampler bounds the factor so that
+# penalised logits stay finite: 1e-300 acts as MIN_PENALTY, 1e300 as 1 / MIN_PENALTY.
+GREEDY_BELOW = 1e-5
+MIN_TEMPERATURE = 1e-2
+MIN_PENALTY = 1e-6
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -43,7 +56,19 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, or one too small to sample with (below 1e-5)."""
+        return not self.temperature >= GREEDY_BELOW  # NaN counts as greedy too
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature the sampler divides by (non-greedy rows): at least 1e-2."""
+        return max(self.temperature, MIN_TEMPERATURE)
+
+    @property
+    def penalty(self) -> float:
+        """The repetition penalty bounded to [1e-6, 1e6] (1.0 = off; NaN counts as off)."""
+        p = self.repetition_penalty
+        return min(max(p, MIN_PENALTY), 1 / MIN_PENALTY) if p == p else 1.0
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.upstream import UpstreamBackend
 from vlmserve.errors import InvalidRequest, NotFound, ServiceUnavailable
 from vlmserve.registry.proxied import fits, load_backend, unload_backend, upstream_backend
+from vlmserve.registry.reload import Reloader
 
 Backend = HFChatBackend | HFEmbedBackend | UpstreamBackend
 EMBEDDING = "embedding"
@@ -40,6 +41,7 @@ class ModelHandle:
     capabilities: frozenset[str] | None = None  # from the registry; None: not declared
     deprecated: bool = False  # resolvable by name, skipped by role selection
     loading_since: float | None = None  # wall time the current load began
+    reload_pending: bool = False  # its engine failed; a reload is due (``ModelManager._reload``)
 
     @property
     def ready(self) -> bool:
@@ -143,6 +145,8 @@ class LifecyclePolicy:
     drain_timeout: float = 30.0  # deactivate waits this long for in-flight requests
     eager: bool = True  # load every model at start-up
     activation_timeout: float = 120.0  # how long a request waits for its model to load
+    reload_attempts: int = 3  # reloads after a fatal engine error before giving up
+    reload_backoff: float = 1.0  # seconds before reload attempt n: n * reload_backoff
 
 
 def _policy(settings: Settings) -> LifecyclePolicy:
@@ -162,6 +166,9 @@ class ModelManager:
         self.policy = policy or LifecyclePolicy()
         self.activity: Any = None  # the server's ActivityClock, set by build_app
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self.reloader = Reloader(self._lock, self.policy)
+        for handle in handles:
+            self.reloader.watch(handle)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ModelManager:
@@ -219,6 +226,8 @@ class ModelManager:
         """Lease the model (by name, else by role) for one request; loads it on demand.
         ``needs`` (e.g. {"video"}) is checked against the registry's capabilities first."""
         handle = self.resolve(name) if name else self.for_role(role)
+        if handle.reload_pending:
+            self.reloader.start(handle)
         if not fits(handle.backend, kind):
             message = _kind_message(handle, kind)
             raise InvalidRequest(message, param="model", code="wrong_model_kind")
@@ -424,6 +433,8 @@ def _describe(h: ModelHandle, policy: LifecyclePolicy) -> dict[str, Any]:
         "keep_alive": keep,
         "expires_at": h.last_used + keep if h.ready and keep >= 0 else None,
         "error": h.backend.error,
+        "engine_failures": getattr(h.backend, "engine_failures", 0),
+        "last_engine_error": getattr(h.backend, "last_engine_error", None),
         "backend": getattr(h.backend, "kind", "hf"),
         **({"upstream": h.backend.describe()} if isinstance(h.backend, UpstreamBackend) else {}),
     }

@@ -311,7 +311,7 @@ async def test_response_format_rows_decode_valid_json_in_a_batch(backend: HFChat
 
 
 def test_sampler_bans_eos_until_min_tokens_and_top_k_1_is_greedy() -> None:
-    sampler = Sampler(vocab_size=8, eos_ids={5}, device=torch.device("cpu"))
+    sampler = Sampler(vocab_size=8, eos_ids={5})
 
     @dataclass
     class Run:
@@ -335,7 +335,7 @@ def test_sampler_bans_eos_until_min_tokens_and_top_k_1_is_greedy() -> None:
 
 
 def test_sampled_tokens_follow_the_distribution_and_never_take_a_masked_token() -> None:
-    sampler = Sampler(vocab_size=6, eos_ids=set(), device=torch.device("cpu"))
+    sampler = Sampler(vocab_size=6, eos_ids=set())
 
     @dataclass
     class Run:

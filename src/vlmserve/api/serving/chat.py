@@ -16,7 +16,7 @@ from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.protocol import ChatBackend
 from vlmserve.engine.types import Chunk, FinishReason, GenerateRequest
 from vlmserve.engine.upstream import UpstreamBackend
-from vlmserve.errors import InvalidRequest, VlmserveError
+from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
 from vlmserve.registry.manager import Lease, ModelManager
 from vlmserve.streaming import Emit, Event, Resumption, SessionManager, SessionRecord, error_emit
 
@@ -68,7 +68,11 @@ def _on_cancel(ids: CompletionIds) -> Any:
 
 
 def _on_error(exc: BaseException) -> list[Emit]:
-    if isinstance(exc, VlmserveError) and exc.status_code < 500:
+    """The stream's final error event: what a client may act on (its own 4xx, or a 503 such as
+    ``engine_failed`` that says to retry), else a generic message (details in the log)."""
+    if isinstance(exc, VlmserveError) and (
+        exc.status_code < 500 or isinstance(exc, ServiceUnavailable)
+    ):
         return [error_emit(exc.message, exc.code or "invalid_request", exc.error_type)]
     log.error("stream failed: %r", exc)
     return [error_emit("generation failed; the server log has the details", "internal_error")]

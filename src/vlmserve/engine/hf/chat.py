@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from vlmserve.engine.hf.batching import END, BatchEngine, supports
+from vlmserve.engine.hf.batching.faults import describe
 from vlmserve.engine.hf.generation import run_generation
 from vlmserve.engine.hf.inputs import Prepared, build_inputs, render_prompt
 from vlmserve.engine.hf.lifecycle import HFModel, ModelState
@@ -64,6 +65,11 @@ class HFChatBackend(HFModel):
         self._tokens_before = 0  # tokens produced by earlier engines and the fallback path
         self._reserved = 0  # admitted requests still preparing (queue places held for them)
         self._grammars: Any = None  # engine.hf.grammar.GrammarCompiler, built on first use
+        # Told (on the engine's thread) when the engine failed for good, with an event loop of
+        # a request it ended (or None): the model manager schedules the reload there.
+        self.on_engine_failure: Callable[[Any], None] | None = None
+        self.engine_failures = 0  # fatal engine errors since this backend was built
+        self.last_engine_error: str | None = None  # the latest, kept across reloads
 
     # --- lifecycle -----------------------------------------------------------------------
     def load(self) -> None:
@@ -85,10 +91,22 @@ class HFChatBackend(HFModel):
             vision_cache_bytes=self.vision_cache_bytes,
             submit=lambda fn: self._executor.submit(fn),
             stream_interval=self.stream_interval,
+            model_id=self.model_id,
+            on_fatal=self._engine_failed,
         )
         self._processor_cache = install_processor_cache(
             loaded.processor, self.processor_cache_bytes
         )
+
+    def _engine_failed(self, cause: BaseException, loop: Any) -> None:
+        """The engine is unusable (its requests have already been ended): the model is
+        ``failed``, with the cause in ``error`` (``/health``, ``/admin/state``), until the
+        model manager reloads it."""
+        self.engine_failures += 1
+        self.last_engine_error = describe(cause)
+        self.state, self.error = ModelState.FAILED, f"engine failed: {self.last_engine_error}"
+        if self.on_engine_failure is not None:
+            self.on_engine_failure(loop)
 
     def close(self) -> None:
         self._processor_cache = None  # dropped with the processor

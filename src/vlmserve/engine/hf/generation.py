@@ -110,10 +110,10 @@ def _generation_config(model: Any, s: SamplingParams, max_new: int, structured: 
     # With a grammar the JSON value decides the length (min_tokens would ban its stop token).
     gc.min_new_tokens = None if structured else (min(s.min_tokens, max_new) or None)
     gc.do_sample = not s.greedy
-    gc.temperature = s.temperature if not s.greedy else None
+    gc.temperature = s.sampling_temperature if not s.greedy else None
     gc.top_p = s.top_p if not s.greedy else None
     gc.top_k = (s.top_k or None) if not s.greedy else None
-    gc.repetition_penalty = s.repetition_penalty if s.repetition_penalty != 1.0 else None
+    gc.repetition_penalty = s.penalty if s.penalty != 1.0 else None
     gc.num_return_sequences = 1
     if s.ignore_eos:
         gc.eos_token_id = None

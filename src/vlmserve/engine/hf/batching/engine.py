@@ -6,6 +6,12 @@ for every running row -> sample all rows at once -> hand each row's tokens to it
 -> finished rows leave (their KV slot is reused at once). Outputs of a step reach each
 event loop in one ``call_soon_threadsafe``. The loop runs on the model's executor thread
 while there is work and returns when the engine is idle; ``submit`` restarts it.
+
+Failures (``faults.py``): a batched forward that raises is retried row by row, so one
+poison request fails alone; anything else that raises in the loop (or the loop's thread
+ending with requests in flight) is fatal: every request still in flight ends with
+``EngineFailed`` at once and ``on_fatal`` tells the owner, which marks the model failed and
+reloads it. A failed engine refuses new requests; it is never used again.
 """
 
 from __future__ import annotations
@@ -15,11 +21,17 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from vlmserve.engine.hf.batching.detok_fast import fast_decoder
+from vlmserve.engine.hf.batching.faults import (
+    EngineFailed,
+    EngineStateError,
+    request_error,
+    retry_alone,
+)
 from vlmserve.engine.hf.batching.runner import PrefillRow, Qwen2VLRunner
 from vlmserve.engine.hf.batching.sampler import Sampler
 from vlmserve.engine.hf.batching.scheduler import Scheduler
@@ -43,6 +55,7 @@ _SMALL_MODEL_PARAMS = 50_000_000  # below this a decode step's matmuls take micr
 # An idle engine keeps a KV cache up to this size for the next request (allocating and zeroing
 # it again cost ~1 ms a request at one-at-a-time traffic); a larger one goes back at once.
 _KEEP_IDLE_CACHE_BYTES = 64 * 2**20
+_Item = TypeVar("_Item")
 
 
 class BatchEngine:
@@ -57,6 +70,8 @@ class BatchEngine:
         vision_cache_bytes: int,
         submit: Callable[[Callable[[], None]], Any],
         stream_interval: int = 4,
+        model_id: str = "model",
+        on_fatal: Callable[[BaseException, Any], None] | None = None,
     ):
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
@@ -65,13 +80,19 @@ class BatchEngine:
         self.embedder = PromptEmbedder(model, self.runner, self.vision_cache)
         vocab = int(model.config.get_text_config().vocab_size)
         self.vocab = vocab
-        self.sampler = Sampler(vocab, eos_ids, self.runner.device)
+        self.sampler = Sampler(vocab, eos_ids)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
+        self.model_id = model_id  # in messages
         self._submit = submit  # runs a callable on the model's executor thread
+        self._on_fatal = on_fatal  # (cause, an event loop of a failed request or None)
         self._lock = threading.Lock()
         self._inbox: deque[Sequence] = deque()
+        self._live: set[Sequence] = (
+            set()
+        )  # submitted, END not yet delivered: a fatal error ends these
         self._active = False
         self._closed = False
+        self.failure: EngineFailed | None = None  # set once, when the engine became unusable
         self._out: list[tuple[Sequence, Any]] = []
         self._threads = 1 if _small(model) and self.runner.device.type == "cpu" else 0
         self.tokens_generated = 0
@@ -97,32 +118,43 @@ class BatchEngine:
 
     def submit(self, seq: Sequence) -> None:
         with self._lock:
+            if self.failure is not None:
+                raise self.failure
             if self._closed:
                 raise ServiceUnavailable("the model is unloading; retry shortly", retry_after=5)
             self._inbox.append(seq)
+            self._live.add(seq)
             start, self._active = not self._active, True
         if start:
-            self._submit(self._loop)
+            try:
+                future = self._submit(self._loop)
+            except Exception as exc:  # the executor is shut down: nothing will ever run
+                self._die(exc)
+                raise self.failure or exc from exc
+            if hasattr(future, "add_done_callback"):
+                future.add_done_callback(self._loop_ended)
 
     def close(self) -> None:
         """Stop after the current step; rows still queued or running get a 503."""
         with self._lock:
             self._closed = True
-            idle = not self._active
+            idle = not self._active and self.failure is None  # a failed engine ended them all
         if idle:
             self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
 
     # --- the loop (engine thread) -----------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # outside a forward: the engine's state is not trusted
+            self._die(exc)
+
+    def _run(self) -> None:
         if self._threads:
             torch.set_num_threads(self._threads)
         with torch.inference_mode():
             while self._take_inbox():
-                try:
-                    self.step()
-                except Exception as exc:  # a bug or OOM: fail what was in flight, keep serving
-                    log.exception("engine step failed; failing %d requests", self.running)
-                    self._fail_running(exc)
+                self.step()
                 busy = len(self.scheduler.running) >= _BUSY_ROWS
                 if not busy or self.steps % self.stream_interval == 0:
                     self._flush()
@@ -130,6 +162,19 @@ class BatchEngine:
         if self._closed:
             self.runner.cache.release()
             self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
+
+    def _loop_ended(self, future: Any) -> None:
+        """The loop's future is done. ``_loop`` handles its own errors, so this only acts
+        when the loop never ran (cancelled by an executor shutdown) or escaped anyway."""
+        cause = RuntimeError("the engine loop was cancelled before it ran")
+        if not future.cancelled():
+            cause = future.exception()
+            if cause is None:
+                return
+        if self._closed:
+            self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
+        else:
+            self._die(cause)
 
     def _take_inbox(self) -> bool:
         """Move submitted requests to the scheduler; False (and inactive) when idle."""
@@ -147,45 +192,96 @@ class BatchEngine:
         self._reap_cancelled()
         admitted = self.scheduler.schedule()
         if admitted:
-            self._prefill(admitted)
+            ready = self._start_rows(admitted)
+            if ready:
+                rows, tokens = self._forward(self._prefill_forward, ready)
+                self._advance([seq for seq, _ in rows], tokens)
             self._flush()  # first tokens out now, not after the decode step
-        running = self.scheduler.running
+        running = list(self.scheduler.running)
         if running:
             self.peak_running = max(self.peak_running, len(running))
-            self._decode(running)
+            self._advance(*self._forward(self._decode_forward, running))
+        elif not admitted and self.scheduler.waiting:
+            raise EngineStateError(
+                f"the scheduler admitted none of {len(self.scheduler.waiting)} waiting "
+                "requests while no row runs"
+            )
+        self._check()
         self.steps += 1
+
+    def _check(self) -> None:
+        """Running rows are slots 0..B-1, in order, each RUNNING once (O(B) per step)."""
+        for i, seq in enumerate(self.scheduler.running):
+            if seq.slot != i or seq.status is not SeqStatus.RUNNING:
+                raise EngineStateError(
+                    f"running row {i} holds slot {seq.slot} in state {seq.status.value}"
+                )
 
     def _reap_cancelled(self) -> None:
         for seq in [s for s in self.scheduler.waiting if s.cancelled]:
             self.scheduler.drop_waiting(seq)
-            self._out.append((seq, END))
+            self._end(seq)
         for seq in [s for s in self.scheduler.running if s.cancelled]:
             self._finish(seq, cancelled=True)
 
-    def _prefill(self, admitted: list[Sequence]) -> None:
-        rows: list[PrefillRow] = []
-        ready: list[Sequence] = []
+    def _start_rows(self, admitted: list[Sequence]) -> list[tuple[Sequence, PrefillRow]]:
+        """Embed each admitted prompt (vision tower included); a row whose input fails here
+        fails alone."""
+        ready: list[tuple[Sequence, PrefillRow]] = []
         for seq in admitted:
             if seq.max_new <= 0:  # a resumed stream that had already reached max_tokens
                 self._finish(seq)
                 continue
             try:
                 built = self.embedder.build(seq.prepared.inputs, seq.slot)
+                seq.rope_delta = built.rope_delta
+                self._init_row(seq)
             except Exception as exc:
-                self._fail(seq, exc)
+                log.exception("request %s: its input failed to embed", _rid(seq))
+                self._fail(seq, request_error(exc))
                 continue
-            seq.rope_delta = built.rope_delta
-            self._init_row(seq)
-            rows.append(built.row)
-            ready.append(seq)
-        if not ready:
-            return
-        for seq, row in zip(ready, rows, strict=True):
+            ready.append((seq, built.row))
+        return ready
+
+    def _forward(
+        self, forward: Callable[[list[_Item]], list[int]], items: list[_Item]
+    ) -> tuple[list[Any], list[int]]:
+        """A batched forward + sampling -> (rows, their tokens); on an error, each row
+        alone (``faults.retry_alone``): a row that fails alone too fails by itself."""
+        try:
+            return items, forward(items)
+        except Exception as exc:
+            return retry_alone(forward, items, exc, self._fail_alone)
+
+    def _fail_alone(self, item: Any, exc: BaseException) -> bool:
+        """Fail a row found to be the cause; False when it had already left the batch."""
+        seq = item[0] if isinstance(item, tuple) else item
+        if seq.status is not SeqStatus.RUNNING:
+            return False
+        log.error("request %s fails alone too: failing it", _rid(seq), exc_info=exc)
+        self._fail(seq, request_error(exc))
+        return True
+
+    def _prefill_forward(self, items: list[tuple[Sequence, PrefillRow]]) -> list[int]:
+        for seq, row in items:
             row.slot = seq.slot  # a failed row may have moved the others
-        logits = self.runner.prefill(rows)
-        for seq in ready:
+        logits = self.runner.prefill([row for _, row in items])
+        seqs = [seq for seq, _ in items]
+        for seq in seqs:
             seq.length = seq.prompt_len
-        self._advance(ready, self.sampler.sample(logits, ready))
+        return self.sampler.sample(logits, seqs)
+
+    def _decode_forward(self, running: list[Sequence]) -> list[int]:
+        logits = self.runner.decode(
+            [s.next_token for s in running],
+            [s.length + s.rope_delta for s in running],
+            [s.slot for s in running],
+            [s.length for s in running],
+        )
+        tokens = self.sampler.sample(logits, running)
+        for seq in running:  # only now: a failed attempt leaves nothing to undo
+            seq.length += 1  # (and a row moved to another slot takes its new column along)
+        return tokens
 
     def _init_row(self, seq: Sequence) -> None:
         req = seq.prepared.request
@@ -193,35 +289,27 @@ class BatchEngine:
         if req.sampling.seed is not None and not req.sampling.greedy:
             seq.generator = torch.Generator(device=device)
             seq.generator.manual_seed(req.sampling.seed)
-        if req.sampling.repetition_penalty != 1.0:
+        if req.sampling.penalty != 1.0:
             seq.seen = torch.zeros(self.vocab, dtype=torch.bool, device=device)
             seq.seen[seq.prepared.inputs["input_ids"][0].to(device)] = True
         if seq.prepared.grammar is not None:
             seq.matcher = seq.prepared.grammar.matcher(prefix=req.prefix_token_ids)
-
-    def _decode(self, running: list[Sequence]) -> None:
-        logits = self.runner.decode(
-            [s.next_token for s in running],
-            [s.length + s.rope_delta for s in running],
-            [s.slot for s in running],
-            [s.length for s in running],
-        )
-        for seq in running:
-            seq.length += 1
-        self._advance(list(running), self.sampler.sample(logits, running))
 
     def _advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
         """Record each row's new token, stream it, and retire rows that are done."""
         for seq, token in zip(seqs, tokens, strict=True):
             try:
                 done = self._accept(seq, token)
-            except Exception as exc:  # the grammar refused a token: this row only
-                self._fail(seq, exc)
+            except Exception as exc:  # the grammar refused a token, an id out of range
+                log.exception("request %s: token %d not accepted", _rid(seq), token)
+                self._fail(seq, request_error(exc))
                 continue
             if done:
                 self._finish(seq)
 
     def _accept(self, seq: Sequence, token: int) -> bool:
+        if not 0 <= token < self.vocab:  # never embed an id the model does not have
+            raise IndexError(f"sampled token {token} is outside the vocabulary ({self.vocab})")
         seq.generated += 1
         seq.next_token = token
         if seq.matcher is not None:
@@ -237,12 +325,15 @@ class BatchEngine:
     def _finish(self, seq: Sequence, cancelled: bool = False) -> None:
         seq.run.finish(cancelled, self.eos_ids)
         self._retire(seq)
-        self._out.append((seq, END))
+        self._end(seq)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         self._retire(seq)
         self._out.append((seq, exc))
-        self._out.append((seq, END))
+        self._end(seq)
+
+    def _end(self, seq: Sequence) -> None:
+        self._out.append((seq, END))  # leaves ``_live`` once delivered (``_flush``)
 
     def _retire(self, seq: Sequence) -> None:
         seq.finished_step = self.steps
@@ -254,11 +345,6 @@ class BatchEngine:
         if moved is not None and moved.length > 0:
             self.runner.cache.move(old_last, moved.slot, moved.length)
 
-    def _fail_running(self, exc: BaseException) -> None:
-        for seq in list(self.scheduler.running):
-            self._fail(seq, exc)
-        self.runner.cache.release()
-
     def _abort_all(self, exc: BaseException) -> None:
         with self._lock:
             pending = list(self._inbox) + list(self.scheduler.waiting)
@@ -267,6 +353,35 @@ class BatchEngine:
         for seq in pending + list(self.scheduler.running):
             self._fail(seq, exc)
         self._flush()
+
+    def _die(self, cause: BaseException) -> None:
+        """Fatal: end every request in flight with ``EngineFailed`` now, refuse new ones and
+        tell the owner. Touches nothing but the lock and the requests' queues, since the
+        rest of the engine may be what broke."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = EngineFailed(self.model_id, cause)
+            self._active = False
+            live = [*self._live]
+            self._live.clear()
+            self._inbox.clear()
+        log.error("%s: the engine failed; ending its %d requests", self.model_id, len(live),
+                  exc_info=cause)  # fmt: skip
+        if self._on_fatal is not None and not self._closed:  # closing: no reload wanted
+            try:  # first, so that a client retrying at once finds the model failed
+                self._on_fatal(cause, live[0].loop if live else None)
+            except Exception:
+                log.exception("%s: the engine failure handler failed", self.model_id)
+        self._out = []
+        for seq in live:
+            seq.status = SeqStatus.FINISHED
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                seq.loop.call_soon_threadsafe(
+                    _deliver, [(seq.queue, self.failure), (seq.queue, END)]
+                )
+        with contextlib.suppress(Exception):
+            self.runner.cache.release()
 
     # --- output -------------------------------------------------------------------------------
     def _emit(self, seq: Sequence, chunk: Chunk) -> None:
@@ -280,12 +395,15 @@ class BatchEngine:
         if not self._out:
             return
         by_loop: dict[Any, list[tuple[Any, Any]]] = {}
-        for seq, item in self._out:
+        out, self._out = self._out, []
+        for seq, item in out:
             by_loop.setdefault(seq.loop, []).append((seq.queue, item))
-        self._out = []
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 loop.call_soon_threadsafe(_deliver, items)
+        for seq, item in out:
+            if item is END:
+                self._live.discard(seq)
 
     def vision_cache_stats(self) -> dict[str, int]:
         return self.vision_cache.stats()
@@ -294,6 +412,10 @@ class BatchEngine:
 def _deliver(items: list[tuple[Any, Any]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
+
+
+def _rid(seq: Sequence) -> str:
+    return seq.prepared.request.request_id
 
 
 def _small(model: Any) -> bool:

@@ -20,23 +20,23 @@ __all__ = ["Sampler"]
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_ids: set[int], device: torch.device):
+    def __init__(self, vocab_size: int, eos_ids: set[int]):
         self.vocab_size = vocab_size
-        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-        self.device = device
+        self.eos = sorted(eos_ids)  # tensors are made on the logits' device, as needed
         self._grammar: Any = None  # vlmserve.engine.hf.grammar, imported on first use
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: [B, V] float32 (modified in place) -> one token id per row."""
+        """logits: [B, V'] float32 (modified in place) -> one token id per row, always in
+        ``[0, vocab_size)``: columns past the vocabulary (a padded lm_head) are never drawn,
+        and a row with nothing to draw from (NaN or +inf scores, every token masked) takes
+        its argmax instead."""
+        logits = logits[:, : self.vocab_size]
         self._constrain(logits, seqs)
-        greedy = [s.sampling.greedy for s in seqs]
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist()
-        picked = self._draw(logits, seqs, greedy)
-        if any(greedy):
-            picked = torch.where(
-                torch.tensor(greedy, device=self.device), logits.argmax(dim=-1), picked
-            )
+        picked = logits.argmax(dim=1)  # greedy rows, and the fallback of the others
+        drawn = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        if drawn:
+            tokens, drawable = self._draw(logits[drawn], [seqs[i] for i in drawn])
+            picked[drawn] = torch.where(drawable, tokens, picked[drawn])
         return picked.tolist()
 
     def _constrain(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -44,13 +44,13 @@ class Sampler:
         if grammar_rows:
             self._apply_grammar(logits, seqs, grammar_rows)
         for i, s in enumerate(seqs):
-            penalty = s.sampling.repetition_penalty
-            if penalty != 1.0 and s.seen is not None:
+            if s.seen is not None:  # tracked only for a penalty other than 1 (_init_row)
+                penalty = s.sampling.penalty  # bounded to [1e-6, 1e6]: the result stays finite
                 row = logits[i]
                 hit = torch.where(row < 0, row * penalty, row / penalty)
                 logits[i] = torch.where(s.seen, hit, row)
             if s.run.completion < s.sampling.min_tokens and not s.sampling.ignore_eos:
-                logits[i, self.eos] = float("-inf")
+                logits[i, self.eos] = -torch.inf
 
     def _apply_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
         if self._grammar is None:
@@ -60,56 +60,60 @@ class Sampler:
         masks = self._grammar.allocate_masks(len(seqs), logits.shape[1])
         for i in rows:
             seqs[i].matcher.fill_mask(masks, i)
-        self._grammar.apply_masks(logits, masks.to(logits.device), rows)
+        self._grammar.apply_masks(logits, masks, rows)  # moves the masks to the logits
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
-        temps = torch.tensor(
-            [1.0 if g else s.sampling.temperature for s, g in zip(seqs, greedy, strict=True)],
-            device=self.device,
-        )
-        scores = logits / temps[:, None]
-        top_k = [0 if g else s.sampling.top_k for s, g in zip(seqs, greedy, strict=True)]
-        top_p = [1.0 if g else s.sampling.top_p for s, g in zip(seqs, greedy, strict=True)]
-        if any(top_k) or any(p < 1.0 for p in top_p):
-            scores = self._top_k_top_p(scores, top_k, top_p)
-        return _inverse_cdf(scores.softmax(dim=-1), self._uniforms(seqs))
+    def _draw(
+        self, scores: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """scores: [b, V], the sampled rows only (a copy: scaled in place) -> (tokens [b],
+        drawable [b]). Temperature, then top-k and top-p, then one inverse-CDF draw."""
+        scores.div_(scores.new_tensor([s.sampling.sampling_temperature for s in seqs])[:, None])
+        scores = _top_k_top_p(scores, [s.sampling.top_k for s in seqs],
+                              [s.sampling.top_p for s in seqs])  # fmt: skip
+        return _inverse_cdf(scores.softmax(dim=1), self._uniforms(scores, seqs))
 
-    def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One U[0, 1) per row, [B, 1]: a seeded row draws from its own generator."""
-        u = torch.rand(len(seqs), 1, device=self.device)
+    def _uniforms(self, scores: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One U[0, 1) per row, [b, 1]: a seeded row draws from its own generator."""
+        u = torch.rand_like(scores[:, :1])
         for i, s in enumerate(seqs):
             if s.generator is not None:
-                u[i] = torch.rand(1, generator=s.generator, device=self.device)
+                u[i].uniform_(generator=s.generator)
         return u
 
-    def _top_k_top_p(
-        self, scores: torch.Tensor, top_k: list[int], top_p: list[float]
-    ) -> torch.Tensor:
-        """As transformers' TopK/TopP warpers, vectorised over rows ([B, V] in and out)."""
-        vocab = scores.shape[1]
-        ordered, order = scores.sort(dim=-1)  # ascending
-        if any(top_k):
-            k = torch.tensor(top_k, device=self.device)
-            kth = (vocab - k.clamp(1, vocab)).where(k > 0, torch.zeros_like(k))
-            ordered = ordered.masked_fill(ordered < ordered.gather(1, kth[:, None]), float("-inf"))
-        if any(p < 1.0 for p in top_p):
-            p = torch.tensor(top_p, device=self.device)
-            cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-            drop = cumulative <= (1 - p)[:, None]
-            drop[:, -1] = False  # keep at least the most likely token
-            ordered = ordered.masked_fill(drop, float("-inf"))
-        return torch.empty_like(scores).scatter_(1, order, ordered)
+
+def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """As transformers' TopK/TopP warpers, vectorised over rows ([B, V] in and out). A row's
+    ``top_k`` <= 0 or ``top_p`` >= 1 leaves it alone; filtered-out tokens get -inf."""
+    by_k, by_p = any(top_k), any(p < 1.0 for p in top_p)
+    if not (by_k or by_p):
+        return scores  # no sort of [B, V]
+    vocab = scores.shape[1]
+    ordered, order = scores.sort(dim=1)  # ascending
+    if by_k:
+        k = scores.new_tensor(top_k, dtype=torch.long)
+        kth = (vocab - k.clamp(max=vocab)).where(k > 0, torch.zeros_like(k))
+        ordered = ordered.masked_fill(ordered < ordered.gather(1, kth[:, None]), -torch.inf)
+    if by_p:
+        cumulative = ordered.softmax(dim=1).cumsum(dim=1)
+        drop = cumulative <= (1 - scores.new_tensor(top_p))[:, None]
+        drop[:, -1] = False  # keep at least the most likely token
+        ordered = ordered.masked_fill(drop, -torch.inf)
+    return torch.empty_like(scores).scatter_(1, order, ordered)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row b takes the first token whose cumulative probability exceeds ``u[b] * total``.
 
     One uniform per row instead of an exponential per vocabulary entry (that race cost
     27 ns per entry on CPU: 0.2 ms a step for 8 rows of a 1k vocabulary, 33 ms for 8 rows of
     Qwen2-VL's 151k). ``u`` stays strictly below the total, so the token found always has
-    probability > 0: a token the grammar masked out can never be drawn.
+    probability > 0: a token the grammar masked out can never be drawn, not even when
+    ``u * total`` lands exactly on a step of the CDF (``right=True``: strictly greater).
+    Returns (tokens [B], drawable [B]): a row whose total is NaN or 0 has no distribution
+    to draw from, and its token is meaningless.
     """
-    cdf = probs.cumsum(dim=-1)
+    cdf = probs.cumsum(dim=1)
     total = cdf[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return picked, (total > 0).squeeze(1)

@@ -1,0 +1,279 @@
+"""Faults in the batching engine, on the tiny real Qwen2-VL: one engine method made to raise.
+
+Pinned: an error that belongs to one request ends that request alone (``RequestFailed``) and
+the others produce exactly what they produce undisturbed; an error that leaves the engine
+unusable ends every request in flight, waiting or queued with ``EngineFailed`` within
+seconds (never a hang), marks the model failed, and the engine refuses new work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vlmserve.engine.hf.batching import EngineFailed, RequestFailed
+from vlmserve.engine.hf.batching.engine import BatchEngine
+from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.hf.lifecycle import ModelState
+from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.types import ChatMessage, GenerateRequest, SamplingParams, TextPart
+from vlmserve.errors import ServiceUnavailable
+
+FAST = 5.0  # seconds: a fault must end the requests well within this
+
+
+@pytest.fixture
+def backend(tiny_dir: Path) -> Iterator[HFChatBackend]:
+    """A fresh model per test: a fatal fault leaves its engine unusable."""
+    options = LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32")
+    b = HFChatBackend("tiny", options, max_model_len=4096, max_queued=64, max_num_seqs=3)
+    b.load()
+    assert b.engine is not None
+    yield b
+    b.close()
+
+
+def request(text: str, max_tokens: int = 16, **sampling: Any) -> GenerateRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
+    return GenerateRequest(text, [ChatMessage("user", [TextPart(text)])], params)
+
+
+async def tokens(backend: HFChatBackend, req: GenerateRequest) -> list[int]:
+    prepared = await backend.prepare(req)
+    return [t async for chunk in backend.generate(prepared) for t in chunk.token_ids]
+
+
+async def outcomes(backend: HFChatBackend, reqs: list[GenerateRequest]) -> list[Any]:
+    """Each request's tokens or the exception it ended with, all run concurrently."""
+    jobs = [tokens(backend, r) for r in reqs]
+    return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), FAST * 4)
+
+
+def engine_of(backend: HFChatBackend) -> BatchEngine:
+    assert backend.engine is not None
+    return backend.engine
+
+
+async def until_running(engine: BatchEngine, rows: int) -> None:
+    deadline = time.monotonic() + 30
+    while not (engine.running == rows and engine.steps > 2):
+        assert time.monotonic() < deadline, "the rows never ran together"
+        await asyncio.sleep(0.005)
+
+
+def is_poison(seqs: list[Any]) -> bool:
+    return any(s.prepared.request.request_id.startswith("POISON") for s in seqs)
+
+
+# --- one request's error: that request alone ---------------------------------------------------
+async def test_a_request_whose_decode_always_fails_fails_alone(backend: HFChatBackend) -> None:
+    engine = engine_of(backend)
+    reqs = [request(f"companion {i}", max_tokens=12 + i) for i in range(4)]
+    alone = [await tokens(backend, r) for r in reqs]
+    decode = engine._decode_forward
+
+    def poisoned(seqs: list[Any]) -> list[int]:
+        if is_poison(seqs):
+            raise RuntimeError("poison")
+        return decode(seqs)
+
+    engine._decode_forward = poisoned  # type: ignore[method-assign]
+    got = await outcomes(backend, [*reqs[:2], request("POISON here"), *reqs[2:]])
+    assert isinstance(got[2], RequestFailed) and got[2].status_code == 500
+    assert [got[0], got[1], got[3], got[4]] == alone  # greedy: the same tokens as undisturbed
+    assert backend.state is ModelState.READY and engine.failure is None
+
+
+async def test_a_request_whose_prefill_always_fails_fails_alone(backend: HFChatBackend) -> None:
+    engine = engine_of(backend)
+    reqs = [request(f"other {i}") for i in range(3)]
+    alone = [await tokens(backend, r) for r in reqs]
+    prefill = engine._prefill_forward
+
+    def poisoned(items: list[Any]) -> list[int]:
+        if is_poison([s for s, _ in items]):
+            raise MemoryError("this prompt alone does not fit")
+        return prefill(items)
+
+    engine._prefill_forward = poisoned  # type: ignore[method-assign]
+    got = await outcomes(backend, [reqs[0], request("POISON"), reqs[1], reqs[2]])
+    assert isinstance(got[1], RequestFailed)
+    assert [got[0], got[2], got[3]] == alone
+    assert engine.failure is None
+
+
+async def test_an_input_that_fails_to_embed_fails_alone(backend: HFChatBackend) -> None:
+    engine = engine_of(backend)
+    build = engine.embedder.build
+
+    def broken(inputs: Any, slot: int) -> Any:
+        if inputs["input_ids"].shape[1] > 30:  # the long prompt only
+            raise ValueError("cannot embed this input")
+        return build(inputs, slot)
+
+    engine.embedder.build = broken  # type: ignore[method-assign]
+    got = await outcomes(backend, [request("short"), request("long " * 40)])
+    assert isinstance(got[0], list) and len(got[0]) == 16
+    assert isinstance(got[1], RequestFailed)
+
+
+async def test_a_transient_batch_failure_is_retried_row_by_row_without_losing_a_token(
+    backend: HFChatBackend,
+) -> None:
+    engine = engine_of(backend)
+    reqs = [request(f"row {i}", max_tokens=20) for i in range(3)]
+    alone = [await tokens(backend, r) for r in reqs]
+    decode, failures = engine._decode_forward, []
+
+    def flaky(seqs: list[Any]) -> list[int]:
+        if len(seqs) > 1 and engine.steps % 5 == 3:  # some batched steps fail (an OOM, say)
+            failures.append(engine.steps)
+            raise RuntimeError("out of memory for the batch")
+        return decode(seqs)
+
+    engine._decode_forward = flaky  # type: ignore[method-assign]
+    assert await outcomes(backend, reqs) == alone
+    assert failures
+
+
+async def test_a_sampled_token_outside_the_vocabulary_fails_its_row_before_the_embedding(
+    backend: HFChatBackend,
+) -> None:
+    engine = engine_of(backend)
+    sample = engine.sampler.sample
+
+    def out_of_range(logits: Any, seqs: list[Any]) -> list[int]:
+        picked = sample(logits, seqs)
+        return [engine.vocab if is_poison([s]) else t for s, t in zip(seqs, picked, strict=True)]
+
+    engine.sampler.sample = out_of_range  # type: ignore[method-assign]
+    got = await outcomes(backend, [request("fine"), request("POISON")])
+    assert len(got[0]) == 16
+    assert isinstance(got[1], RequestFailed)
+    assert engine.failure is None
+
+
+# --- fatal errors: everyone, at once ------------------------------------------------------------
+def raising(*_: Any, **__: Any) -> Any:
+    raise RuntimeError("injected")
+
+
+@pytest.mark.parametrize("method", ["step", "_take_inbox", "_flush", "_reap_cancelled"])
+async def test_an_error_outside_a_forward_ends_every_request_within_seconds(
+    backend: HFChatBackend, method: str
+) -> None:
+    engine = engine_of(backend)
+    reqs = [request(f"r{i}", max_tokens=200) for i in range(6)]  # 3 run, 3 wait
+    jobs = asyncio.gather(*(tokens(backend, r) for r in reqs), return_exceptions=True)
+    await until_running(engine, 3)
+    setattr(engine, method, raising)
+    injected = time.monotonic()
+    got = await asyncio.wait_for(jobs, FAST)
+    assert time.monotonic() - injected < FAST
+    assert all(isinstance(g, EngineFailed) for g in got), got
+    assert got[0].status_code == 503 and got[0].code == "engine_failed"
+    assert backend.state is ModelState.FAILED
+    assert backend.error == "engine failed: RuntimeError: injected"
+    with pytest.raises(ServiceUnavailable):  # refused at once, not queued behind a dead loop
+        await tokens(backend, request("after"))
+
+
+async def test_every_row_failing_alone_is_the_engines_fault_not_the_requests(
+    backend: HFChatBackend,
+) -> None:
+    engine = engine_of(backend)
+    jobs = asyncio.gather(*(tokens(backend, request(f"r{i}", 300)) for i in range(3)),
+                          return_exceptions=True)  # fmt: skip
+    await until_running(engine, 3)
+    engine._decode_forward = raising  # type: ignore[method-assign]
+    got = await asyncio.wait_for(jobs, FAST)
+    assert all(isinstance(g, EngineFailed) for g in got), got
+    assert backend.state is ModelState.FAILED
+
+
+async def test_a_scheduler_that_admits_nothing_fails_fast_instead_of_spinning(
+    backend: HFChatBackend,
+) -> None:
+    engine = engine_of(backend)
+    engine.scheduler.schedule = list  # type: ignore[method-assign]  # admits nobody, ever
+    got = await outcomes(backend, [request("stuck")])
+    assert isinstance(got[0], EngineFailed)
+    assert "admitted none" in (backend.error or "")
+
+
+async def test_a_broken_slot_invariant_is_fatal(backend: HFChatBackend) -> None:
+    engine = engine_of(backend)
+    schedule = engine.scheduler.schedule
+
+    def misplaced() -> list[Any]:
+        admitted = schedule()
+        for seq in admitted:
+            seq.slot += 1  # rows no longer dense: the KV cache would mix requests up
+        return admitted
+
+    engine.scheduler.schedule = misplaced  # type: ignore[method-assign]
+    got = await outcomes(backend, [request("x"), request("y")])
+    assert all(isinstance(g, EngineFailed) for g in got), got
+
+
+async def test_a_loop_cancelled_by_an_executor_shutdown_ends_its_requests(
+    backend: HFChatBackend,
+) -> None:
+    release = threading.Event()
+    backend._executor.submit(release.wait)  # the model's thread is busy
+    job = asyncio.ensure_future(tokens(backend, request("queued behind")))
+    await asyncio.sleep(0.05)  # the engine loop is queued on the executor
+    backend._executor.shutdown(wait=False, cancel_futures=True)
+    try:
+        with pytest.raises(EngineFailed):
+            await asyncio.wait_for(job, FAST)
+    finally:
+        release.set()
+
+
+async def test_the_owner_is_told_once_with_an_event_loop_to_reload_on(
+    backend: HFChatBackend,
+) -> None:
+    told: list[Any] = []
+    backend.on_engine_failure = told.append
+    engine = engine_of(backend)
+    engine.step = raising  # type: ignore[method-assign]
+    await outcomes(backend, [request("a"), request("b")])
+    assert told == [asyncio.get_running_loop()]
+    assert backend.engine_failures == 1
+    assert backend.last_engine_error == "RuntimeError: injected"
+
+
+async def test_closing_the_model_ends_queued_requests_without_a_reload(
+    backend: HFChatBackend,
+) -> None:
+    told: list[Any] = []
+    backend.on_engine_failure = told.append
+    jobs = asyncio.gather(*(tokens(backend, request(f"r{i}", 300)) for i in range(5)),
+                          return_exceptions=True)  # fmt: skip
+    await asyncio.sleep(0.2)
+    backend.close()
+    got = await asyncio.wait_for(jobs, FAST)
+    assert all(isinstance(g, ServiceUnavailable | list) for g in got), got
+    assert told == []
+
+
+async def test_a_client_error_found_in_the_engine_stays_a_client_error(
+    backend: HFChatBackend,
+) -> None:
+    from vlmserve.errors import InvalidRequest
+
+    req = request("resume me")
+    req.response_format = {"type": "json_object"}
+    req.prefix_token_ids = backend.processor.tokenizer.encode("not json")  # the grammar refuses
+    req.sampling.max_tokens = 20
+    got = await outcomes(backend, [req, request("bystander")])
+    assert isinstance(got[0], InvalidRequest) and got[0].status_code == 400
+    assert "resumed tokens" in got[0].message
+    assert len(got[1]) == 16

@@ -1,0 +1,115 @@
+"""The scheduler alone: admission order, the row bound, the prefill token budget, and the
+dense slot layout that the KV cache relies on (rows leave, the last row fills the hole).
+
+Sequences are real ``Sequence`` rows; only their prepared input is a stand-in carrying a
+prompt length (the scheduler reads nothing else).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from vlmserve.engine.hf.batching.scheduler import Scheduler
+from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
+
+
+def seq(prompt_tokens: int) -> Sequence:
+    return Sequence(SimpleNamespace(prompt_tokens=prompt_tokens), None, None, 8)  # type: ignore[arg-type]
+
+
+def queue(scheduler: Scheduler, *lengths: int) -> list[Sequence]:
+    seqs = [seq(n) for n in lengths]
+    for s in seqs:
+        scheduler.add(s)
+    return seqs
+
+
+def test_requests_are_admitted_first_come_first_served_into_dense_slots() -> None:
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=100)
+    a, b, c = queue(scheduler, 5, 6, 7)
+    assert scheduler.schedule() == [a, b, c]
+    assert scheduler.running == [a, b, c]
+    assert [s.slot for s in (a, b, c)] == [0, 1, 2]
+    assert all(s.status is SeqStatus.RUNNING for s in (a, b, c))
+    assert not scheduler.waiting
+    assert scheduler.schedule() == []  # nothing left to admit
+
+
+def test_at_most_max_num_seqs_rows_run_and_the_rest_wait_in_order() -> None:
+    scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=100)
+    a, b, c, d = queue(scheduler, 1, 1, 1, 1)
+    assert scheduler.schedule() == [a, b]
+    assert list(scheduler.waiting) == [c, d]
+    assert c.status is SeqStatus.WAITING and c.slot == -1
+    assert scheduler.schedule() == []  # full
+    scheduler.remove(a)
+    assert scheduler.schedule() == [c]
+    assert scheduler.running == [b, c] and [b.slot, c.slot] == [0, 1]
+
+
+def test_one_step_prefills_prompts_up_to_the_token_budget_inclusive() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=8)
+    a, b, c, d = queue(scheduler, 5, 3, 4, 4)
+    assert scheduler.schedule() == [a, b]  # 5 + 3 == 8 fits; + 4 would not
+    assert scheduler.schedule() == [c, d]  # 4 + 4 == 8
+    assert scheduler.running == [a, b, c, d]
+
+
+def test_the_budget_counts_every_admitted_prompt_not_just_the_last() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=10)
+    seqs = queue(scheduler, 3, 3, 3, 3)
+    assert scheduler.schedule() == seqs[:3]  # 9; a fourth would make 12
+    assert scheduler.schedule() == seqs[3:]
+
+
+def test_a_prompt_over_the_budget_is_admitted_alone_and_never_starves() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=8)
+    small, big, after = queue(scheduler, 2, 20, 1)
+    assert scheduler.schedule() == [small]  # the big one would exceed the budget with it
+    assert scheduler.schedule() == [big]  # alone, though over the budget
+    assert scheduler.schedule() == [after]
+    first = Scheduler(max_num_seqs=8, max_num_batched_tokens=8)
+    big2, tiny = queue(first, 9, 1)
+    assert first.schedule() == [big2]  # first in line: admitted even though 9 > 8
+    assert first.schedule() == [tiny]
+
+
+def test_the_budget_stops_admission_at_the_first_prompt_that_does_not_fit() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=8)
+    a, b, c = queue(scheduler, 6, 4, 1)
+    assert scheduler.schedule() == [a]  # FCFS: c would fit, but b is ahead of it
+    assert scheduler.schedule() == [b, c]
+
+
+def test_removing_a_middle_row_moves_the_last_row_into_its_slot() -> None:
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=100)
+    a, b, c, d = queue(scheduler, 1, 1, 1, 1)
+    scheduler.schedule()
+    assert scheduler.remove(b) is d
+    assert scheduler.running == [a, d, c]
+    assert d.slot == 1 and b.status is SeqStatus.FINISHED
+    assert scheduler.remove(c) is None  # the last row: nothing moves
+    assert scheduler.running == [a, d] and c.status is SeqStatus.FINISHED
+    assert scheduler.remove(a) is d
+    assert scheduler.running == [d] and d.slot == 0
+    assert scheduler.remove(d) is None
+    assert scheduler.running == [] and scheduler.idle
+
+
+def test_idle_means_nothing_waiting_and_nothing_running() -> None:
+    scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=100)
+    assert scheduler.idle
+    (a,) = queue(scheduler, 3)
+    assert not scheduler.idle  # waiting only
+    scheduler.schedule()
+    assert not scheduler.idle  # running only
+    scheduler.remove(a)
+    assert scheduler.idle
+
+
+def test_a_cancelled_waiting_request_leaves_the_queue() -> None:
+    scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=100)
+    a, b, c = queue(scheduler, 1, 1, 1)
+    scheduler.drop_waiting(b)
+    assert list(scheduler.waiting) == [a, c] and b.status is SeqStatus.FINISHED
+    assert scheduler.schedule() == [a]
