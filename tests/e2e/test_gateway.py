@@ -76,7 +76,7 @@ def chat(**extra: Any) -> dict[str, Any]:
 
 
 def replicas(gw: str) -> dict[str, dict[str, Any]]:
-    models = httpx.get(f"{gw}/v1/gateway/replicas").json()["models"]
+    models = httpx.get(f"{gw}/v1/gateway/replicas", headers=ADMIN).json()["models"]
     return {r["url"]: r for r in models[0]["replicas"]}
 
 

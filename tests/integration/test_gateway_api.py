@@ -167,3 +167,22 @@ async def test_worker_registration_client_adds_itself(gateway: httpx.AsyncClient
     refused = Registration("http://gw/v1/gateway/register", WORKER, instance="w-9",
                            transport=transport, attempts=3, backoff=0)  # fmt: skip
     assert not await refused.register(["gw-empty"])  # 401 without the admin key: no retry loop
+
+
+async def test_control_routes_answer_403_on_a_gateway_started_with_no_keys() -> None:
+    app = build_app(Settings(device="cpu"), models=ModelManager([]))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c,
+    ):
+        stranger = {"model": "gw-tiny", "url": "http://attacker.test:8000", "instance": "evil"}
+        answers = [
+            await c.post("/v1/gateway/register", json=stranger),
+            await c.get("/v1/gateway/replicas"),
+            await c.post("/v1/gateway/deregister", json={"instance": "w-1"}),
+        ]
+        for r in answers:
+            assert r.status_code == 403, r.text
+            error = r.json()["error"]
+            assert error["code"] == "admin_disabled" and "VLMSERVE_ADMIN_KEYS" in error["message"]
+        assert (await c.get("/v1/models")).status_code == 200  # the API itself stays open

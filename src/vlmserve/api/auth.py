@@ -7,13 +7,15 @@ It normalises both ``scope["raw_path"]`` and ``scope["path"]`` (percent-decode u
 ``\\`` read as ``/``, empty segments dropped, ``.``/``..`` resolved, lower-cased, no trailing
 ``/``), classifies each, and applies the STRICTER of the two classes:
 
-    admin   the normalised path starts with ``/admin``        -> an admin key
+    admin   the normalised path starts with ``/admin`` or
+            ``/v1/gateway`` (adding a replica routes users'
+            prompts and images to it)                         -> an admin key
     api     any path that is not exactly a public path        -> an API key (or an admin key)
     public  ``/health``, ``/ready`` (and ``/metrics`` if public) -> open
 
 So ``//admin/state``, ``/v1/../admin/state``, ``/ADMIN/state``, ``/admin/state/``,
-``/%61dmin/state`` and ``/v1%2f..%2fadmin`` all need an admin key, whatever the router makes
-of them.
+``/%61dmin/state``, ``/v1%2f..%2fadmin`` and ``/V1//Gateway/register`` all need an admin key,
+whatever the router makes of them.
 
 Keys come from ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` and are compared with
 ``hmac.compare_digest`` against every configured key (no early exit). With no API keys
@@ -34,9 +36,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from vlmserve.api.errors import error_body
 from vlmserve.errors import AuthenticationError
 
-__all__ = ["Access", "AuthMiddleware", "classify_path", "normalize_path"]
+__all__ = ["ADMIN_PREFIXES", "Access", "AuthMiddleware", "classify_path", "normalize_path"]
 
 _MAX_DECODE_ROUNDS = 8
+# Normalised path prefixes that need an admin key: the admin API, and the gateway's control
+# routes (registering a replica sends it users' traffic; the replica list shows upstream URLs).
+ADMIN_PREFIXES = ("/admin", "/v1/gateway")
 
 
 class Access(IntEnum):
@@ -72,7 +77,7 @@ def normalize_path(path: str | bytes) -> str:
 def classify_path(path: str | bytes, public_paths: frozenset[str]) -> Access:
     """Classify one path (raw or decoded); ``public_paths`` must already be normalised."""
     normal = normalize_path(path)
-    if normal.startswith("/admin") or _still_encoded(normal):
+    if normal.startswith(ADMIN_PREFIXES) or _still_encoded(normal):
         return Access.ADMIN
     if normal in public_paths:
         return Access.PUBLIC
@@ -155,7 +160,10 @@ class AuthMiddleware:
             return None
         if access is Access.ADMIN:
             if not self._admin_keys:
-                message = "admin API disabled: set VLMSERVE_ADMIN_KEYS"
+                message = (
+                    "admin API disabled: set VLMSERVE_ADMIN_KEYS (this route is an admin route: "
+                    "/admin/* and the gateway's /v1/gateway/*)"
+                )
                 return 403, message, "permission_error", "admin_disabled"
             keys = self._admin_keys
         else:

@@ -64,6 +64,7 @@ _BLOCKED_V6 = tuple(
         "100::/64",  # discard-only
         "2001::/32",  # Teredo (embedded address is obfuscated)
         "2001:db8::/32",  # documentation
+        "3fff::/20",  # documentation (RFC 9637; Python 3.11 calls it global)
         "fc00::/7",  # unique local, includes fd00:ec2::254 (EC2 metadata)
         "fe80::/10",  # link-local
         "fec0::/10",  # site-local (deprecated)

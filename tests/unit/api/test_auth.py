@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Any
-from urllib.parse import unquote
 
-import httpx
 import pytest
-from fastapi import FastAPI
+from auth_app import ADMIN_KEY, API_KEY, build, call_headers, call_raw, client
 
-from vlmserve.api.auth import AuthMiddleware, normalize_path
-
-API_KEY = "sk-api-0123456789"
-ADMIN_KEY = "sk-admin-9876543210"
+from vlmserve.api.auth import normalize_path
 
 BYPASS_TO_ADMIN = [
     "/v1/../admin/state",
@@ -30,74 +24,6 @@ BYPASS_TO_ADMIN = [
     "/v1\\..\\admin/state",
 ]
 BYPASS_TO_V1 = ["//v1/models", "/V1/models", "/v1/models/", "/%761/models", "/./v1/models"]
-
-
-def build(**kw: Any) -> tuple[AuthMiddleware, list[str]]:
-    hits: list[str] = []
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        hits.append("models")
-        return {"data": []}
-
-    @app.get("/admin/state")
-    async def state() -> dict:
-        hits.append("admin")
-        return {"models": []}
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"ok": True}
-
-    @app.get("/metrics")
-    async def metrics() -> str:
-        return ""
-
-    kw.setdefault("api_keys", [API_KEY])
-    kw.setdefault("admin_keys", [ADMIN_KEY])
-    return AuthMiddleware(app, **kw), hits
-
-
-async def call_raw(
-    app: Any, raw_path: str, key: str | None = None, header: str = "authorization"
-) -> tuple[int, dict[str, str], bytes]:
-    """One request with an exact raw path, as uvicorn would deliver it (path = decoded once)."""
-    headers = [(b"host", b"testserver")]
-    if key is not None:
-        value = f"Bearer {key}" if header == "authorization" else key
-        headers.append((header.encode(), value.encode()))
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": unquote(raw_path),
-        "raw_path": raw_path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 1234),
-        "server": ("testserver", 80),
-    }
-    sent: list[dict] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    await app(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    hdrs = {k.decode(): v.decode() for k, v in start.get("headers", [])}
-    return start["status"], hdrs, body
-
-
-def client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
 
 
 @pytest.mark.parametrize(
@@ -244,3 +170,65 @@ async def test_keys_are_compared_with_compare_digest_against_every_key(
     calls.clear()
     assert (await call_raw(app, "/admin/state", API_KEY))[0] == 401
     assert len(calls) == 1  # admin routes compare against admin keys only
+
+
+# -- path reading ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "normal"),
+    [
+        ("/health?next=/admin?x", "/health"),
+        (b"/admin/\xff\xfe", "/admin/\ufffd\ufffd"),
+        ("/admin/\udcff", "/admin/\ufffd"),
+        ("/V1/Models", "/v1/models"),
+        ("/v1/%5c..%5cadmin", "/admin"),
+        ("/a/b/../../../c", "/c"),
+    ],
+)
+def test_normalize_path_edge_cases(raw: str | bytes, normal: str) -> None:
+    assert normalize_path(raw) == normal
+
+
+def encoded(path: str, rounds: int) -> str:
+    """``path`` with its first letter percent-encoded, then every ``%`` encoded again."""
+    out = "/%" + format(ord(path[1]), "02x") + path[2:]
+    for _ in range(rounds - 1):
+        out = out.replace("%", "%25")
+    return out
+
+
+async def test_a_path_still_encoded_after_eight_decoding_rounds_needs_the_admin_key() -> None:
+    app, hits = build()
+    assert normalize_path(encoded("/v1/models", 8)) == "/v1/models"
+    # through auth (the router, which sees the still-encoded path, answers 404)
+    assert await call_headers(app, encoded("/v1/models", 8), ("x-api-key", API_KEY)) == 404
+    for path in (encoded("/v1/models", 9), encoded("/health", 12)):
+        assert await call_headers(app, path, ("x-api-key", API_KEY)) == 401
+        assert await call_headers(app, path, ("x-api-key", ADMIN_KEY)) == 404
+    assert hits == []
+
+
+async def test_without_raw_path_the_decoded_path_is_judged() -> None:
+    app, hits = build()
+    scope_path = "/v1/../admin/state"
+    sent: list[dict] = []
+    scope = {"type": "http", "method": "GET", "path": scope_path, "query_string": b"",
+             "headers": [(b"x-api-key", API_KEY.encode())]}  # fmt: skip
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    assert sent[0]["status"] == 401
+    assert hits == []
+
+
+async def test_health_spelled_differently_is_still_public() -> None:
+    app, _ = build()
+    assert await call_headers(app, "/health") == 200
+    for variant in ("/health/", "/v1/../health", "/HEALTH"):  # through auth, then the router
+        assert await call_headers(app, variant) in (307, 404)

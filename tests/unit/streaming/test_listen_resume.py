@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 import uuid
 
 import pytest
@@ -137,4 +138,21 @@ async def test_producer_exception_appends_on_error_emits_then_done(
     assert events[6].data == DONE
     await asyncio.wait_for(manager.get("s1").wait(), 5)
     assert (await any_store.get("s1")).state is SessionState.FAILED
+    await manager.close()
+
+
+async def test_expired_sessions_are_forgotten_by_id_and_alias_and_the_alias_is_free_again(
+    producer, callbacks
+) -> None:
+    manager = SessionManager(MemoryStore(ttl=10), ttl=10, gc_interval=0)
+    session = await manager.start("s1", {}, producer(3), aliases=["chatcmpl-1"], **callbacks)
+    await asyncio.wait_for(session.wait(), 5)
+    assert await manager.gc(now=time.time()) == 0  # ended just now: kept
+    assert await manager.gc(now=time.time() + 11) == 2  # here and in the store
+    assert manager.get("s1") is None and manager.get("chatcmpl-1") is None
+    for name in ("s1", "chatcmpl-1"):
+        with pytest.raises(NotFound):
+            await manager.listen(name)
+    await manager.start("s2", {}, producer(3), aliases=["chatcmpl-1"], **callbacks)
+    assert manager.get("chatcmpl-1").session_id == "s2"
     await manager.close()

@@ -142,3 +142,98 @@ async def test_build_store_picks_redis_then_sqlite_then_memory(tmp_path) -> None
     assert isinstance(redis, RedisStore) and redis.shared and not sqlite.shared
     for store in (memory, sqlite, redis):
         await store.close()
+
+
+# -- MemoryStore details --------------------------------------------------------------------
+
+
+def old_record(sid: str = "s1", aliases: tuple[str, ...] = ("a1",), at: float = 1000.0):
+    return SessionRecord(sid, {}, SessionState.RUNNING, at, at, owner="o1", aliases=list(aliases))
+
+
+def test_memory_store_is_private_to_one_process_and_keeps_records_ten_minutes() -> None:
+    assert MemoryStore.shared is False  # no other replica can cancel or take over its sessions
+    assert MemoryStore().ttl == 600.0
+
+
+async def test_memory_store_gc_frees_the_aliases_of_expired_sessions() -> None:
+    store = MemoryStore(ttl=10)
+    await store.create(old_record("s1", ("a1", "a2")))
+    await store.create(old_record("s2", ("b1",), at=time.time()))
+    assert await store.gc(now=1000.0 + 10) == 0  # exactly ttl old: kept
+    assert await store.gc(now=1000.0 + 10.5) == 1
+    assert await store.get("s1") is None and await store.get("a2") is None
+    await store.create(old_record("s3", ("a1", "a2")))  # the freed aliases can be used again
+    assert (await store.get("a2")).session_id == "s3"
+    assert (await store.get("b1")).session_id == "s2"  # others untouched
+
+
+async def test_memory_store_writes_refresh_updated_at_so_gc_keeps_live_sessions() -> None:
+    store = MemoryStore(ttl=10)
+    for sid in ("s1", "s2", "s3"):
+        await store.create(old_record(sid, ()))
+    await store.append("s1", Event(0, "x"))
+    await store.set_state("s2", SessionState.FINISHED)
+    await store.heartbeat("s3", "o2")
+    assert await store.gc(now=time.time()) == 0
+    for sid in ("s1", "s2", "s3"):
+        assert time.time() - (await store.get(sid)).updated_at < 5
+    assert (await store.get("s3")).owner == "o2"
+
+
+async def test_memory_store_last_index_only_grows() -> None:
+    store = MemoryStore()
+    await store.create(old_record())
+    await store.append("s1", Event(5, "x"))
+    await store.append("s1", Event(3, "late"))
+    assert (await store.get("s1")).last_index == 5
+
+
+async def test_memory_store_writes_to_unknown_sessions_are_ignored() -> None:
+    store = MemoryStore()
+    await store.append("nope", Event(0, "x"))
+    await store.set_state("nope", SessionState.FINISHED)
+    await store.heartbeat("nope", "o2")
+    assert await store.get("nope") is None
+
+
+async def test_memory_store_hands_out_copies() -> None:
+    store = MemoryStore()
+    original = SessionRecord("s1", {"n": [1]}, SessionState.RUNNING, 1.0, 1.0, aliases=["a1"])
+    await store.create(original)
+    original.request["n"] = "changed"
+    original.aliases.append("a2")
+    got = await store.get("s1")
+    assert got.request == {"n": [1]} and got.aliases == ["a1"]
+    got.request["x"] = 1
+    got.aliases.clear()
+    got.state = SessionState.FAILED
+    again = await store.get("a1")
+    assert again.request == {"n": [1]} and again.aliases == ["a1"]
+    assert again.state is SessionState.RUNNING
+
+
+async def test_memory_store_wait_events_blocks_for_the_timeout() -> None:
+    """A follower polls with wait_events; returning at once would make it spin."""
+    store = MemoryStore()
+    await store.create(old_record())
+    started = time.monotonic()
+    assert await store.wait_events("s1", -1, 0.1) == []
+    assert time.monotonic() - started >= 0.09
+
+
+async def test_memory_store_close_forgets_everything() -> None:
+    store = MemoryStore()
+    await store.create(old_record())
+    await store.close()
+    assert await store.get("s1") is None and await store.get("a1") is None
+    await store.create(old_record())  # id and alias are free again
+
+
+async def test_memory_store_names_the_taken_id_or_alias() -> None:
+    store = MemoryStore()
+    await store.create(old_record("s1", ("a1",)))
+    for sid, aliases, taken in (("s1", (), "s1"), ("s2", ("a2", "a1"), "a1")):
+        with pytest.raises(InvalidRequest, match=f"^session '{taken}' already exists"):
+            await store.create(old_record(sid, aliases))
+    assert await store.get("a2") is None  # nothing of a refused session is kept
