@@ -39,7 +39,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/robustness/test_ssrf.py",
     ],
     # tests/robustness/test_limits_auth.py starts a real uvicorn server per test: too slow here.
-    "src/vlmserve/api/auth.py": ["tests/unit/api/test_auth.py"],
+    "src/vlmserve/api/auth.py": ["tests/unit/api/test_auth*.py"],
     "src/vlmserve/streaming/*.py": ["tests/unit/streaming"],
     "src/vlmserve/streaming/store/*.py": ["tests/unit/streaming"],
     "src/vlmserve/engine/hf/batching/*.py": [

@@ -46,10 +46,13 @@ class _Streams:
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
             self.sessions.append(response.headers["x-session-id"])
-            async for _ in response.aiter_bytes():
-                started.set()
-                await self.release.wait()
-                return
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen == 2:  # the role chunk comes before the engine; the 2nd is decoded
+                    started.set()
+                    await self.release.wait()
+                    return
 
     def start(self, n: int) -> list[asyncio.Event]:
         events = [asyncio.Event() for _ in range(n)]
