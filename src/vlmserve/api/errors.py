@@ -19,6 +19,7 @@ __all__ = [
     "error_body",
     "error_response",
     "install_error_handlers",
+    "internal_error_body",
 ]
 
 log = logging.getLogger(__name__)
@@ -120,11 +121,16 @@ def _http_response(request: Request, exc: StarletteHTTPException) -> JSONRespons
     )
 
 
+def internal_error_body(request_id: str) -> dict:
+    """The body of every 500: the request id to find the details in the log, nothing more."""
+    message = f"internal server error (request id {request_id}); the server log has the details"
+    return error_body(message, "internal_error", "internal_error")
+
+
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     rid = getattr(request.state, "request_id", "-")
     log.error("unhandled error in request %s", rid, exc_info=exc)
-    message = f"internal server error (request id {rid}); the server log has the details"
-    return JSONResponse(error_body(message, "internal_error", "internal_error"), status_code=500)
+    return JSONResponse(internal_error_body(rid), status_code=500)
 
 
 def install_error_handlers(app: FastAPI) -> None:

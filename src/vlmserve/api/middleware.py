@@ -12,15 +12,16 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vlmserve.api.errors import error_body, internal_error_body
+
 __all__ = ["BodyLimitMiddleware", "ErrorShieldMiddleware", "RequestIdMiddleware"]
 
 log = logging.getLogger("vlmserve.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-def _error_bytes(message: str, code: str, type_: str = "invalid_request_error") -> bytes:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return json.dumps(body).encode()
+def _error_bytes(message: str, code: str) -> bytes:
+    return json.dumps(error_body(message, "invalid_request_error", code)).encode()
 
 
 class ErrorShieldMiddleware:
@@ -49,10 +50,9 @@ class ErrorShieldMiddleware:
                 raise
             rid = scope.get("state", {}).get("request_id", "-")
             log.error("unhandled error in request %s", rid, exc_info=exc)
-            message = f"internal server error (request id {rid}); the server log has the details"
             headers = [(b"content-type", b"application/json")]
             await send({"type": "http.response.start", "status": 500, "headers": headers})
-            body = _error_bytes(message, "internal_error", "internal_error")
+            body = json.dumps(internal_error_body(rid)).encode()
             await send({"type": "http.response.body", "body": body})
 
 

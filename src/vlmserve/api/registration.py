@@ -48,6 +48,7 @@ class Registration:
         self.backoff = backoff
         self.timeout = timeout
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._key_refused = False  # the gateway answered 401/403: no further model is tried
         self._transport = transport
 
     @classmethod
@@ -67,10 +68,12 @@ class Registration:
     async def register(self, models: Sequence[str]) -> bool:
         """Register every model; True when all were accepted. Never raises (start-up goes on).
         A refused key ends it: the same key would be refused for every other model too."""
+        results = []
         for model in models:
-            if not await self._post_retrying(self.register_url, self._body(model)):
-                return False
-        return True
+            results.append(await self._post_retrying(self.register_url, self._body(model)))
+            if self._key_refused:
+                break
+        return len(results) == len(models) and all(results)
 
     async def deregister(self, reason: str = "shutdown") -> bool:
         body = {"instance": self.instance, "reason": reason}
@@ -105,6 +108,7 @@ class Registration:
         if response.is_success:
             return True
         if response.status_code in (401, 403):
+            self._key_refused = True
             log.error(
                 "the gateway at %s refused this worker (HTTP %d): set VLMSERVE_GATEWAY_KEY on the "
                 "worker to one of the gateway's VLMSERVE_ADMIN_KEYS (a gateway without admin keys "
