@@ -18,9 +18,27 @@ from pydantic_settings import (
 
 from vlmserve.errors import ConfigError
 
-__all__ = ["ModelConfig", "Settings", "load_settings"]
+__all__ = ["ModelConfig", "Settings", "load_settings", "parse_size"]
 
 MiB = 2**20
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """``"4GiB"`` -> 4294967296; plain digits are bytes; k/M/G are powers of 10, KiB/MiB/GiB
+    powers of 2 (``"4G"`` = 4e9)."""
+    raw = text.strip().replace(" ", "").replace("_", "")
+    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = _UNITS.get(raw[len(digits) :].lower())
+    try:
+        number = float(digits)
+    except ValueError:
+        number = -1.0
+    if unit is None or number < 0:
+        raise ValueError(f"{text!r} is not a size; write bytes, or e.g. 512MiB, 4GiB, 8G")
+    return int(number * unit)
 
 
 class ModelConfig(BaseSettings):
@@ -84,6 +102,10 @@ class Settings(BaseSettings):
     # vLLM's --stream-interval: with 4+ sequences decoding, tokens go out in groups of up to
     # this many per stream event (fewer, larger events keep the API responsive); 1 = each token
     stream_interval: int = Field(default=4, ge=1)
+    # KV cache budget per model, in bytes (or "4GiB", "512MiB"); 0 = auto: on CPU a share of
+    # the RAM (docs/engine.md), on GPU what --gpu-memory-utilization leaves after the weights
+    kv_cache_memory: int = Field(default=0, ge=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     embed_max_batch_size: int = Field(default=16, ge=1)  # embedding items in one forward pass
     embed_batch_wait_ms: float = Field(default=5.0, ge=0)  # wait for concurrent requests
 
@@ -149,6 +171,11 @@ class Settings(BaseSettings):
                 '"-h", "now"]\' (it never runs through a shell)'
             )
         return value
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> object:
+        return parse_size(value) if isinstance(value, str) else value
 
     @field_validator("device")
     @classmethod

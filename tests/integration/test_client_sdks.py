@@ -15,7 +15,8 @@ from langchain_openai import OpenAIEmbeddings
 from support import MODEL, LiveServer, make_settings
 from vlmserve.api.app import build_app
 from vlmserve.config import ModelConfig, Settings
-from vlmserve.registry.manager import ModelManager, _handle
+from vlmserve.registry.build import hf_handle
+from vlmserve.registry.manager import ModelManager
 from vlmserve.testing import build_lora_adapter
 
 EMBED = "tiny-vlm2vec"
@@ -29,7 +30,7 @@ def server(tiny_dir: Path, chat_models: ModelManager) -> Iterator[LiveServer]:
         adapter=str(build_lora_adapter(tiny_dir)),
         roles=["embedding"],
     )
-    embedder = _handle(cfg, Settings(device="cpu"))
+    embedder = hf_handle(cfg, Settings(device="cpu"))
     embedder.backend.load()
     models = ModelManager([*chat_models.handles, embedder])
     with LiveServer(build_app(make_settings(tiny_dir), models=models)) as live:

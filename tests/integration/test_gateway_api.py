@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -13,10 +14,12 @@ import pytest
 from support import MODEL, make_settings
 from vlmserve.api.app import build_app
 from vlmserve.config import ModelConfig, Settings
-from vlmserve.engine.routing import PoolPolicy
 from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
-from vlmserve.registry.manager import ModelHandle, ModelManager, _handle
+from vlmserve.gateway.pool import PoolPolicy
+from vlmserve.registry.build import hf_handle
+from vlmserve.registry.manager import ModelHandle, ModelManager
 from vlmserve.testing import build_lora_adapter
+from vlmserve.testing.media import image_bytes
 
 WORKER = "http://worker.test"
 ADMIN = {"Authorization": "Bearer adm"}
@@ -27,7 +30,7 @@ EMBED = "tiny-embed"
 def worker_models(tiny_dir: Path, chat_models: ModelManager) -> Iterator[ModelManager]:
     cfg = ModelConfig(name=EMBED, source=str(tiny_dir), adapter=str(build_lora_adapter(tiny_dir)),
                       roles=["embedding"])  # fmt: skip
-    embedder = _handle(cfg, Settings(device="cpu"))
+    embedder = hf_handle(cfg, Settings(device="cpu"))
     embedder.backend.load()
     yield ModelManager([*chat_models.handles, embedder])
     embedder.backend.close()
@@ -43,11 +46,21 @@ def upstream(
 
 
 @pytest.fixture
-async def gateway(tiny_dir: Path, worker_models: ModelManager) -> AsyncIterator[httpx.AsyncClient]:
+async def worker_client(
+    tiny_dir: Path, worker_models: ModelManager
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A vlmserve worker (in process) holding the tiny chat and embedding models."""
+    worker = build_app(make_settings(tiny_dir, max_model_len=200), models=worker_models)
+    async with worker.router.lifespan_context(worker), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=worker), base_url=WORKER, timeout=60
+    ) as client:  # fmt: skip
+        yield client
+
+
+@pytest.fixture
+async def gateway(worker_client: httpx.AsyncClient) -> AsyncIterator[httpx.AsyncClient]:
     async with contextlib.AsyncExitStack() as stack:
-        worker = build_app(make_settings(tiny_dir, max_model_len=200), models=worker_models)
-        await stack.enter_async_context(worker.router.lifespan_context(worker))
-        to_worker = httpx.ASGITransport(app=worker)
+        to_worker = worker_client._transport
         models = ModelManager([
             upstream("gw-tiny", to_worker, [WORKER]),
             upstream("gw-embed", to_worker, [WORKER], model=EMBED, embedding=True),
@@ -120,6 +133,24 @@ async def test_worker_endpoints_and_embeddings_are_proxied(gateway: httpx.AsyncC
     assert r.status_code == 400
 
 
+async def test_extraction_from_frames_is_answered_through_the_gateway_as_locally(
+    gateway: httpx.AsyncClient, worker_client: httpx.AsyncClient
+) -> None:
+    """The task's chat request (frames as one ``input_video`` part) goes upstream as is: the
+    worker decodes the frames and answers exactly what it answers when asked directly."""
+    frames = [base64.b64encode(image_bytes(48, 48, "JPEG", seed=i)).decode() for i in range(3)]
+    body = {"frames": frames, "text": "A clip.", "max_items": 2, "temperature": 0, "max_tokens": 64}
+    direct = await worker_client.post("/v1/extract/entities", json={**body, "model": MODEL})
+    proxied = await gateway.post("/v1/extract/entities", json={**body, "model": "gw-tiny"})
+    assert direct.status_code == 200, direct.text
+    assert proxied.status_code == 200, proxied.text
+    assert proxied.json()["model"] == "gw-tiny"
+    assert proxied.json()["entities"] == direct.json()["entities"]
+    assert proxied.json()["usage"] == direct.json()["usage"]  # the same prompt, frames included
+    empty = await gateway.post("/v1/extract/entities", json={"frames": [], "model": "gw-tiny"})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "frames"
+
+
 async def test_register_and_deregister_a_replica(gateway: httpx.AsyncClient) -> None:
     reg = {"model": "gw-empty", "url": WORKER, "instance": "w-1"}
     assert (await gateway.post("/v1/gateway/register", json=reg)).status_code == 401
@@ -156,7 +187,7 @@ async def test_replica_failing_preflight_is_out_with_the_reason(gateway: httpx.A
 
 
 async def test_worker_registration_client_adds_itself(gateway: httpx.AsyncClient) -> None:
-    from vlmserve.api.registration import Registration
+    from vlmserve.gateway.registration import Registration
 
     transport = gateway._transport  # the in-process gateway
     reg = Registration("http://gw/v1/gateway/register", WORKER + "/", instance="w-9",

@@ -15,14 +15,15 @@ from sse_client import read_events
 from support import LiveServer, make_settings
 from vlmserve.api.app import build_app
 from vlmserve.config import ModelConfig, Settings
-from vlmserve.registry.manager import LifecyclePolicy, ModelManager, _handle
+from vlmserve.registry.build import hf_handle
+from vlmserve.registry.manager import LifecyclePolicy, ModelManager
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
 
 def manager(tiny_dir: Path, **policy: Any) -> ModelManager:
     handles = [
-        _handle(ModelConfig(name=name, source=str(tiny_dir)), Settings(device="cpu"))
+        hf_handle(ModelConfig(name=name, source=str(tiny_dir)), Settings(device="cpu"))
         for name in ("a", "b")
     ]
     return ModelManager(handles, LifecyclePolicy(**policy))

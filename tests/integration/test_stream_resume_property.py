@@ -93,7 +93,7 @@ async def make_session(app: AppLoop, max_tokens: int, usage: bool, cancel_at: in
         return sid
     post = app.client.post("/v1/chat/completions", json=chat(3000, usage, sid))
     stream = asyncio.ensure_future(post)
-    sessions = app.app.state.sessions
+    sessions = app.app.state.services.sessions
     while (session := sessions.get(sid)) is None or session.last_index < cancel_at:
         await asyncio.sleep(0.005)
     assert (await app.client.post(f"/v1/cancel/{sid}")).status_code == 200
@@ -132,7 +132,8 @@ async def check_every_index(app: AppLoop, sid: str, reference: list[Message]) ->
 
 
 async def check_expired(app: AppLoop, sid: str, last: int) -> None:
-    await app.app.state.sessions.gc(now=time.time() + 10 * app.app.state.sessions.ttl)
+    sessions = app.app.state.services.sessions
+    await sessions.gc(now=time.time() + 10 * sessions.ttl)
     for index in range(last + 4):
         for way in WAYS:
             r = await resume(app, sid, index, way)

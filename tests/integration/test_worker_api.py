@@ -17,7 +17,8 @@ from support import MODEL, LiveServer, make_settings
 from vlmserve.api.app import build_app
 from vlmserve.api.serving.worker import caption_messages
 from vlmserve.config import ModelConfig, Settings
-from vlmserve.registry.manager import LifecyclePolicy, ModelHandle, ModelManager, _handle
+from vlmserve.registry.build import hf_handle
+from vlmserve.registry.manager import LifecyclePolicy, ModelHandle, ModelManager
 from vlmserve.testing import build_lora_adapter
 from vlmserve.testing.media import data_url, gradient_image, image_bytes
 
@@ -27,7 +28,7 @@ EMBED = "tiny-vlm2vec"
 def embed_handle(tiny_dir: Path) -> ModelHandle:
     cfg = ModelConfig(name=EMBED, source=str(tiny_dir), adapter=str(build_lora_adapter(tiny_dir)),
                       roles=["embedding"])  # fmt: skip
-    return _handle(cfg, Settings(device="cpu"))
+    return hf_handle(cfg, Settings(device="cpu"))
 
 
 @pytest.fixture(scope="module")

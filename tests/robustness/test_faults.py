@@ -75,13 +75,13 @@ def _tasks(server: Any) -> int:
 
 def _settled(server: Any, app: Any, deadline: float) -> dict[str, float]:
     """Wait until nothing is in flight; returns what was measured at the end."""
-    handle = app.state.models.handles[0]
+    handle = app.state.services.models.handles[0]
     while True:
         text = httpx.get(f"{server.url}/metrics").text
         state = {
             "handle_in_flight": handle.in_flight,
             "backend_in_flight": handle.backend.in_flight,
-            "active_sessions": app.state.sessions.active_count(),
+            "active_sessions": app.state.services.sessions.active_count(),
             "requests_in_flight": metric(text, "vlmserve_requests_in_flight") - 1,  # this scrape
         }
         if not any(state.values()) or time.monotonic() > deadline:
@@ -98,7 +98,7 @@ def test_random_disconnects_leave_no_residue(live_server: Any, scale: Scale, pol
     runs = scale.disconnects if policy == "cancel" else max(4, scale.disconnects // 5)
     _settled(server, app, time.monotonic() + 5)
     fds0, tasks0 = open_fds(), _tasks(server)
-    tokens0 = app.state.models.handles[0].backend.tokens_generated
+    tokens0 = app.state.services.models.handles[0].backend.tokens_generated
     started = time.monotonic()
     sessions = []
     for batch in range(0, runs, 4):  # four concurrent streams at a time
@@ -116,7 +116,7 @@ def test_random_disconnects_leave_no_residue(live_server: Any, scale: Scale, pol
         sessions += ids
     state = _settled(server, app, time.monotonic() + 60)
     settle = time.monotonic() - started
-    tokens = app.state.models.handles[0].backend.tokens_generated - tokens0
+    tokens = app.state.services.models.handles[0].backend.tokens_generated - tokens0
     time.sleep(0.3)  # let closed sockets and finished tasks be collected
     fds, tasks = open_fds(), _tasks(server)
     print(f"\n{policy}: {runs} disconnects, settled in {settle:.1f}s, tokens {tokens} "

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
 import socket
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,14 +24,21 @@ from vlmserve.api.middleware import (
     ErrorShieldMiddleware,
     RequestIdMiddleware,
 )
-from vlmserve.api.registration import Registration
-from vlmserve.api.routes import admin, chat, embeddings, gateway, streams, system, tasks, worker
-from vlmserve.api.serving.chat import ChatService
-from vlmserve.api.serving.convert import Converter
-from vlmserve.api.serving.worker import WorkerService
+from vlmserve.api.routes import (
+    admin,
+    chat,
+    embeddings,
+    gateway,
+    streams,
+    system,
+    tasks,
+    worker,
+)
+from vlmserve.api.services import Services
 from vlmserve.api.ui import install_console
 from vlmserve.config import Settings
-from vlmserve.registry.manager import ModelManager
+from vlmserve.gateway.registration import Registration
+from vlmserve.registry.manager import ModelHandle, ModelManager
 from vlmserve.streaming import SessionManager, build_store
 from vlmserve.watchdog import (
     ActivityClock,
@@ -48,6 +55,8 @@ CORS_METHODS = ["GET", "POST", "DELETE"]
 CORS_EXPOSED_HEADERS = ["X-Session-ID", "X-Request-ID", "Retry-After"]
 
 log = logging.getLogger(__name__)
+ROUTERS = (system.router, chat.router, streams.router, embeddings.router, worker.router,
+           admin.router, tasks.router, gateway.router)  # fmt: skip
 
 
 def build_sessions(settings: Settings) -> SessionManager:
@@ -94,29 +103,36 @@ def build_watchdog(settings: Settings, clock: ActivityClock) -> IdleWatchdog | N
     )
 
 
-def _load_numbers(handle: Any) -> tuple[int, int, float]:
-    """(decoding, waiting, slot usage) of one model. A batching engine knows them exactly; a
-    model served one at a time decodes at most one; a proxied model counts its in-flight calls."""
-    engine = getattr(handle.backend, "engine", None)
-    scheduler = getattr(engine, "scheduler", None)
-    if scheduler is not None:
-        running = engine.running
-        waiting = engine.queued + max(0, handle.in_flight - running - engine.queued)
-        return running, waiting, running / max(1, scheduler.max_num_seqs)
-    if getattr(handle.backend, "kind", "hf") == "hf":  # hf backends set no kind (yet)
-        running = min(handle.in_flight, 1)
-        return running, handle.in_flight - running, float(running)
-    return handle.in_flight, 0, 0.0
+def _load_numbers(handle: ModelHandle) -> tuple[int, int, float]:
+    """(decoding, waiting, KV usage) of one model. Leases held while a request prepares count
+    as waiting; a proxied model (no numbers of its own) counts its in-flight calls."""
+    stats = handle.backend.stats()
+    if stats.running is None:
+        return handle.in_flight, 0, 0.0
+    waiting = max(stats.waiting or 0, handle.in_flight - stats.running)
+    return stats.running, waiting, stats.kv_usage
 
 
-def build_app(
-    settings: Settings,
-    models: ModelManager | None = None,
-    sessions: SessionManager | None = None,
-) -> FastAPI:
-    owns_models = models is None  # a manager passed in (tests, embedding) outlives the app
-    models = models or ModelManager.from_settings(settings)
-    sessions = sessions or build_sessions(settings)
+def _scrape(metrics: Metrics, models: ModelManager) -> Any:
+    """``/metrics``: gauges read from the models at scrape time."""
+    for h in models.handles:
+        metrics.set_model_state(h.name, "unloading" if h.draining else h.backend.state)
+        metrics.set_model_load_seconds(h.name, h.backend.load_seconds or 0.0)
+        running, waiting, usage = _load_numbers(h)
+        metrics.set_load(h.name, running=running, waiting=waiting, usage=usage)
+        stats = h.backend.stats()
+        if stats.vision_cache is not None:
+            metrics.set_vision_cache(h.name, stats.vision_cache)
+        if stats.processor_cache is not None:
+            metrics.set_processor_cache(h.name, stats.processor_cache)
+    return metrics_endpoint(metrics)
+
+
+def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
+    settings, models, sessions = services.settings, services.models, services.sessions
+    clock: ActivityClock = app.state.activity
+    watchdog = build_watchdog(settings, clock)
+    registration = Registration.from_settings(settings)  # ConfigError without advertise_url
 
     async def load() -> None:
         failures = await models.load_all()
@@ -124,30 +140,24 @@ def build_app(
             app.state.fatal_error = failures[0]
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down; the CLI exits non-zero
 
-    clock = ActivityClock(settings.activity_file)
-    models.activity = clock  # model leases (streams that outlive requests) count as activity
-    watchdog = build_watchdog(settings, clock)
-    registration = Registration.from_settings(settings)  # ConfigError without advertise_url
-
     async def announce(loading: asyncio.Task[None]) -> None:
         await loading  # register once loaded: the gateway preflights a replica at once
         if registration is not None:
             await registration.register([h.name for h in models.handles])
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with clock.busy():  # loading counts as activity (seed 000)
             loading = asyncio.create_task(load())  # /ready is 503 until it is done
-        unloading = asyncio.create_task(models.run_keep_alive())
-        announcing = asyncio.create_task(announce(loading))
+        tasks = [loading, asyncio.create_task(models.run_keep_alive()),
+                 asyncio.create_task(announce(loading))]  # fmt: skip
         if watchdog is not None:
             watchdog.start()
         try:
             yield
         finally:
-            loading.cancel()
-            unloading.cancel()
-            announcing.cancel()
+            for task in tasks:
+                task.cancel()
             if registration is not None:  # a clean stop leaves the gateway's pool at once
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(registration.deregister("shutdown"), timeout=5)
@@ -157,49 +167,11 @@ def build_app(
             if owns_models:
                 await models.aclose()  # upstream clients closed, vllm process groups stopped
 
-    app = FastAPI(
-        title="vlmserve",
-        version="0.1.0",
-        summary="OpenAI-compatible server for vision-language models",
-        lifespan=lifespan,
-        responses=ERROR_RESPONSES,
-        docs_url=None,  # served from bundled assets below: FastAPI's pages load a CDN
-        redoc_url=None,
-    )
-    install_offline_docs(app)
-    console_paths = install_console(app, settings)  # the web console at /, unless --no-ui
-    app.state.settings = settings
-    app.state.models = models
-    app.state.sessions = sessions
-    app.state.started_at = int(time.time())
-    app.state.metrics = metrics = Metrics()
-    app.state.activity = clock
-    app.state.fatal_error = None
-    converter = Converter.from_settings(settings, metrics)
-    app.state.chat = ChatService(models, converter, sessions, metrics)
-    app.state.worker = WorkerService(models, converter)
-    install_error_handlers(app)
-    for router in (
-        system.router, chat.router, streams.router, embeddings.router, worker.router,
-        admin.router, tasks.router, gateway.router,
-    ):  # fmt: skip
-        app.include_router(router)
+    return lifespan
 
-    def scrape() -> Any:
-        for h in models.handles:  # gauges read from the manager at scrape time
-            metrics.set_model_state(h.name, "unloading" if h.draining else h.backend.state)
-            metrics.set_model_load_seconds(h.name, h.backend.load_seconds or 0.0)
-            running, waiting, usage = _load_numbers(h)
-            metrics.set_load(h.name, running=running, waiting=waiting, usage=usage)
-            vision_cache = getattr(h.backend, "vision_cache_stats", None)
-            if vision_cache is not None:
-                metrics.set_vision_cache(h.name, vision_cache())
-            processor_cache = getattr(h.backend, "processor_cache_stats", None)
-            if processor_cache is not None:
-                metrics.set_processor_cache(h.name, processor_cache())
-        return metrics_endpoint(metrics)
 
-    app.add_api_route("/metrics", scrape, methods=["GET"], include_in_schema=False)
+def _install_middleware(app: FastAPI, settings: Settings, metrics: Metrics,
+                        clock: ActivityClock, console_paths: tuple[str, ...]) -> None:  # fmt: skip
     # Outermost first: RequestId -> Metrics -> CORS -> ErrorShield -> Auth -> Activity
     # -> BodyLimit -> app
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -223,4 +195,38 @@ def build_app(
         )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
+
+
+def build_app(
+    settings: Settings,
+    models: ModelManager | None = None,
+    sessions: SessionManager | None = None,
+) -> FastAPI:
+    """The whole server. A ``models`` manager passed in (tests, embedding) outlives the app;
+    one built here from ``settings`` is closed with it."""
+    owns_models = models is None
+    services = Services.build(settings, models or ModelManager.from_settings(settings),
+                              sessions or build_sessions(settings))  # fmt: skip
+    app = FastAPI(
+        title="vlmserve",
+        version="0.1.0",
+        summary="OpenAI-compatible server for vision-language models",
+        responses=ERROR_RESPONSES,
+        docs_url=None,  # served from bundled assets below: FastAPI's pages load a CDN
+        redoc_url=None,
+    )
+    clock = ActivityClock(settings.activity_file)
+    services.models.activity = clock  # model leases (streams outliving requests) are activity
+    app.state.services = services
+    app.state.activity = clock
+    app.state.fatal_error = None  # set when a model cannot load and the CLI must exit 1
+    app.router.lifespan_context = _lifespan(app, services, owns_models)
+    install_offline_docs(app)
+    console_paths = install_console(app, settings)  # the web console at /, unless --no-ui
+    install_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    scrape = functools.partial(_scrape, services.metrics, services.models)
+    app.add_api_route("/metrics", scrape, methods=["GET"], include_in_schema=False)
+    _install_middleware(app, settings, services.metrics, clock, tuple(console_paths))
     return app

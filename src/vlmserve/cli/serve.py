@@ -94,6 +94,10 @@ HELP = {
     "processor_cache_bytes": (ENGINE, "Preprocessed images cached by content; 0 = off."),
     "stream_interval": (ENGINE, "Tokens per stream event when 4+ requests decode; 1 = each "
                                 "token."),
+    "kv_cache_memory": (ENGINE, "KV cache budget per model: bytes or a size (512MiB, 4GiB); "
+                                "0 = auto (docs/engine.md). A prompt that can never fit is a "
+                                "400."),
+    "gpu_memory_utilization": (ENGINE, "Share of the GPU a model may use (weights + KV cache)."),
     "max_tokens": (REQUESTS, "`max_tokens` of a request that gives none."),
     "temperature": (REQUESTS, "`temperature` of a request that gives none."),
     "max_body_bytes": (REQUESTS, "Request body limit (413 before parsing)."),
@@ -158,6 +162,8 @@ def command(
     vision_cache_bytes: Annotated[Int, _opt("vision_cache_bytes")] = None,
     processor_cache_bytes: Annotated[Int, _opt("processor_cache_bytes")] = None,
     stream_interval: Annotated[Int, _opt("stream_interval")] = None,
+    kv_cache_memory: Annotated[Str, _opt("kv_cache_memory")] = None,
+    gpu_memory_utilization: Annotated[Float, _opt("gpu_memory_utilization")] = None,
     max_tokens: Annotated[Int, _opt("max_tokens")] = None,
     temperature: Annotated[Float, _opt("temperature")] = None,
     max_body_bytes: Annotated[Int, _opt("max_body_bytes")] = None,

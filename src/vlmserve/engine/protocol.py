@@ -1,26 +1,158 @@
-"""The one interface between the API and a model backend."""
+"""``Backend``: the one interface between the API (and the registry) and any model.
+
+Every model kind implements it: ``hf`` chat and embedding models in this process, ``openai``
+upstream replicas, ``vllm`` subprocesses. ``api/`` and ``registry/manager.py`` call only this
+(no ``isinstance`` on a backend class outside ``engine/``); ``registry/build.py`` is the one
+place that names the concrete classes.
+
+A *proxied* backend (``proxied = True``) forwards the client's wire request: the API neither
+fetches nor decodes its media (``GenerateRequest.raw`` carries the body) and ``relay`` sends
+the worker and task endpoints upstream as they are. A local backend answers ``relay`` with
+None: the API does the work here, through ``prepare``/``generate`` or ``embed``.
+
+Concrete backends subclass ``Backend`` explicitly and inherit the defaults below (no
+admission bound, nothing to relay, no replicas, no embeddings); torch-free, like
+``engine/types.py``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from vlmserve.engine.types import Chunk, GenerateRequest
+from vlmserve.engine.types import (
+    BackendStats,
+    Chunk,
+    EmbedInput,
+    GenerateRequest,
+    ModelState,
+    Serves,
+)
+from vlmserve.errors import InvalidRequest, ServiceUnavailable
 
-__all__ = ["ChatBackend"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["Backend"]
 
 
-class ChatBackend(Protocol):
-    """A backend that generates text for chat messages (images and video included).
+def _nothing() -> None:
+    pass
 
-    ``prepare`` does everything that can fail because of the input (template, processor,
-    context length) so the API can answer 4xx before a stream starts. ``generate`` is an
-    async generator: closing it early (``aclose``, or cancelling the task iterating it)
-    stops the generation within one decode step.
-    """
 
+class Backend(Protocol):
+    """One served model (see the module docstring)."""
+
+    kind: ClassVar[str] = "hf"  # the registry's backend name: hf | openai | vllm
+    proxied: ClassVar[bool] = False  # forwards wire requests; media are not decoded here
     model_id: str
+    serves: Serves
+    state: ModelState
+    error: str | None
+    load_seconds: float | None
 
-    async def prepare(self, request: GenerateRequest) -> Any: ...
+    # --- lifecycle ---------------------------------------------------------------------
+    async def aload(self) -> None:
+        """Load (off the event loop where it blocks); failures stay in ``state``/``error``."""
+        ...
 
-    def generate(self, prepared: Any) -> AsyncIterator[Chunk]: ...
+    async def aclose(self) -> None:
+        """Unload from the event loop (clients closed, subprocesses stopped, memory freed)."""
+        ...
+
+    def close(self) -> None:
+        """Synchronous best-effort unload (process shutdown)."""
+        ...
+
+    @property
+    def memory_bytes(self) -> int:
+        return 0
+
+    def check_ready(self) -> None:
+        """Raise the 503 that says why the model cannot serve now (unless it is READY)."""
+        if self.state is not ModelState.READY:
+            msg = f"model {self.model_id!r} is {self.state.value}"
+            if self.error:
+                msg += f": {self.error}"
+            raise ServiceUnavailable(msg + "; retry shortly", retry_after=5)
+
+    # --- generation ----------------------------------------------------------------------
+    def admit(self) -> Callable[[], None]:
+        """Reserve a queue place (``Overloaded``, a 429, when full); returns its release."""
+        return _nothing
+
+    async def prepare(self, request: GenerateRequest) -> Any:
+        """Everything that can fail because of the input (template, processor, context
+        length), so the API answers 4xx before a stream starts."""
+        raise InvalidRequest(_no_chat(self), param="model", code="wrong_model_kind")
+
+    def generate(self, prepared: Any) -> AsyncIterator[Chunk]:
+        """The chunks of one prepared request; closing the iterator early cancels it."""
+        raise InvalidRequest(_no_chat(self), param="model", code="wrong_model_kind")
+
+    async def discard(self, prepared: Any) -> None:
+        """Give back what ``prepare`` holds when ``generate`` will not run."""
+
+    # --- embeddings ----------------------------------------------------------------------
+    async def embed(self, items: list[EmbedInput]) -> np.ndarray:
+        """``[len(items), dim]`` float32 unit vectors."""
+        raise InvalidRequest(
+            f"model {self.model_id!r} is not an embedding model; give an embedding model "
+            '(roles = ["embedding"])',
+            param="model",
+            code="wrong_model_kind",
+        )
+
+    def count_tokens(self, items: list[EmbedInput]) -> int:
+        """The prompt tokens ``embed`` reads for ``items`` (usage)."""
+        return 0
+
+    def decode_tokens(self, arrays: list[list[int]]) -> list[str]:
+        """Token-id inputs (``/v1/embeddings``) as the text they stand for."""
+        raise InvalidRequest(
+            f"model {self.model_id!r} does not take token ids; send text", param="input"
+        )
+
+    # --- proxying ------------------------------------------------------------------------
+    async def relay(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A proxied model answers ``path`` upstream with ``body``; local models: None."""
+        return None
+
+    @property
+    def accepts_replicas(self) -> bool:
+        """Workers may register as replicas of this model (``openai`` entries only)."""
+        return False
+
+    async def add_replica(self, url: str, instance: str) -> dict[str, Any]:
+        raise InvalidRequest(
+            f"model {self.model_id!r} is not an openai (upstream) entry; replicas register "
+            'only with `backend = "openai"` entries of the gateway\'s registry',
+            param="model",
+        )
+
+    def remove_replica(self, instance: str) -> bool:
+        return False
+
+    def watch_failures(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(loop)`` (from any thread) when the model fails for good while
+        loaded (a dead engine), so the manager can reload it; most backends never do."""
+
+    def capabilities(self) -> frozenset[str] | None:
+        """Input kinds the loaded model takes ("vision", "video"); None: unknown (not loaded,
+        or decided upstream)."""
+        return None
+
+    # --- observation ---------------------------------------------------------------------
+    def stats(self) -> BackendStats:
+        return BackendStats()
+
+    def describe(self) -> dict[str, Any]:
+        """Backend-specific state for ``/admin/state`` (upstream replicas, say)."""
+        return {}
+
+
+def _no_chat(backend: Backend) -> str:
+    return (
+        f"model {backend.model_id!r} is an embedding model; use /v1/embeddings or "
+        "/encode-text and /encode-video with it"
+    )

@@ -13,16 +13,36 @@ __all__ = [
     "GREEDY_BELOW",
     "MIN_PENALTY",
     "MIN_TEMPERATURE",
+    "BackendStats",
     "ChatMessage",
     "Chunk",
+    "EmbedInput",
     "FinishReason",
     "GenerateRequest",
     "ImagePart",
+    "ModelState",
     "Part",
     "SamplingParams",
+    "Serves",
     "TextPart",
     "VideoPart",
 ]
+
+
+class ModelState(str, enum.Enum):
+    """Where a backend's model is: ``READY`` serves requests, the others answer 503."""
+
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class Serves(str, enum.Enum):
+    """What a backend answers: chat-style generation, or embeddings."""
+
+    CHAT = "chat"
+    EMBEDDING = "embedding"
 
 
 class FinishReason(str, enum.Enum):
@@ -83,8 +103,19 @@ class ImagePart:
 
 @dataclass(slots=True)
 class VideoPart:
+    """Frames of one video, and where on the clip's timeline they were taken.
+
+    ``fps`` is the frame rate of the timeline ``frame_indices`` count on: the source clip's
+    fps when the frames were sampled from a clip (``vlmserve.media.video``), else the rate of
+    ``frames`` themselves. Without ``frame_indices`` the frames are consecutive (0, 1, 2, ...)
+    on a clip of ``len(frames)`` frames. Processors that timestamp frames (Qwen2.5-VL's
+    ``second_per_grid_ts``, Qwen3-VL's and SmolVLM's prompt timestamps) get them from here.
+    """
+
     frames: list[Image.Image]
     fps: float | None = None
+    frame_indices: list[int] | None = None  # source index of each frame, ascending
+    total_frames: int | None = None  # frames in the source clip
 
 
 Part = TextPart | ImagePart | VideoPart
@@ -121,3 +152,31 @@ class Chunk:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EmbedInput:
+    """One thing to embed: text, an image, video frames, or text with an image or frames."""
+
+    text: str | None = None
+    image: Image.Image | None = None
+    frames: list[Image.Image] | None = None
+
+
+@dataclass(slots=True)
+class BackendStats:
+    """A backend's numbers for ``/metrics``, read at scrape time.
+
+    ``running``/``waiting`` are None when the backend cannot tell (the manager then counts
+    leases); ``kv_usage`` is the share of the KV cache (or sequence slots) in use.
+    """
+
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float = 0.0
+    preemptions: int = 0
+    kv_cache_bytes: int = 0
+    vision_cache: dict[str, int] | None = None
+    processor_cache: dict[str, int] | None = None
+    engine_failures: int = 0
+    last_engine_error: str | None = None

@@ -20,11 +20,11 @@ from typing import Any
 
 import httpx
 
-from vlmserve.engine.hf.lifecycle import ModelState
-from vlmserve.engine.routing import PoolPolicy, Replica, ReplicaPool
-from vlmserve.engine.types import Chunk, GenerateRequest
+from vlmserve.engine.protocol import Backend
+from vlmserve.engine.types import BackendStats, Chunk, GenerateRequest, ModelState, Serves
 from vlmserve.engine.upstream_wire import ChunkReader, UpstreamError, error_from_body, upstream_body
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
+from vlmserve.gateway.pool import PoolPolicy, Replica, ReplicaPool
 
 __all__ = ["UpstreamBackend", "UpstreamConfig", "UpstreamError", "UpstreamStream"]
 
@@ -56,10 +56,11 @@ class UpstreamStream:
     tried: set[str] = field(default_factory=set)
 
 
-class UpstreamBackend:
-    """A ChatBackend whose model lives on upstream replicas (see the module docstring)."""
+class UpstreamBackend(Backend):
+    """A backend whose model lives on upstream replicas (see the module docstring)."""
 
     kind = "openai"
+    proxied = True
 
     def __init__(
         self,
@@ -74,15 +75,36 @@ class UpstreamBackend:
         self.state = ModelState.UNLOADED
         self.error: str | None = None
         self.load_seconds: float | None = None
-        self.memory_bytes = 0
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._health: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
-    def embedding(self) -> bool:
-        return self.config.embedding
+    def serves(self) -> Serves:  # type: ignore[override]
+        return Serves.EMBEDDING if self.config.embedding else Serves.CHAT
+
+    @property
+    def memory_bytes(self) -> int:
+        return 0
+
+    def stats(self) -> BackendStats:
+        return BackendStats()  # running/waiting: the manager counts this model's leases
+
+    # --- gateway: replicas registered at run time ----------------------------------------
+    @property
+    def accepts_replicas(self) -> bool:
+        return True
+
+    async def add_replica(self, url: str, instance: str) -> dict[str, Any]:
+        """Add (or refresh) a replica; it gets traffic once health and preflight pass."""
+        replica = self.pool.add(url, instance)
+        if self.state is ModelState.READY:
+            await self.admit_replica(replica)
+        return replica.describe(time.monotonic())
+
+    def remove_replica(self, instance: str) -> bool:
+        return self.pool.remove(instance=instance)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def aload(self) -> None:
@@ -340,6 +362,10 @@ class UpstreamBackend:
             await client.post(
                 f"{replica.url}/v1/cancel/{upstream_id}", timeout=self.config.connect_timeout
             )
+
+    async def relay(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The same endpoint on one of the replicas, under the upstream's model name."""
+        return await self.forward(path, {**body, "model": self.config.model})
 
     async def forward(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST a JSON body to ``path`` on a replica, return its JSON (worker endpoints,

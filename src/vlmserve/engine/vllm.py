@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from vlmserve.engine.hf.lifecycle import ModelState
 from vlmserve.engine.supervisor import Supervisor
+from vlmserve.engine.types import ModelState
 from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
 
 __all__ = ["VllmBackend"]
@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 class VllmBackend(UpstreamBackend):
     kind = "vllm"
+
+    @property
+    def accepts_replicas(self) -> bool:
+        return False  # its one replica is the process it runs
 
     def __init__(
         self,

@@ -5,6 +5,11 @@ the centre of the ``i``-th of ``n`` equal slices, ``(2i + 1) * total // (2n)``. 
 sequential (inter-frame codecs need every frame before a kept one) and stops right after the
 last kept frame, so the cost is bounded by ``max_video_decode_frames``.
 
+Timing: ``VideoFrames.fps`` is the rate of the *sampled* frames; ``source_fps()`` gives the
+clip's own rate (PyAV's ``average_rate``, else ``guessed_rate``), which with ``frame_indices``
+and ``source_frames`` places every kept frame on the clip's timeline
+(``frame_indices[i] / source_fps`` seconds), as ``engine.types.VideoPart`` carries it.
+
 Only a few demuxers are allowed (``format_whitelist``): playlist-style formats such as HLS or
 ffconcat would make FFmpeg open other URLs or files named inside the data.
 """
@@ -28,7 +33,7 @@ from vlmserve.media.fetch import read_source
 from vlmserve.media.netguard import Resolver
 from vlmserve.media.policy import SETTING, MediaPolicy, VideoFrames
 
-__all__ = ["decode_video", "load_video"]
+__all__ = ["decode_video", "load_video", "source_fps"]
 
 _CONTAINERS = "mov,matroska,avi,mpegts,mpeg,flv,ogg,asf"
 _CONTAINER_NAMES = "MP4/MOV, MKV/WebM, AVI, MPEG-TS/PS, FLV, Ogg or ASF"
@@ -158,6 +163,17 @@ def _sample(data: bytes, policy: MediaPolicy, wanted: int) -> VideoFrames:
     source_frames = decoded if ended else max(total, decoded)
     fps = float(rate) * len(kept) / source_frames if rate else None
     return VideoFrames(frames=kept, fps=fps, source_frames=source_frames, frame_indices=indices)
+
+
+def source_fps(video: VideoFrames) -> float | None:
+    """The clip's own frame rate, undone from the sampled one (``fps * source_frames / n_kept``).
+
+    This is ``VideoPart.fps`` for frames given with their ``frame_indices``; None when the
+    stream declared no rate.
+    """
+    if video.fps is None or not video.frames or video.source_frames < 1:
+        return None
+    return video.fps * video.source_frames / len(video.frames)
 
 
 def decode_video(data: bytes, policy: MediaPolicy, *, num_frames: int | None = None) -> VideoFrames:

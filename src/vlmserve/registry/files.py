@@ -28,8 +28,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from vlmserve.errors import ConfigError, NotFound
-from vlmserve.registry.entries import ROLE_PREFIX, ModelEntry, VersionLock
+from vlmserve.errors import ConfigError
+from vlmserve.registry.entries import ModelEntry, VersionLock
+from vlmserve.registry.resolve import resolve
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -86,41 +87,8 @@ class Registry:
         return sorted({role for entry in self._entries for role in entry.roles})
 
     def resolve(self, query: str) -> ModelEntry:
-        """By name, alias, served id, or ``role:<role>``; ``NotFound`` lists what exists."""
-        if query.startswith(ROLE_PREFIX):
-            return self._by_role(query.removeprefix(ROLE_PREFIX))
-        entry = self._index.get(query)
-        if entry is None:
-            raise NotFound(
-                f"model {query!r} is not in the registry; {self._available()}",
-                param="model",
-                code="model_not_found",
-            )
-        return entry
-
-    def _by_role(self, role: str) -> ModelEntry:
-        holders = [entry for entry in self._entries if role in entry.roles]
-        current = [entry for entry in holders if not entry.deprecated]
-        if current:
-            return current[0]
-        if holders:
-            names = ", ".join(entry.name for entry in holders)
-            message = (
-                f"role {role!r} is held only by deprecated models ({names}); request one by "
-                "name or give the role to a current model"
-            )
-        else:
-            message = f"no model has role {role!r}; {self._available()}"
-        raise NotFound(message, param="model", code="model_not_found")
-
-    def _available(self) -> str:
-        current = [e.name for e in self._entries if not e.deprecated]
-        old = [e.name for e in self._entries if e.deprecated]
-        text = f"available: {', '.join(current) or '(none)'}"
-        if old:
-            text += f" (deprecated: {', '.join(old)})"
-        roles = ", ".join(f"{ROLE_PREFIX}{role}" for role in self.roles())
-        return text + (f"; roles: {roles}" if roles else "")
+        """By name, alias, served id, or ``role:<role>`` (``registry.resolve``'s rules)."""
+        return resolve(self._entries, query, self._index.get, "in the registry")
 
 
 def _index(entries: tuple[ModelEntry, ...]) -> dict[str, ModelEntry]:

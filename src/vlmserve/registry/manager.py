@@ -1,140 +1,29 @@
-"""The models this server holds: resolution by name or ``role:<role>``, and loading at start-up."""
+"""The models this server holds: resolution (``registry.resolve``), the lifecycle (load on
+start-up or on demand, idle unload, a cap on loaded models, drain on deactivate) and state.
+
+Backends are built in ``registry/build.py`` and used only through ``engine.protocol.Backend``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.config import ModelConfig, Settings
-from vlmserve.engine.hf.chat import HFChatBackend
-from vlmserve.engine.hf.embed import HFEmbedBackend
-from vlmserve.engine.hf.lifecycle import ModelState
-from vlmserve.engine.hf.loading import LoadOptions
-from vlmserve.engine.upstream import UpstreamBackend
-from vlmserve.errors import InvalidRequest, NotFound, ServiceUnavailable
-from vlmserve.registry.proxied import fits, load_backend, unload_backend, upstream_backend
+from vlmserve.config import Settings
+from vlmserve.engine.types import ModelState, Serves
+from vlmserve.errors import InvalidRequest, ServiceUnavailable
+from vlmserve.registry.handles import Lease, ModelHandle
 from vlmserve.registry.reload import Reloader
+from vlmserve.registry.resolve import by_role, resolve
 
-Backend = HFChatBackend | HFEmbedBackend | UpstreamBackend
-EMBEDDING = "embedding"
+EMBEDDING = Serves.EMBEDDING.value
 
-__all__ = ["Lease", "ModelHandle", "ModelManager"]
+__all__ = ["EMBEDDING", "Lease", "LifecyclePolicy", "ModelHandle", "ModelManager"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class ModelHandle:
-    name: str
-    roles: list[str]
-    backend: Backend
-    source: str = ""
-    aliases: list[str] = field(default_factory=list)
-    keep_alive: float | None = None  # seconds idle before unloading; -1 never; None: default
-    last_used: float = field(default_factory=time.time)
-    in_flight: int = 0
-    draining: bool = False
-    capabilities: frozenset[str] | None = None  # from the registry; None: not declared
-    deprecated: bool = False  # resolvable by name, skipped by role selection
-    loading_since: float | None = None  # wall time the current load began
-    reload_pending: bool = False  # its engine failed; a reload is due (``ModelManager._reload``)
-
-    @property
-    def ready(self) -> bool:
-        return self.backend.state is ModelState.READY
-
-
-class Lease:
-    """One request's use of a model: counted in flight (no idle unload, deactivate drains it)
-    until released. ``async with`` releases at the end; streams release when they finish."""
-
-    def __init__(self, handle: ModelHandle, activity: Any = None):
-        self.handle = handle
-        self._released = False
-        self._activity = activity  # an ActivityClock: the idle watchdog waits for us too
-        handle.in_flight += 1
-        handle.last_used = time.time()
-        if activity is not None:
-            activity.begin()
-
-    @property
-    def backend(self) -> Any:
-        return self.handle.backend
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.handle.in_flight -= 1
-            self.handle.last_used = time.time()
-            if self._activity is not None:
-                self._activity.end()
-
-    async def __aenter__(self) -> Any:
-        return self.handle.backend
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _handle(cfg: ModelConfig, settings: Settings) -> ModelHandle:
-    options = LoadOptions(
-        source=cfg.source,
-        device=cfg.device or settings.device,
-        dtype=cfg.dtype or settings.dtype,
-        attn_implementation=settings.attn_implementation,
-        trust_remote_code=settings.trust_remote_code,
-        min_pixels=settings.min_pixels,
-        max_pixels=settings.max_pixels,
-    )
-    backend: Backend
-    if EMBEDDING in cfg.roles:
-        backend = HFEmbedBackend(
-            cfg.served_name,
-            options,
-            adapter=cfg.adapter,
-            max_batch=settings.embed_max_batch_size,
-            batch_wait_ms=settings.embed_batch_wait_ms,
-        )
-    else:
-        backend = HFChatBackend(
-            cfg.served_name,
-            options,
-            max_model_len=settings.max_model_len,
-            max_queued=settings.max_queued_requests,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            vision_cache_bytes=settings.vision_cache_bytes,
-            stream_interval=settings.stream_interval,
-            processor_cache_bytes=settings.processor_cache_bytes,
-        )
-    return ModelHandle(
-        name=cfg.served_name, roles=list(cfg.roles), backend=backend, source=cfg.source,
-        keep_alive=cfg.keep_alive,
-    )  # fmt: skip
-
-
-def _registry_handles(settings: Settings) -> list[ModelHandle]:
-    """Handles for the registry's entries: hf in process, openai/vllm proxied."""
-    from vlmserve.registry.files import load_registry
-
-    discovered = Path(settings.registry_discovered) if settings.registry_discovered else None
-    registry = load_registry(Path(settings.registry), discovered)
-    handles = []
-    for entry in registry.entries:
-        if entry.backend != "hf":
-            handle = ModelHandle(entry.name, list(entry.roles), upstream_backend(entry, settings))
-        else:
-            handle = _handle(entry.to_model_config(), settings)
-        handle.aliases = entry.identifiers
-        handle.keep_alive = entry.keep_alive
-        handle.capabilities = frozenset(entry.capabilities.enabled())
-        handle.deprecated = entry.deprecated
-        handles.append(handle)
-    return handles
 
 
 @dataclass(slots=True)
@@ -172,10 +61,9 @@ class ModelManager:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ModelManager:
-        handles = [_handle(cfg, settings) for cfg in settings.model_configs()]
-        if settings.registry:
-            handles += _registry_handles(settings)
-        return cls(handles, _policy(settings))
+        from vlmserve.registry.build import build_handles
+
+        return cls(build_handles(settings), _policy(settings))
 
     @property
     def handles(self) -> list[ModelHandle]:
@@ -193,53 +81,27 @@ class ModelManager:
     # --- resolution ------------------------------------------------------------------------
     def resolve(self, name: str) -> ModelHandle:
         """A model by served name, source, alias, or ``role:<role>``; 404 lists what exists."""
-        if name.startswith("role:"):
-            return self.for_role(name.removeprefix("role:"))
-        for h in self._handles.values():
-            if name in (h.name, h.source, *h.aliases):
-                return h
-        available = ", ".join(sorted(self._handles)) or "none"
-        raise NotFound(
-            f"model {name!r} does not exist on this server; available: {available}",
-            param="model",
-            code="model_not_found",
-        )
+        return resolve(self.handles, name, self._lookup, "on this server")
+
+    def _lookup(self, name: str) -> ModelHandle | None:
+        return next((h for h in self._handles.values() if name in h.identifiers), None)
 
     def for_role(self, role: str) -> ModelHandle:
-        """The first model with ``role`` (``caption`` and others fall back to ``chat``)."""
-        live = [h for h in self._handles.values() if not h.deprecated]
-        found = [h for h in live if role in h.roles]
-        if not found and role not in ("chat", EMBEDDING):
-            found = [h for h in live if "chat" in h.roles]
-        if not found:
-            raise NotFound(
-                f'no model with role {role!r} on this server; give one `roles = ["{role}"]` '
-                "in the [[models]] config",
-                param="model",
-                code="model_not_found",
-            )
-        return found[0]
+        """The first current model with ``role`` (``caption`` and others fall back to chat)."""
+        return by_role(self.handles, role)
 
     async def acquire(
-        self, name: str | None, role: str, kind: type, needs: frozenset[str] = frozenset()
+        self, name: str | None, role: str, serves: Serves, needs: frozenset[str] = frozenset()
     ) -> Lease:
         """Lease the model (by name, else by role) for one request; loads it on demand.
         ``needs`` (e.g. {"video"}) is checked against the registry's capabilities first."""
         handle = self.resolve(name) if name else self.for_role(role)
         if handle.reload_pending:
             self.reloader.start(handle)
-        if not fits(handle.backend, kind):
-            message = _kind_message(handle, kind)
+        if handle.backend.serves is not serves:
+            message = _kind_message(handle, serves)
             raise InvalidRequest(message, param="model", code="wrong_model_kind")
-        missing = sorted(needs - handle.capabilities) if handle.capabilities is not None else []
-        if missing:
-            raise InvalidRequest(
-                f"model {handle.name!r} does not support {', '.join(missing)} input (its "
-                f"capabilities: {', '.join(sorted(handle.capabilities or ())) or 'text only'}); "
-                "send it without that, or pick a model that has it",
-                param="model",
-                code="model_capability_missing",
-            )
+        _check_inputs(handle, needs)
         if handle.draining:
             raise ServiceUnavailable(f"model {handle.name!r} is being deactivated", retry_after=5)
         if not handle.ready and handle.backend.state is not ModelState.FAILED:
@@ -252,7 +114,7 @@ class ModelManager:
         lease = Lease(handle, self.activity)
         if not handle.ready:  # failed to load, or unloaded while we waited
             lease.release()
-            handle.backend._require()  # raises the 503 that says why
+            handle.backend.check_ready()  # raises the 503 that says why
         return lease
 
     async def _wait_active(self, handle: ModelHandle) -> None:
@@ -282,7 +144,7 @@ class ModelManager:
             await self._make_room(handle)
             handle.loading_since = time.time()
             try:
-                await load_backend(handle.backend)
+                await handle.backend.aload()
             except Exception as exc:
                 raise ServiceUnavailable(f"model {handle.name!r} failed to load: {exc}") from exc
             finally:
@@ -319,7 +181,7 @@ class ModelManager:
                 while handle.in_flight and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
                 drained = handle.in_flight == 0
-                await unload_backend(handle.backend)
+                await handle.backend.aclose()
             finally:
                 handle.draining = False
         log.info("model %s unloaded%s", handle.name, "" if drained else " (drain timed out)")
@@ -367,31 +229,6 @@ class ModelManager:
     def state(self) -> list[dict[str, Any]]:
         return [_describe(h, self.policy) for h in self._handles.values()]
 
-    # --- gateway: replicas registered at run time ----------------------------------------
-    async def register_replica(self, model: str, url: str, instance: str) -> dict[str, Any]:
-        """Add (or refresh) a replica of an ``openai`` model; checked before it gets traffic."""
-        handle = self.resolve(model)
-        backend = handle.backend
-        if type(backend) is not UpstreamBackend:
-            raise InvalidRequest(
-                f"model {handle.name!r} is not an openai (upstream) entry; replicas register "
-                'only with `backend = "openai"` entries of the gateway\'s registry',
-                param="model",
-            )
-        for other in self._handles.values():  # one instance serves one URL: moved elsewhere?
-            if other is not handle and isinstance(other.backend, UpstreamBackend):
-                other.backend.pool.remove(instance=instance)
-        replica = backend.pool.add(url, instance)
-        if handle.ready:
-            await backend.admit_replica(replica)
-        return {"model": handle.name, **replica.describe(time.monotonic())}
-
-    def deregister_replica(self, instance: str) -> list[str]:
-        """Remove the instance's replicas everywhere; returns the models it served."""
-        return [h.name for h in self._handles.values()
-                if isinstance(h.backend, UpstreamBackend)
-                and h.backend.pool.remove(instance=instance)]  # fmt: skip
-
     def close(self) -> None:
         for handle in self._handles.values():
             handle.backend.close()
@@ -399,11 +236,25 @@ class ModelManager:
     async def aclose(self) -> None:
         """Shutdown from the event loop: upstream clients closed, subprocesses stopped."""
         for handle in self._handles.values():
-            await unload_backend(handle.backend)
+            await handle.backend.aclose()
 
 
-def _kind_message(handle: ModelHandle, kind: type) -> str:
-    if kind is HFChatBackend:
+def _check_inputs(handle: ModelHandle, needs: frozenset[str]) -> None:
+    """400 before any work when the model is known not to take an input the request has."""
+    takes = handle.inputs
+    missing = sorted(needs - takes) if takes is not None else []
+    if missing:
+        raise InvalidRequest(
+            f"model {handle.name!r} does not support {', '.join(missing)} input (its "
+            f"capabilities: {', '.join(sorted(takes or ())) or 'text only'}); "
+            "send it without that, or pick a model that has it",
+            param="model",
+            code="model_capability_missing",
+        )
+
+
+def _kind_message(handle: ModelHandle, serves: Serves) -> str:
+    if serves is Serves.CHAT:
         return (f"model {handle.name!r} is an embedding model; use /v1/embeddings or "
                 "/encode-text and /encode-video with it")  # fmt: skip
     return (f"model {handle.name!r} is not an embedding model; give an embedding model "
@@ -419,6 +270,7 @@ def _log_loaded(handle: ModelHandle) -> None:
 
 
 def _describe(h: ModelHandle, policy: LifecyclePolicy) -> dict[str, Any]:
+    stats = h.backend.stats()
     keep = policy.keep_alive if h.keep_alive is None else h.keep_alive
     return {
         "name": h.name,
@@ -433,8 +285,8 @@ def _describe(h: ModelHandle, policy: LifecyclePolicy) -> dict[str, Any]:
         "keep_alive": keep,
         "expires_at": h.last_used + keep if h.ready and keep >= 0 else None,
         "error": h.backend.error,
-        "engine_failures": getattr(h.backend, "engine_failures", 0),
-        "last_engine_error": getattr(h.backend, "last_engine_error", None),
-        "backend": getattr(h.backend, "kind", "hf"),
-        **({"upstream": h.backend.describe()} if isinstance(h.backend, UpstreamBackend) else {}),
+        "engine_failures": stats.engine_failures,
+        "last_engine_error": stats.last_engine_error,
+        "backend": h.backend.kind,
+        **({"upstream": extra} if (extra := h.backend.describe()) else {}),
     }

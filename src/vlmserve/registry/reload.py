@@ -15,11 +15,11 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from vlmserve.engine.hf.lifecycle import ModelState
-from vlmserve.registry.proxied import load_backend, unload_backend
+from vlmserve.engine.types import ModelState
 
 if TYPE_CHECKING:
-    from vlmserve.registry.manager import LifecyclePolicy, ModelHandle
+    from vlmserve.registry.handles import ModelHandle
+    from vlmserve.registry.manager import LifecyclePolicy
 
 __all__ = ["Reloader"]
 
@@ -39,8 +39,7 @@ class Reloader:
 
     def watch(self, handle: ModelHandle) -> None:
         """Be told when this model's engine fails (backends without an engine never are)."""
-        if hasattr(handle.backend, "on_engine_failure"):
-            handle.backend.on_engine_failure = lambda loop: self._failed(handle, loop)
+        handle.backend.watch_failures(lambda loop: self._failed(handle, loop))
 
     def _failed(self, handle: ModelHandle, loop: asyncio.AbstractEventLoop | None) -> None:
         """On the engine's thread: the reload runs on ``loop`` (a failed request's), or on the
@@ -76,8 +75,8 @@ class Reloader:
     async def _cycle(self, handle: ModelHandle, attempt: int) -> bool:
         try:
             async with self._lock(handle.name):
-                await unload_backend(handle.backend)
-                await load_backend(handle.backend)
+                await handle.backend.aclose()
+                await handle.backend.aload()
         except Exception as exc:
             log.error("model %s: reload attempt %d of %d failed: %s",
                       handle.name, attempt, self.policy.reload_attempts, exc)  # fmt: skip

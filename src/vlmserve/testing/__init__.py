@@ -1,5 +1,10 @@
-"""Test and demo support: tiny random-weight checkpoints of real architectures."""
+"""Test and demo support: tiny random-weight checkpoints of real architectures.
 
+``build_qwen2_vl`` and, per family, ``vlmserve.testing.families.FAMILIES`` (Qwen2.5-VL,
+Qwen3-VL, LLaVA-1.5, LLaVA-OneVision, Idefics3, SmolVLM2, Gemma 3, InternVL3).
+"""
+
+from vlmserve.testing.families import FAMILIES, build_family
 from vlmserve.testing.tiny import (
     TinySpec,
     build_foreign_adapter,
@@ -9,7 +14,9 @@ from vlmserve.testing.tiny import (
 )
 
 __all__ = [
+    "FAMILIES",
     "TinySpec",
+    "build_family",
     "build_foreign_adapter",
     "build_lora_adapter",
     "build_qwen2_vl",

@@ -32,7 +32,8 @@ FAST = 5.0  # seconds: a fault must end the requests well within this
 def backend(tiny_dir: Path) -> Iterator[HFChatBackend]:
     """A fresh model per test: a fatal fault leaves its engine unusable."""
     options = LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32")
-    b = HFChatBackend("tiny", options, max_model_len=4096, max_queued=64, max_num_seqs=3)
+    b = HFChatBackend("tiny", options, max_model_len=4096, max_queued=64, max_num_seqs=3,
+                      vision_cache_bytes=0, processor_cache_bytes=0)  # fmt: skip
     b.load()
     assert b.engine is not None
     yield b

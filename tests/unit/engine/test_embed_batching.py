@@ -23,7 +23,8 @@ from vlmserve.config import ModelConfig, Settings
 from vlmserve.engine.hf.embed import EmbedInput, HFEmbedBackend
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.errors import InvalidRequest, ServiceUnavailable
-from vlmserve.registry.manager import ModelManager, _handle
+from vlmserve.registry.build import hf_handle
+from vlmserve.registry.manager import ModelManager
 from vlmserve.testing import build_lora_adapter
 from vlmserve.testing.media import gradient_image, image_bytes
 
@@ -202,7 +203,7 @@ async def test_an_unloaded_backend_is_unavailable_without_queueing(tiny_dir):
 def embed_models(tiny_dir: Path, adapter_dir: Path) -> Iterator[ModelManager]:
     cfg = ModelConfig(name=EMBED, source=str(tiny_dir), adapter=str(adapter_dir),
                       roles=["embedding"])  # fmt: skip
-    handle = _handle(cfg, Settings(device="cpu", embed_batch_wait_ms=200))
+    handle = hf_handle(cfg, Settings(device="cpu", embed_batch_wait_ms=200))
     handle.backend.load()
     yield ModelManager([handle])
     handle.backend.close()

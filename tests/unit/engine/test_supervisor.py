@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -43,8 +44,15 @@ def family(pid: int) -> list[psutil.Process]:
     return [proc, *proc.children(recursive=True)]
 
 
-def gone(procs: list[psutil.Process]) -> bool:
-    return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+def gone(procs: list[psutil.Process], timeout: float = 5.0) -> bool:
+    """Every process has exited (zombies count as gone), waiting up to ``timeout`` for the
+    kernel to deliver the signals on a busy machine."""
+    deadline = time.monotonic() + timeout
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 async def test_start_waits_for_health_and_stop_ends_the_whole_group(tmp_path: Path) -> None:

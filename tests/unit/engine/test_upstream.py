@@ -10,11 +10,11 @@ from typing import Any
 import httpx
 import pytest
 
-from vlmserve.engine.routing import PoolPolicy
 from vlmserve.engine.types import FinishReason, GenerateRequest, SamplingParams
 from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig, UpstreamError
 from vlmserve.engine.upstream_wire import ChunkReader
 from vlmserve.errors import Overloaded, ServiceUnavailable
+from vlmserve.gateway.pool import PoolPolicy
 
 A, B = "http://a.test", "http://b.test"
 

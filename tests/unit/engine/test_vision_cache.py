@@ -65,7 +65,12 @@ async def tokens(backend: HFChatBackend, req: GenerateRequest) -> list[int]:
 def backend_with(tiny_dir: Path, cache_bytes: int) -> HFChatBackend:
     options = LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32")
     backend = HFChatBackend(
-        "tiny", options, max_model_len=4096, max_queued=8, vision_cache_bytes=cache_bytes
+        "tiny",
+        options,
+        max_model_len=4096,
+        max_queued=8,
+        vision_cache_bytes=cache_bytes,
+        processor_cache_bytes=0,
     )
     backend.load()
     return backend

@@ -15,8 +15,14 @@ import pytest
 from support import MODEL, make_settings
 from vlmserve.engine.hf.batching import EngineFailed
 from vlmserve.engine.hf.chat import HFChatBackend
-from vlmserve.engine.hf.lifecycle import ModelState
-from vlmserve.engine.types import ChatMessage, GenerateRequest, SamplingParams, TextPart
+from vlmserve.engine.types import (
+    ChatMessage,
+    GenerateRequest,
+    ModelState,
+    SamplingParams,
+    Serves,
+    TextPart,
+)
 from vlmserve.registry.manager import ModelManager
 
 
@@ -25,7 +31,7 @@ def raising(*_: Any) -> Any:
 
 
 async def generate(manager: ModelManager) -> list[int]:
-    lease = await manager.acquire(MODEL, "chat", HFChatBackend)
+    lease = await manager.acquire(MODEL, "chat", Serves.CHAT)
     try:
         backend = lease.backend
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -72,16 +72,21 @@ class VideoUrlPart(_Part):
 
 
 class InputVideoPart(_Part):
+    """A video file (``b64_json``, ``video``, ``video_url``), or a clip as its ``frames``
+    (base64 JPEG/PNG or image URLs, in order; seed 000's form, sampled to
+    VLMSERVE_MAX_VIDEO_FRAMES before decoding)."""
+
     type: Literal["input_video"]
     b64_json: str | None = None
     video: str | None = None
     video_url: str | UrlRef | None = None
+    frames: list[str] | None = None
 
     @property
     def source(self) -> str:
         ref = self.b64_json or self.video or self.video_url
         if ref is None:
-            raise ValueError("input_video needs one of b64_json, video or video_url")
+            raise ValueError("input_video needs one of b64_json, video, video_url or frames")
         return ref if isinstance(ref, str) else ref.url
 
 

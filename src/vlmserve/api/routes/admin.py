@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from vlmserve.api.routing import StrictJSONRoute
+from vlmserve.api.services import ModelsDep, ServicesDep
+from vlmserve.registry.manager import ModelManager
 
 router = APIRouter(prefix="/admin", tags=["admin"], route_class=StrictJSONRoute)
 
@@ -21,30 +23,29 @@ class DeactivateRequest(ModelRef):
     drain_timeout: float | None = Field(default=None, ge=0, le=3600)
 
 
-def _one(request: Request, name: str) -> dict[str, Any]:
-    models = request.app.state.models
+def _one(models: ModelManager, name: str) -> dict[str, Any]:
     wanted = models.resolve(name).name
     return next(m for m in models.state() if m["name"] == wanted)
 
 
 @router.post("/activate")
-async def activate(request: Request, body: ModelRef) -> dict[str, Any]:
+async def activate(models: ModelsDep, body: ModelRef) -> dict[str, Any]:
     """Load a model (waits until it is ready); unloads least-recently-used ones over the cap."""
-    handle = await request.app.state.models.activate(body.model)
-    return _one(request, handle.name)
+    handle = await models.activate(body.model)
+    return _one(models, handle.name)
 
 
 @router.post("/deactivate")
-async def deactivate(request: Request, body: DeactivateRequest) -> dict[str, Any]:
+async def deactivate(models: ModelsDep, body: DeactivateRequest) -> dict[str, Any]:
     """Unload a model once its in-flight requests finish (bounded by ``drain_timeout``)."""
-    drained = await request.app.state.models.deactivate(body.model, body.drain_timeout)
-    return {**_one(request, body.model), "drained": drained}
+    drained = await models.deactivate(body.model, body.drain_timeout)
+    return {**_one(models, body.model), "drained": drained}
 
 
 @router.get("/state")
-async def state(request: Request) -> dict[str, Any]:
+async def state(services: ServicesDep) -> dict[str, Any]:
     """Every model: state, memory, in-flight requests, last use, load time, keep-alive, error."""
     return {
-        "models": request.app.state.models.state(),
-        "streams": {"active": request.app.state.sessions.active_count()},
+        "models": services.models.state(),
+        "streams": {"active": services.sessions.active_count()},
     }

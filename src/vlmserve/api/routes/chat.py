@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.routing import StrictJSONRoute
+from vlmserve.api.services import ChatDep
 from vlmserve.api.serving.sse import (
     ClientGone,
     accepts_event_stream,
@@ -34,10 +35,10 @@ def _resumable(request: Request, body: ChatCompletionRequest, resuming: bool) ->
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     request: Request,
+    chat: ChatDep,
     body: ChatCompletionRequest,
     last_event_id: str | None = Query(default=None, max_length=300),
 ) -> Any:
-    state = request.app.state
     request_id = request.state.request_id
     request.state.model = body.model  # the metrics' model label
     if body.ignored_fields:  # accepted for client compatibility, but said out loud
@@ -51,12 +52,12 @@ async def chat_completions(
                 param="session_id",
             )
         resumable = _resumable(request, body, resuming=True)
-        return await sse_response(state.sessions, session_id, after, resumable=resumable)
+        return await sse_response(chat.sessions, session_id, after, resumable=resumable)
     if body.stream:
-        session_id = await state.chat.start_stream(body, request_id)
+        session_id = await chat.start_stream(body, request_id)
         resumable = _resumable(request, body, resuming=False)
-        return await sse_response(state.sessions, session_id, -1, resumable=resumable)
+        return await sse_response(chat.sessions, session_id, -1, resumable=resumable)
     try:
-        return await run_until_disconnect(request, state.chat.complete(body, request_id))
+        return await run_until_disconnect(request, chat.complete(body, request_id))
     except ClientGone:
         return Response(status_code=499)

@@ -8,11 +8,14 @@ from fastapi import APIRouter, Request
 
 from vlmserve.api.protocol.embeddings import EmbeddingsRequest
 from vlmserve.api.routing import StrictJSONRoute
+from vlmserve.api.services import WorkerDep
 
 router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post("/v1/embeddings")
-async def embeddings(request: Request, body: EmbeddingsRequest) -> dict[str, Any]:
+async def embeddings(
+    request: Request, worker: WorkerDep, body: EmbeddingsRequest
+) -> dict[str, Any]:
     request.state.model = body.model  # the metrics' model label
-    return await request.app.state.worker.embeddings(body)
+    return await worker.embeddings(body)

@@ -13,57 +13,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi import APIRouter
 
+from vlmserve.api.protocol.gateway import DeregisterRequest, RegisterRequest
 from vlmserve.api.routing import StrictJSONRoute
+from vlmserve.api.services import ModelsDep
+from vlmserve.gateway.replicas import deregister_replica, register_replica, replica_state
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/gateway", tags=["gateway"], route_class=StrictJSONRoute)
 
 
-class RegisterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str = Field(min_length=1, max_length=512)
-    url: str = Field(min_length=1, max_length=2048)
-    instance: str = Field(min_length=1, max_length=256)
-
-    @field_validator("url")
-    @classmethod
-    def _http(cls, url: str) -> str:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError("url must be the worker's base URL, http(s)://host:port")
-        return url
-
-
-class DeregisterRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    instance: str = Field(min_length=1, max_length=256)
-    reason: str | None = Field(default=None, max_length=256)
-
-
 @router.post("/register")
-async def register(request: Request, body: RegisterRequest) -> dict[str, Any]:
+async def register(models: ModelsDep, body: RegisterRequest) -> dict[str, Any]:
     """Add the worker at ``url`` as a replica of ``model`` (an openai entry)."""
-    replica = await request.app.state.models.register_replica(body.model, body.url, body.instance)
+    replica = await register_replica(models, body.model, body.url, body.instance)
     return {"object": "gateway.replica", "registered": True, **replica}
 
 
 @router.post("/deregister")
-async def deregister(request: Request, body: DeregisterRequest) -> dict[str, Any]:
+async def deregister(models: ModelsDep, body: DeregisterRequest) -> dict[str, Any]:
     """Remove every replica of ``instance`` (unknown instances are not an error: idempotent)."""
-    models = request.app.state.models.deregister_replica(body.instance)
-    return {"object": "gateway.replica", "instance": body.instance, "deregistered": models}
+    served = deregister_replica(models, body.instance)
+    return {"object": "gateway.replica", "instance": body.instance, "deregistered": served}
 
 
 @router.get("/replicas")
-async def replicas(request: Request) -> dict[str, Any]:
+async def replicas(models: ModelsDep) -> dict[str, Any]:
     """Every proxied model and its replicas: health, ejection, load, why it is out."""
-    return {
-        "models": [
-            {"model": m["name"], **m["upstream"]}
-            for m in request.app.state.models.state()
-            if "upstream" in m
-        ]
-    }
+    return {"models": replica_state(models)}

@@ -5,15 +5,16 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request, Response
 
 from vlmserve.api.routing import StrictJSONRoute
+from vlmserve.api.services import SessionsDep
 from vlmserve.api.serving.sse import sse_response
 from vlmserve.errors import NotFound
-from vlmserve.streaming import parse_event_id
+from vlmserve.streaming import SessionManager, parse_event_id
 
 router = APIRouter(route_class=StrictJSONRoute)
 
 
-async def _cancel(request: Request, key: str) -> dict[str, object]:
-    if not await request.app.state.sessions.cancel(key):
+async def _cancel(sessions: SessionManager, key: str) -> dict[str, object]:
+    if not await sessions.cancel(key):
         raise NotFound(
             f"no running stream {key!r} (unknown, finished or already cancelled)",
             code="session_not_found",
@@ -22,20 +23,21 @@ async def _cancel(request: Request, key: str) -> dict[str, object]:
 
 
 @router.post("/v1/cancel/{session_id}")
-async def cancel_session(request: Request, session_id: str) -> dict[str, object]:
+async def cancel_session(sessions: SessionsDep, session_id: str) -> dict[str, object]:
     """Cancel a running generation by session id (or chat-completion id)."""
-    return await _cancel(request, session_id)
+    return await _cancel(sessions, session_id)
 
 
 @router.post("/v1/chat/completions/{completion_id}/cancel")
-async def cancel_completion(request: Request, completion_id: str) -> dict[str, object]:
+async def cancel_completion(sessions: SessionsDep, completion_id: str) -> dict[str, object]:
     """Cancel a running generation by its ``chatcmpl-...`` id."""
-    return await _cancel(request, completion_id)
+    return await _cancel(sessions, completion_id)
 
 
 @router.get("/v1/streams/{session_id}", response_model=None)
 async def resume_stream(
     request: Request,
+    sessions: SessionsDep,
     session_id: str,
     last_event_id: str | None = Query(default=None, max_length=300),
 ) -> Response:
@@ -48,4 +50,4 @@ async def resume_stream(
         named, after = parse_event_id(given)
         if named != session_id:
             raise NotFound(f"Last-Event-ID is for session {named!r}, not {session_id!r}")
-    return await sse_response(request.app.state.sessions, session_id, after, resumable=True)
+    return await sse_response(sessions, session_id, after, resumable=True)

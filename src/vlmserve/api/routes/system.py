@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from vlmserve.api.routing import StrictJSONRoute
+from vlmserve.api.services import ModelsDep, ServicesDep
 
 router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.get("/health")
-async def health(request: Request) -> dict[str, Any]:
+async def health(models: ModelsDep) -> dict[str, Any]:
     """Liveness (seed 003's shape): the process answers; says whether models are ready."""
-    models = request.app.state.models
     handles = models.handles
     errors = [f"{h.name}: {h.backend.error}" for h in handles if h.backend.error]
     return {
@@ -28,9 +28,8 @@ async def health(request: Request) -> dict[str, Any]:
 
 
 @router.get("/ready")
-async def ready(request: Request) -> JSONResponse:
+async def ready(models: ModelsDep) -> JSONResponse:
     """Readiness: 200 once every model is loaded, 503 (with Retry-After) until then."""
-    models = request.app.state.models
     body = {
         "ready": models.ready,
         "models": {h.name: h.backend.state.value for h in models.handles},
@@ -49,20 +48,20 @@ def _model_card(h: Any, created: int) -> dict[str, Any]:
         "root": h.source,
         "roles": h.roles,
         "aliases": h.aliases,
-        "capabilities": sorted(h.capabilities) if h.capabilities is not None else None,
+        "capabilities": sorted(h.inputs) if h.inputs is not None else None,
         "ready": h.ready,
     }
 
 
 @router.get("/v1/models")
-async def list_models(request: Request) -> dict[str, Any]:
-    created = request.app.state.started_at
-    data = [_model_card(h, created) for h in request.app.state.models.handles]
+async def list_models(services: ServicesDep) -> dict[str, Any]:
+    created = services.started_at
+    data = [_model_card(h, created) for h in services.models.handles]
     return {"object": "list", "data": data}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+async def retrieve_model(services: ServicesDep, model_id: str) -> dict[str, Any]:
     """One model by served name, alias or source (OpenAI's ``client.models.retrieve``)."""
-    handle = request.app.state.models.resolve(model_id)  # 404 model_not_found otherwise
-    return _model_card(handle, request.app.state.started_at)
+    handle = services.models.resolve(model_id)  # 404 model_not_found otherwise
+    return _model_card(handle, services.started_at)

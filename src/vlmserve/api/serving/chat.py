@@ -12,10 +12,8 @@ from vlmserve.api.metrics import Metrics
 from vlmserve.api.protocol.chat import ChatCompletionRequest, StreamOptions
 from vlmserve.api.protocol.responses import CompletionIds, chunk_json, completion_body, usage
 from vlmserve.api.serving.convert import Converter, response_format
-from vlmserve.engine.hf.chat import HFChatBackend
-from vlmserve.engine.protocol import ChatBackend
-from vlmserve.engine.types import Chunk, FinishReason, GenerateRequest
-from vlmserve.engine.upstream import UpstreamBackend
+from vlmserve.engine.protocol import Backend
+from vlmserve.engine.types import Chunk, FinishReason, GenerateRequest, Serves
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
 from vlmserve.registry.manager import Lease, ModelManager
 from vlmserve.streaming import Emit, Event, Resumption, SessionManager, SessionRecord, error_emit
@@ -95,10 +93,9 @@ async def _observed(
         yield chunk
 
 
-def _admit(backend: ChatBackend) -> Callable[[], None]:
+def _admit(backend: Backend) -> Callable[[], None]:
     """Reserve a queue place (429 now when full); returns its release."""
-    admit = getattr(backend, "admit", None)  # optional: backends with a bounded queue
-    return admit() if admit is not None else _nothing
+    return backend.admit()
 
 
 def _nothing() -> None:
@@ -128,15 +125,15 @@ class ChatService:
         self.metrics = metrics
         sessions.set_resumer(self._resume)
 
-    def _generate(self, backend: ChatBackend, prepared: Any) -> AsyncIterator[Chunk]:
+    def _generate(self, backend: Backend, prepared: Any) -> AsyncIterator[Chunk]:
         return _observed(backend.generate(prepared), self.metrics, backend.model_id)
 
     async def _request(
-        self, backend: ChatBackend, body: ChatCompletionRequest, request_id: str
+        self, backend: Backend, body: ChatCompletionRequest, request_id: str
     ) -> GenerateRequest:
         """The engine request. A proxied model gets the wire body as is: its media are
         neither fetched nor decoded here (only ``Converter.check``'s limits apply)."""
-        if not isinstance(backend, UpstreamBackend):
+        if not backend.proxied:
             return await self.converter.to_request(body, request_id)
         self.converter.check(body)
         return GenerateRequest(
@@ -146,7 +143,7 @@ class ChatService:
 
     async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         needs = self.converter.needs(body)
-        async with await self.models.acquire(body.model, "chat", HFChatBackend, needs) as backend:
+        async with await self.models.acquire(body.model, "chat", Serves.CHAT, needs) as backend:
             release = _admit(backend)
             try:
                 prepared = await backend.prepare(await self._request(backend, body, request_id))
@@ -177,7 +174,7 @@ class ChatService:
                 code="session_exists",
             )
         needs = self.converter.needs(body)
-        lease = await self.models.acquire(body.model, "chat", HFChatBackend, needs)
+        lease = await self.models.acquire(body.model, "chat", Serves.CHAT, needs)
         prepared, release = None, _nothing
         try:
             backend = lease.backend
@@ -194,7 +191,7 @@ class ChatService:
             )  # fmt: skip
         except BaseException:
             release()
-            if prepared is not None and isinstance(lease.backend, UpstreamBackend):
+            if prepared is not None:
                 await lease.backend.discard(prepared)
             lease.release()
             raise
@@ -206,8 +203,8 @@ class ChatService:
         lease = None
         try:
             body = ChatCompletionRequest.model_validate(stored["body"])
-            lease = await self.models.acquire(stored["model"], "chat", HFChatBackend)
-            if isinstance(lease.backend, UpstreamBackend):  # its tokens are the upstream's
+            lease = await self.models.acquire(stored["model"], "chat", Serves.CHAT)
+            if lease.backend.proxied:  # its tokens are the upstream's
                 raise ValueError("a proxied generation cannot continue after a restart")
             request = await self.converter.to_request(body, f"resume-{record.session_id}")
             request.prefix_token_ids = [

@@ -30,8 +30,16 @@ from vlmserve.engine.types import (
 )
 from vlmserve.errors import InvalidRequest, UnsupportedFeature, VlmserveError
 from vlmserve.media import MediaPolicy, VideoFrames, decode_image, decode_video, read_source
+from vlmserve.media.video import source_fps
 
-__all__ = ["Converter", "media_policy", "response_format"]
+__all__ = ["Converter", "media_policy", "response_format", "sample_frames"]
+
+
+def sample_frames(frames: list[str], limit: int) -> list[str]:
+    """Uniformly pick at most ``limit`` frames before any is decoded."""
+    if len(frames) <= limit:
+        return frames
+    return [frames[(2 * i + 1) * len(frames) // (2 * limit)] for i in range(limit)]
 
 
 def media_policy(settings: Settings) -> MediaPolicy:
@@ -81,6 +89,24 @@ def _media_count(messages: list[ChatMessageIn]) -> int:
     )
 
 
+def _video_part(video: VideoFrames) -> VideoPart:
+    """Decoded frames with their place on the clip's timeline (the processors that timestamp
+    frames, Qwen2.5-VL/Qwen3-VL/SmolVLM, read it)."""
+    if not video.frame_indices:
+        return VideoPart(frames=video.frames, fps=video.fps)
+    return VideoPart(frames=video.frames, fps=source_fps(video),
+                     frame_indices=list(video.frame_indices),
+                     total_frames=video.source_frames)  # fmt: skip
+
+
+def _check_frames(messages: list[ChatMessageIn]) -> None:
+    for i, m in enumerate(messages):
+        for j, p in enumerate(m.content if isinstance(m.content, list) else []):
+            if isinstance(p, InputVideoPart) and p.frames is not None and not p.frames:
+                raise InvalidRequest("frames is empty; send at least one base64 JPEG frame",
+                                     param=f"messages[{i}].content[{j}]")  # fmt: skip
+
+
 @dataclass(slots=True)
 class Converter:
     settings: Settings
@@ -98,6 +124,15 @@ class Converter:
             self.metrics.observe_media("image", len(data))
         return image
 
+    async def frames(self, frames: list[str]) -> list[Image.Image]:
+        """A clip sent as frames: uniformly sampled to the frame limit, then decoded."""
+        if not frames:
+            raise InvalidRequest(
+                "frames is empty; send at least one base64 JPEG frame", param="frames"
+            )
+        picked = sample_frames(frames, self.settings.max_video_frames)
+        return list(await asyncio.gather(*(self.image(f) for f in picked)))
+
     async def video(self, source: str) -> VideoFrames:
         data = await read_source(source, self.policy, kind="video")
         video = await asyncio.to_thread(decode_video, data, self.policy)
@@ -108,6 +143,7 @@ class Converter:
     def check(self, body: ChatCompletionRequest) -> None:
         """Every check that needs no I/O; runs before any media is fetched."""
         _unsupported(body, self.settings.max_n)
+        _check_frames(body.messages)
         count = _media_count(body.messages)
         if count > self.settings.max_media_per_request:
             raise InvalidRequest(
@@ -183,9 +219,11 @@ class Converter:
                 return TextPart(part.text)
             if isinstance(part, ImageUrlPart | InputImagePart):
                 return ImagePart(await self.image(part.source))
+            if isinstance(part, InputVideoPart) and part.frames is not None:
+                return VideoPart(frames=await self.frames(part.frames))
             if isinstance(part, VideoUrlPart | InputVideoPart):
                 video = await self.video(part.source)
-                return VideoPart(frames=video.frames, fps=video.fps)
+                return _video_part(video)
             raise InvalidRequest(f"unsupported content part {type(part).__name__}", param=where)
         except ValueError as exc:  # a part missing its payload (e.g. input_image without data)
             raise InvalidRequest(str(exc), param=where) from exc

@@ -4,21 +4,19 @@ Each task becomes one ``ChatCompletionRequest`` (system prompt, media, instructi
 ``response_format`` json_schema) answered by ``ChatService.complete``; the answer is parsed
 and checked against the schema here, so a server without constrained decoding (or an answer
 cut off by ``max_tokens``) gives a clear 422 ``invalid_model_output``, never a 500.
-A clip sent as ``frames`` (base64 JPEGs) is decoded here and joins the prompt as one video.
+A clip sent as ``frames`` (base64 JPEGs) joins the prompt as one ``input_video`` part with
+its frames: decoded by the chat service for a local model, forwarded as is to a proxied one.
 """
 
 from __future__ import annotations
 
 import base64
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import UploadFile
 
 from vlmserve.api.protocol.chat import ChatCompletionRequest
-from vlmserve.api.protocol.responses import CompletionIds, completion_body, usage
 from vlmserve.api.protocol.tasks import (
     EntitiesRequest,
     ExtractRequest,
@@ -27,9 +25,6 @@ from vlmserve.api.protocol.tasks import (
     TriplesRequest,
 )
 from vlmserve.api.serving.chat import ChatService
-from vlmserve.api.serving.worker import WorkerService
-from vlmserve.engine.hf.chat import HFChatBackend
-from vlmserve.engine.types import VideoPart
 from vlmserve.errors import InvalidRequest, MediaError, PayloadTooLarge, VlmserveError
 from vlmserve.tasks import (
     DEFAULT_ENTITY_TYPES,
@@ -64,6 +59,8 @@ def _media_parts(body: ExtractRequest) -> list[dict[str, Any]]:
     parts = [{"type": "image_url", "image_url": {"url": u}} for u in body.images]
     if body.video:
         parts.append({"type": "video_url", "video_url": {"url": body.video}})
+    if body.frames is not None:  # one clip, as its frames (decoded by whoever runs the model)
+        parts.append({"type": "input_video", "frames": body.frames})
     return parts
 
 
@@ -132,13 +129,8 @@ def _shaped(answer: Answer, opts: TaskOptions, key: str) -> dict[str, Any]:
 
 
 class TaskService:
-    def __init__(self, chat: ChatService, worker: WorkerService):
+    def __init__(self, chat: ChatService):
         self.chat = chat
-        self.worker = worker
-
-    @classmethod
-    def of(cls, state: Any) -> TaskService:
-        return cls(state.chat, state.worker)
 
     def _wire(
         self, prompt: TaskPrompt, opts: TaskOptions, parts: list[dict[str, Any]], text: str | None
@@ -156,14 +148,9 @@ class TaskService:
             "response_format": prompt.response_format(),
         })  # fmt: skip
 
-    async def _ask(
-        self, prompt: TaskPrompt, wire: ChatCompletionRequest, request_id: str,
-        frames: list[str] | None = None,
-    ) -> Answer:  # fmt: skip
-        if frames is None:
-            completion = await self.chat.complete(wire, request_id)
-        else:
-            completion = await self._complete_with_frames(wire, frames, request_id)
+    async def _ask(self, prompt: TaskPrompt, wire: ChatCompletionRequest, request_id: str
+                   ) -> Answer:  # fmt: skip
+        completion = await self.chat.complete(wire, request_id)
         choice = completion["choices"][0]
         text, finish = choice["message"]["content"] or "", choice.get("finish_reason") or ""
         budget = wire.max_tokens or 0
@@ -177,35 +164,14 @@ class TaskService:
             raise _invalid(prompt, text, finish, problem, budget)
         return Answer(data, completion)
 
-    async def _complete_with_frames(
-        self, wire: ChatCompletionRequest, frames: list[str], request_id: str
-    ) -> dict[str, Any]:
-        """Like ``ChatService.complete``, with the decoded frames as one video in the prompt."""
-        images = await self.worker.frames(frames)  # 400 when empty; sampled to the frame limit
-        converter = self.chat.converter
-        needs = converter.needs(wire) | {"video"}
-        lease = await self.chat.models.acquire(wire.model, "chat", HFChatBackend, needs)
-        async with lease as backend:
-            request = await converter.to_request(wire, request_id)
-            request.messages[-1].content.insert(0, VideoPart(frames=images))
-            prepared = await backend.prepare(request)
-            text, last = [], None
-            async for chunk in backend.generate(prepared):
-                text.append(chunk.text)
-                last = chunk
-        if last is None or last.finish_reason is None:
-            raise VlmserveError("generation ended without a result")
-        ids = CompletionIds(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), backend.model_id)
-        counts = usage(last.prompt_tokens, last.completion_tokens)
-        return completion_body(ids, "".join(text), last.finish_reason.value, counts)
-
     async def _extract(self, prompt: TaskPrompt, body: ExtractRequest, request_id: str) -> Answer:
         _require_input(body)
         wire = self._wire(prompt, body, _media_parts(body), body.text)
         try:
-            return await self._ask(prompt, wire, request_id, body.frames)
+            return await self._ask(prompt, wire, request_id)
         except VlmserveError as exc:
-            _media_param(exc, [f"images[{i}]" for i in range(len(body.images))] + ["video"])
+            clip = "frames" if body.frames is not None else "video"
+            _media_param(exc, [f"images[{i}]" for i in range(len(body.images))] + [clip])
             raise
 
     async def entities(self, body: EntitiesRequest, request_id: str) -> dict[str, Any]:

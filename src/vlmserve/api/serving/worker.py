@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import uuid
 from typing import Any
@@ -13,19 +12,17 @@ from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.protocol.embeddings import EmbeddingsRequest
 from vlmserve.api.protocol.worker import CaptionRequest, GenerateRequestIn
 from vlmserve.api.serving.convert import Converter
-from vlmserve.engine.hf.chat import HFChatBackend
-from vlmserve.engine.hf.embed import HFEmbedBackend
-from vlmserve.engine.hf.embed_inputs import EmbedInput
-from vlmserve.engine.protocol import ChatBackend
+from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import (
     ChatMessage,
+    EmbedInput,
     GenerateRequest,
     ImagePart,
     SamplingParams,
+    Serves,
     TextPart,
     VideoPart,
 )
-from vlmserve.engine.upstream import UpstreamBackend
 from vlmserve.errors import InvalidRequest, VlmserveError
 from vlmserve.registry.manager import EMBEDDING, ModelManager
 
@@ -42,13 +39,6 @@ def caption_messages(frames: list[Any], transcript: str | None) -> list[ChatMess
     return [ChatMessage("user", [VideoPart(frames=frames), TextPart(text)])]
 
 
-def _sample(frames: list[str], limit: int) -> list[str]:
-    """Uniformly pick at most ``limit`` frames before any is decoded."""
-    if len(frames) <= limit:
-        return frames
-    return [frames[(2 * i + 1) * len(frames) // (2 * limit)] for i in range(limit)]
-
-
 def _truncate(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
     if dimensions is None:
         return vectors
@@ -61,29 +51,6 @@ def _truncate(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
     return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
 
 
-async def _forward(backend: UpstreamBackend, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """A proxied model: the same endpoint on one of its replicas, under its upstream name."""
-    return await backend.forward(path, {**body, "model": backend.config.model})
-
-
-def token_texts(arrays: list[list[int]], tokenizer: Any) -> list[str]:
-    """Token arrays are ids of the served model's own tokenizer (as vLLM reads them): checked
-    against its vocabulary, then embedded as the text they decode to."""
-    vocab = len(tokenizer)
-    for i, ids in enumerate(arrays):
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise InvalidRequest(
-                f"input[{i}] holds token id {bad}, outside this model's vocabulary of {vocab}: "
-                "token arrays must be ids of the served model's own tokenizer. Send the text "
-                "instead (LangChain's OpenAIEmbeddings sends OpenAI-tokenizer ids unless you set "
-                "check_embedding_ctx_length=False)",
-                param="input",
-                code="invalid_token_ids",
-            )
-    return [tokenizer.decode(ids) for ids in arrays]
-
-
 def _encode(vector: np.ndarray, fmt: str) -> list[float] | str:
     if fmt == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode()
@@ -91,52 +58,51 @@ def _encode(vector: np.ndarray, fmt: str) -> list[float] | str:
 
 
 class WorkerService:
+    """Each call leases its model through the manager; a proxied model answers the same
+    endpoint upstream (``Backend.relay``), a local one here."""
+
     def __init__(self, models: ModelManager, converter: Converter):
         self.models = models
         self.converter = converter
 
-    @staticmethod
-    def _nonempty(frames: list[str]) -> None:
-        if not frames:
-            raise InvalidRequest(
-                "frames is empty; send at least one base64 JPEG frame", param="frames"
-            )
-
     async def frames(self, frames: list[str]) -> list[Any]:
-        self._nonempty(frames)
-        picked = _sample(frames, self.converter.settings.max_video_frames)
         try:
-            return list(await asyncio.gather(*(self.converter.image(f) for f in picked)))
+            return await self.converter.frames(frames)
         except VlmserveError as exc:
             exc.param = exc.param or "frames"
             raise
 
     async def encode_video(self, frames: list[str], model: str | None) -> list[float]:
-        self._nonempty(frames)
-        async with await self.models.acquire(model, EMBEDDING, HFEmbedBackend) as backend:
-            if isinstance(backend, UpstreamBackend):
-                return (await _forward(backend, "/encode-video", {"frames": frames}))["embedding"]
+        if not frames:
+            await self.frames(frames)  # the 400, before a model is picked
+        async with await self.models.acquire(model, EMBEDDING, Serves.EMBEDDING) as backend:
+            answer = await backend.relay("/encode-video", {"frames": frames})
+            if answer is not None:
+                return answer["embedding"]
             decoded = await self.frames(frames)
             return (await backend.embed([EmbedInput(frames=decoded)]))[0].tolist()
 
     async def encode_text(self, text: str, model: str | None) -> list[float]:
         if not text.strip():
             raise InvalidRequest("text is empty", param="text")
-        async with await self.models.acquire(model, EMBEDDING, HFEmbedBackend) as backend:
-            if isinstance(backend, UpstreamBackend):
-                return (await _forward(backend, "/encode-text", {"text": text}))["embedding"]
+        async with await self.models.acquire(model, EMBEDDING, Serves.EMBEDDING) as backend:
+            answer = await backend.relay("/encode-text", {"text": text})
+            if answer is not None:
+                return answer["embedding"]
             return (await backend.embed([EmbedInput(text=text)]))[0].tolist()
 
-    async def _run(self, backend: ChatBackend, request: GenerateRequest) -> str:
+    async def _run(self, backend: Backend, request: GenerateRequest) -> str:
         prepared = await backend.prepare(request)
         return "".join([chunk.text async for chunk in backend.generate(prepared)])
 
     async def caption(self, body: CaptionRequest) -> str:
-        self._nonempty(body.frames)
-        async with await self.models.acquire(body.model, "caption", HFChatBackend) as backend:
-            if isinstance(backend, UpstreamBackend):
-                wire = body.model_dump(mode="json", exclude_unset=True)
-                return (await _forward(backend, "/caption", wire))["caption"]
+        if not body.frames:
+            await self.frames(body.frames)
+        async with await self.models.acquire(body.model, "caption", Serves.CHAT) as backend:
+            wire = body.model_dump(mode="json", exclude_unset=True)
+            answer = await backend.relay("/caption", wire)
+            if answer is not None:
+                return answer["caption"]
             frames = await self.frames(body.frames)
             sampling = SamplingParams(max_tokens=body.max_new_tokens, temperature=0.0)
             messages = caption_messages(frames, body.transcript)
@@ -144,32 +110,29 @@ class WorkerService:
             return await self._run(backend, request)
 
     async def generate(self, body: GenerateRequestIn) -> str:
-        async with await self.models.acquire(body.model, "chat", HFChatBackend) as backend:
-            if isinstance(backend, UpstreamBackend):
-                wire = body.model_dump(mode="json", exclude_unset=True)
-                return (await _forward(backend, "/generate", wire))["text"]
-            wire = ChatCompletionRequest(
+        async with await self.models.acquire(body.model, "chat", Serves.CHAT) as backend:
+            wire = body.model_dump(mode="json", exclude_unset=True)
+            answer = await backend.relay("/generate", wire)
+            if answer is not None:
+                return answer["text"]
+            chat = ChatCompletionRequest(
                 model=backend.model_id,
                 messages=body.messages,
                 max_tokens=body.max_new_tokens,
                 temperature=body.temperature,
             )
-            request = await self.converter.to_request(wire, uuid.uuid4().hex)
+            request = await self.converter.to_request(chat, uuid.uuid4().hex)
             return await self._run(backend, request)
 
     async def embeddings(self, body: EmbeddingsRequest) -> dict[str, Any]:
-        handle = self.models.resolve(body.model) if body.model else None
-        if handle is not None and isinstance(handle.backend, UpstreamBackend):
-            return await self._proxied_embeddings(body)
-        items = [EmbedInput(text=t) for t in body.texts]
-        if body.messages is not None:
-            items = [await self._multimodal_item(body)]
-        async with await self.models.acquire(body.model, EMBEDDING, HFEmbedBackend) as backend:
-            tokenizer = backend.processor.tokenizer
-            if body.token_arrays is not None:
-                items = [EmbedInput(text=t) for t in token_texts(body.token_arrays, tokenizer)]
+        async with await self.models.acquire(body.model, EMBEDDING, Serves.EMBEDDING) as backend:
+            wire = body.model_dump(mode="json", exclude_unset=True)
+            answer = await backend.relay("/v1/embeddings", wire)
+            if answer is not None:
+                return {**answer, "model": backend.model_id}
+            items = await self._items(body, backend)
             vectors = _truncate(await backend.embed(items), body.dimensions)
-            tokens = sum(len(tokenizer(backend.render(item))["input_ids"]) for item in items)
+            tokens = backend.count_tokens(items)
             model_id = backend.model_id
         return {
             "object": "list",
@@ -181,11 +144,12 @@ class WorkerService:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
 
-    async def _proxied_embeddings(self, body: EmbeddingsRequest) -> dict[str, Any]:
-        async with await self.models.acquire(body.model, EMBEDDING, HFEmbedBackend) as backend:
-            wire = body.model_dump(mode="json", exclude_unset=True)
-            answer = await _forward(backend, "/v1/embeddings", wire)
-            return {**answer, "model": backend.model_id}
+    async def _items(self, body: EmbeddingsRequest, backend: Backend) -> list[EmbedInput]:
+        if body.messages is not None:
+            return [await self._multimodal_item(body)]
+        if body.token_arrays is not None:
+            return [EmbedInput(text=t) for t in backend.decode_tokens(body.token_arrays)]
+        return [EmbedInput(text=t) for t in body.texts]
 
     async def _multimodal_item(self, body: EmbeddingsRequest) -> EmbedInput:
         """vLLM's ``messages`` form: one embedding for the conversation's media and text."""

@@ -12,20 +12,24 @@ one decode step.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
+from vlmserve.engine.configs import ChatEngineConfig
 from vlmserve.engine.hf.batching import END, BatchEngine, supports
 from vlmserve.engine.hf.batching.faults import describe
+from vlmserve.engine.hf.capabilities import Capabilities, capabilities
 from vlmserve.engine.hf.generation import run_generation
 from vlmserve.engine.hf.inputs import Prepared, build_inputs, render_prompt
 from vlmserve.engine.hf.lifecycle import HFModel, ModelState
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.hf.processor_cache import CachedImageProcessor
 from vlmserve.engine.hf.processor_cache import install as install_processor_cache
-from vlmserve.engine.types import ChatMessage, Chunk, GenerateRequest
+from vlmserve.engine.types import BackendStats, ChatMessage, Chunk, GenerateRequest, Serves
 from vlmserve.errors import InvalidRequest, Overloaded
 
 __all__ = ["HFChatBackend", "ModelState"]
@@ -37,29 +41,20 @@ _MERGE_CROWDED = 2  # the same while the engine decodes several streams
 
 class HFChatBackend(HFModel):
     thread_prefix = "generate"
+    serves = Serves.CHAT
 
     def __init__(
         self,
         model_id: str,
         options: LoadOptions,
-        *,
-        max_model_len: int,
-        max_queued: int,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 8192,
-        vision_cache_bytes: int = 0,
-        stream_interval: int = 4,
-        processor_cache_bytes: int = 0,
+        config: ChatEngineConfig | None = None,
+        **changes: Any,
     ):
+        """``config`` (default: the settings' defaults), with ``changes`` applied to it."""
         super().__init__(model_id, options)
-        self.max_model_len = max_model_len
-        self.max_queued = max_queued
-        self.max_num_seqs = max_num_seqs  # sequences decoded together (continuous batching)
-        self.max_num_batched_tokens = max_num_batched_tokens  # prompt tokens per prefill step
-        self.vision_cache_bytes = vision_cache_bytes  # vision-tower outputs kept by content hash
-        self.stream_interval = stream_interval  # tokens per stream event when the batch is busy
-        self.processor_cache_bytes = processor_cache_bytes  # preprocessed images by content
+        self.config = replace(config or ChatEngineConfig.defaults(), **changes)
         self._processor_cache: CachedImageProcessor | None = None
+        self._caps: Capabilities | None = None  # what the loaded model takes (image, video)
         self.in_flight = 0  # requests streaming now (queued or decoding)
         self.engine: BatchEngine | None = None  # None: not loaded, or not a batchable model
         self._tokens_before = 0  # tokens produced by earlier engines and the fallback path
@@ -75,6 +70,7 @@ class HFChatBackend(HFModel):
     def load(self) -> None:
         super().load()
         loaded = self._require()
+        self._caps = capabilities(loaded.model, loaded.processor)
         if not supports(loaded.model):
             log.info(
                 "%s: %s is served one request at a time (no batched runner for it)",
@@ -82,21 +78,30 @@ class HFChatBackend(HFModel):
                 type(loaded.model).__name__,
             )
             return
-        self.engine = BatchEngine(
-            loaded.model,
-            loaded.processor.tokenizer,
-            _eos_ids(loaded.model),
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            vision_cache_bytes=self.vision_cache_bytes,
-            submit=lambda fn: self._executor.submit(fn),
-            stream_interval=self.stream_interval,
-            model_id=self.model_id,
-            on_fatal=self._engine_failed,
-        )
+        self.engine = self._new_engine(loaded)
         self._processor_cache = install_processor_cache(
-            loaded.processor, self.processor_cache_bytes
+            loaded.processor, self.config.processor_cache_bytes
         )
+
+    def _new_engine(self, loaded: Any) -> BatchEngine:
+        c = self.config
+        extra: dict[str, Any] = {}
+        if "kv_cache_bytes" in inspect.signature(BatchEngine.__init__).parameters:  # engine v2
+            extra["kv_cache_bytes"] = c.kv_cache_bytes or None
+        return BatchEngine(
+            loaded.model, loaded.processor.tokenizer, _eos_ids(loaded.model),
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            vision_cache_bytes=c.vision_cache_bytes, stream_interval=c.stream_interval,
+            submit=lambda fn: self._executor.submit(fn), model_id=self.model_id,
+            on_fatal=self._engine_failed, **extra,
+        )  # fmt: skip
+
+    def capabilities(self) -> frozenset[str] | None:
+        caps = self._caps if self.state is ModelState.READY else None
+        return frozenset(caps.enabled()) if caps is not None else None
+
+    def watch_failures(self, callback: Callable[[Any], None]) -> None:
+        self.on_engine_failure = callback
 
     def _engine_failed(self, cause: BaseException, loop: Any) -> None:
         """The engine is unusable (its requests have already been ended): the model is
@@ -124,14 +129,36 @@ class HFChatBackend(HFModel):
     def vision_cache_stats(self) -> dict[str, int]:
         """Vision-tower cache counters (hits, misses, bytes, entries); zeros when unused."""
         if self.engine is None:
-            return {"hits": 0, "misses": 0, "bytes": 0, "entries": 0}
+            return dict.fromkeys(("hits", "misses", "bytes", "entries"), 0)
         return self.engine.vision_cache_stats()
 
     def processor_cache_stats(self) -> dict[str, int]:
         """Image-processor cache counters (hits, misses, bytes, entries); zeros when unused."""
         if self._processor_cache is None:
-            return {"hits": 0, "misses": 0, "bytes": 0, "entries": 0}
+            return dict.fromkeys(("hits", "misses", "bytes", "entries"), 0)
         return self._processor_cache.stats()
+
+    def stats(self) -> BackendStats:
+        """Decoding / waiting rows and KV use from the engine; the fallback path decodes one
+        request at a time."""
+        out = BackendStats(
+            vision_cache=self.vision_cache_stats(), processor_cache=self.processor_cache_stats(),
+            engine_failures=self.engine_failures, last_engine_error=self.last_engine_error,
+        )  # fmt: skip
+        engine = self.engine
+        if engine is None:
+            out.running = min(self.in_flight, 1)
+            out.waiting = self.in_flight - out.running
+            out.kv_usage = float(out.running)
+            return out
+        out.running, out.waiting = engine.running, engine.queued
+        usage = getattr(engine, "kv_usage", None)  # engine v2: blocks in use
+        out.kv_usage = (
+            usage if usage is not None else engine.running / max(1, self.config.max_num_seqs)
+        )
+        out.preemptions = getattr(engine, "preemptions", 0)
+        out.kv_cache_bytes = getattr(engine, "kv_cache_bytes", 0)
+        return out
 
     # --- requests ------------------------------------------------------------------------
     def render_prompt(self, messages: list[ChatMessage]) -> str:
@@ -142,15 +169,18 @@ class HFChatBackend(HFModel):
         loaded = self._require()
         prepared = await asyncio.to_thread(build_inputs, loaded.processor, request)
         total = prepared.prompt_tokens + request.sampling.max_tokens - len(request.prefix_token_ids)
-        if total > self.max_model_len:
+        if total > self.config.max_model_len:
             raise InvalidRequest(
                 f"prompt ({prepared.prompt_tokens} tokens) plus max_tokens "
                 f"({request.sampling.max_tokens}) exceeds the context limit of "
-                f"{self.max_model_len} tokens (VLMSERVE_MAX_MODEL_LEN); shorten the input, use "
-                "fewer or smaller images, or lower max_tokens",
+                f"{self.config.max_model_len} tokens (VLMSERVE_MAX_MODEL_LEN); shorten the "
+                "input, use fewer or smaller images, or lower max_tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        fits = getattr(self.engine, "check_fits", None)  # engine v2: the KV budget
+        if fits is not None:
+            fits(prepared.prompt_tokens, request.sampling.max_tokens)
         if request.response_format is not None:
             prepared.grammar = await asyncio.to_thread(self._compile, request.response_format)
         return prepared
@@ -172,7 +202,7 @@ class HFChatBackend(HFModel):
         return engine.queued if engine is not None else max(0, self.in_flight - 1)
 
     def _refuse_if_full(self, waiting: int) -> None:
-        if waiting >= self.max_queued:
+        if waiting >= self.config.max_queued:
             raise Overloaded(
                 f"{waiting} requests are already waiting for {self.model_id!r} "
                 "(VLMSERVE_MAX_QUEUED_REQUESTS); retry later"

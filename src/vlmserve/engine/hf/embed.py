@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlmserve.engine.configs import EmbedConfig
 from vlmserve.engine.hf.adapters import apply_adapter
 from vlmserve.engine.hf.embed_batcher import MicroBatcher
 from vlmserve.engine.hf.embed_inputs import (
@@ -38,6 +39,7 @@ from vlmserve.engine.hf.embed_inputs import (
 )
 from vlmserve.engine.hf.lifecycle import HFModel
 from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model
+from vlmserve.engine.types import Serves
 from vlmserve.errors import ConfigError, InvalidRequest
 
 __all__ = ["EmbedInput", "EmbedPrompts", "HFEmbedBackend"]
@@ -60,6 +62,7 @@ def final_hidden_states(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Te
 
 class HFEmbedBackend(HFModel):
     thread_prefix = "embed"
+    serves = Serves.EMBEDDING
 
     def __init__(
         self,
@@ -68,9 +71,15 @@ class HFEmbedBackend(HFModel):
         *,
         adapter: str | None = None,
         prompts: EmbedPrompts = EmbedPrompts(),
-        max_batch: int = 16,
-        batch_wait_ms: float = 5.0,
+        config: EmbedConfig | None = None,
+        max_batch: int | None = None,
+        batch_wait_ms: float | None = None,
     ):
+        """``config`` (default: the settings' defaults); ``max_batch``/``batch_wait_ms``
+        override it."""
+        config = config or EmbedConfig.defaults()
+        max_batch = config.max_batch if max_batch is None else max_batch
+        batch_wait_ms = config.batch_wait_ms if batch_wait_ms is None else batch_wait_ms
         if max_batch < 1:
             raise ConfigError(f"max_batch is {max_batch} for {model_id!r}; it must be at least 1")
         super().__init__(model_id, options)
@@ -117,6 +126,28 @@ class HFEmbedBackend(HFModel):
         """The exact prompt text for ``item`` (chat template applied)."""
         check_input(item)
         return render(self._require().processor, item, self.prompts)
+
+    def count_tokens(self, items: list[EmbedInput]) -> int:
+        tokenizer = self._require().processor.tokenizer
+        return sum(len(tokenizer(self.render(item))["input_ids"]) for item in items)
+
+    def decode_tokens(self, arrays: list[list[int]]) -> list[str]:
+        """Token arrays are ids of this model's own tokenizer (as vLLM reads them): checked
+        against its vocabulary, then embedded as the text they decode to."""
+        tokenizer = self._require().processor.tokenizer
+        vocab = len(tokenizer)
+        for i, ids in enumerate(arrays):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"input[{i}] holds token id {bad}, outside this model's vocabulary of "
+                    f"{vocab}: token arrays must be ids of the served model's own tokenizer. "
+                    "Send the text instead (LangChain's OpenAIEmbeddings sends "
+                    "OpenAI-tokenizer ids unless you set check_embedding_ctx_length=False)",
+                    param="input",
+                    code="invalid_token_ids",
+                )
+        return [tokenizer.decode(ids) for ids in arrays]
 
     def embed_sync(self, items: list[EmbedInput]) -> np.ndarray:
         """Blocking: [len(items), dim] float32 unit vectors, computed in batches of max_batch."""

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from PIL import Image
 
 from vlmserve.engine.hf.inputs import fit_image, patch_factor, run_processor
+from vlmserve.engine.types import EmbedInput
 from vlmserve.errors import ConfigError, InvalidRequest
 
 __all__ = ["EmbedInput", "EmbedPrompts", "build_batch", "check_input", "render", "text_positions"]
@@ -33,15 +33,6 @@ class EmbedPrompts:
                 f"the text embedding prompt {self.text!r} has no '{{text}}' placeholder; "
                 "add one where the query goes"
             )
-
-
-@dataclass(slots=True)
-class EmbedInput:
-    """One thing to embed: text, an image, video frames, or text with an image or frames."""
-
-    text: str | None = None
-    image: Image.Image | None = None
-    frames: list[Image.Image] | None = None
 
 
 def check_input(item: EmbedInput, index: int = 0) -> None:

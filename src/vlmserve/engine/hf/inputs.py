@@ -1,4 +1,11 @@
-"""Chat messages -> model inputs, through the model's own chat template and processor."""
+"""Chat messages -> model inputs, through the model's own chat template and processor.
+
+Media the model cannot take (a video for LLaVA-1.5, Idefics3 or Gemma 3) is refused with a
+400 naming the architecture (``capabilities``), never dropped by the template. Video frames
+reach the processor with their timing (``VideoMetadata``: the clip's fps, frame count and
+each frame's source index), so the processor neither re-samples them (``do_sample_frames``
+is off) nor guesses an fps for its timestamps.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +15,16 @@ from typing import Any
 import torch
 from PIL import Image
 
+from vlmserve.engine.hf.capabilities import Capabilities, processor_capabilities
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, TextPart, VideoPart
 from vlmserve.errors import InvalidRequest
 
 __all__ = [
     "Prepared",
     "build_inputs",
+    "check_media",
     "fit_image",
+    "metadata_for",
     "patch_factor",
     "render_prompt",
     "run_processor",
@@ -51,25 +61,71 @@ def fit_image(image: Image.Image, factor: int) -> Image.Image:
     return image.resize((max(factor, round(w * scale)), max(factor, round(h * scale))))
 
 
-def _template_messages(
-    messages: list[ChatMessage], factor: int
-) -> tuple[list[dict[str, Any]], list[Image.Image], list[list[Image.Image]]]:
-    rendered: list[dict[str, Any]] = []
-    images: list[Image.Image] = []
-    videos: list[list[Image.Image]] = []
+@dataclass(slots=True)
+class _Rendered:
+    """Messages in the template's shape, and their media in order."""
+
+    messages: list[dict[str, Any]]
+    images: list[Image.Image]
+    videos: list[list[Image.Image]]
+    metadata: list[Any]  # one transformers VideoMetadata per video
+
+
+def _template_messages(messages: list[ChatMessage], factor: int) -> _Rendered:
+    out = _Rendered(messages=[], images=[], videos=[], metadata=[])
     for message in messages:
         content: list[dict[str, Any]] = []
         for part in message.content:
             if isinstance(part, TextPart):
                 content.append({"type": "text", "text": part.text})
             elif isinstance(part, ImagePart):
-                images.append(fit_image(part.image, factor))
+                out.images.append(fit_image(part.image, factor))
                 content.append({"type": "image"})
             elif isinstance(part, VideoPart):
-                videos.append([fit_image(f, factor) for f in part.frames])
+                frames = [fit_image(f, factor) for f in part.frames]
+                out.videos.append(frames)
+                out.metadata.append(metadata_for(part, frames))
                 content.append({"type": "video"})
-        rendered.append({"role": message.role, "content": content})
-    return rendered, images, videos
+        out.messages.append({"role": message.role, "content": content})
+    return out
+
+
+def metadata_for(part: VideoPart, frames: list[Image.Image] | None = None) -> Any:
+    """The part's timing as transformers' ``VideoMetadata`` (what a processor that samples a
+    file itself would record): source fps, frame count, duration and sampled indices."""
+    from transformers.video_utils import VideoMetadata
+
+    frames = part.frames if frames is None else frames
+    indices = list(range(len(frames)))
+    if part.frame_indices is not None and len(part.frame_indices) == len(frames):
+        indices = [int(i) for i in part.frame_indices]
+    total = max(part.total_frames or 0, indices[-1] + 1 if indices else 0, len(frames))
+    fps = float(part.fps) if part.fps is not None and part.fps > 0 else None
+    width, height = frames[0].size if frames else (None, None)
+    return VideoMetadata(
+        total_num_frames=total,
+        fps=fps,
+        width=width,
+        height=height,
+        duration=total / fps if fps else None,
+        frames_indices=indices,
+    )
+
+
+def check_media(caps: Capabilities, messages: list[ChatMessage]) -> None:
+    """400 for an image or video part the model cannot take (never a silent drop)."""
+    parts = [p for m in messages for p in m.content]
+    if not caps.video and any(isinstance(p, VideoPart) for p in parts):
+        instead = "send images (frames) instead" if caps.image else "send text only"
+        raise InvalidRequest(
+            f"this model ({caps.architecture}) does not take video input; {instead}",
+            param="messages",
+        )
+    if not caps.image and any(isinstance(p, ImagePart) for p in parts):
+        raise InvalidRequest(
+            f"this model ({caps.architecture}) does not take image input; send text only",
+            param="messages",
+        )
 
 
 def patch_factor(processor: Any) -> int:
@@ -78,9 +134,15 @@ def patch_factor(processor: Any) -> int:
 
 
 def render_prompt(processor: Any, messages: list[ChatMessage]) -> str:
-    """The prompt text exactly as the model sees it (vision placeholders not yet expanded)."""
-    rendered, _, _ = _template_messages(messages, patch_factor(processor))
-    return processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    """The prompt text exactly as the model sees it (vision placeholders not yet expanded).
+
+    A part the model cannot take is a 400 here too: the template would drop it silently.
+    """
+    check_media(processor_capabilities(processor), messages)
+    rendered = _template_messages(messages, patch_factor(processor))
+    return processor.apply_chat_template(
+        rendered.messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def run_processor(
@@ -88,15 +150,23 @@ def run_processor(
     texts: list[str],
     images: list[Image.Image],
     videos: list[list[Image.Image]],
+    *,
+    video_metadata: list[Any] | None = None,
     **extra: Any,
 ) -> dict[str, torch.Tensor]:
-    """The model's processor on prompts + media; its input errors become a 400."""
+    """The model's processor on prompts + media; its input errors become a 400.
+
+    ``video_metadata`` (one ``VideoMetadata`` per video) carries the frames' timing; without
+    it the processor assumes consecutive frames and, where it timestamps them, 24 fps.
+    """
     kwargs: dict[str, Any] = {"text": texts, "return_tensors": "pt", **extra}
     if images:
         kwargs["images"] = images
     if videos:
         kwargs["videos"] = videos
         kwargs["do_sample_frames"] = False  # frames were sampled (and bounded) by vlmserve.media
+        if video_metadata is not None:
+            kwargs["video_metadata"] = video_metadata
     try:
         out = dict(processor(**kwargs))
     except ValueError as exc:  # the processor's own input checks
@@ -107,10 +177,21 @@ def run_processor(
     return out
 
 
-def build_inputs(processor: Any, request: GenerateRequest) -> Prepared:
-    rendered, images, videos = _template_messages(request.messages, patch_factor(processor))
-    text = processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-    inputs = run_processor(processor, [text], images, videos)
+def build_inputs(
+    processor: Any, request: GenerateRequest, caps: Capabilities | None = None
+) -> Prepared:
+    """Tokenised, preprocessed inputs for one request; 400 for media the model cannot take.
+
+    ``caps`` defaults to ``processor_capabilities(processor)``.
+    """
+    check_media(caps or processor_capabilities(processor), request.messages)
+    rendered = _template_messages(request.messages, patch_factor(processor))
+    text = processor.apply_chat_template(
+        rendered.messages, tokenize=False, add_generation_prompt=True
+    )
+    inputs = run_processor(
+        processor, [text], rendered.images, rendered.videos, video_metadata=rendered.metadata
+    )
     if request.prefix_token_ids:
         inputs = _append_prefix(inputs, request.prefix_token_ids)
     return Prepared(request=request, inputs=inputs, prompt_tokens=int(inputs["input_ids"].shape[1]))

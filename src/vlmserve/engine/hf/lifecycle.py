@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import enum
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -10,19 +10,14 @@ from typing import Any
 import torch
 
 from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model, memory_bytes
+from vlmserve.engine.protocol import Backend
+from vlmserve.engine.types import ModelState
 from vlmserve.errors import ServiceUnavailable
 
 __all__ = ["HFModel", "ModelState"]
 
 
-class ModelState(str, enum.Enum):
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-
-
-class HFModel:
+class HFModel(Backend):
     """Base of the ``hf`` backends. Work on the model runs on one dedicated thread, so the
     event loop stays free and the model sees one batch at a time."""
 
@@ -57,6 +52,15 @@ class HFModel:
         self._loaded = loaded
         self.load_seconds = time.perf_counter() - started
         self.state = ModelState.READY
+
+    async def aload(self) -> None:
+        await asyncio.to_thread(self.load)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def check_ready(self) -> None:
+        self._require()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

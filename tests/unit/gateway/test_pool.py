@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from vlmserve.engine.routing import PoolPolicy, ReplicaPool
 from vlmserve.errors import Overloaded, ServiceUnavailable
+from vlmserve.gateway.pool import PoolPolicy, ReplicaPool
 
 
 class Clock:

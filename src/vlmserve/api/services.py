@@ -1,0 +1,86 @@
+"""What the routes work with, built once per app and handed to them as typed dependencies.
+
+``build_app`` builds one ``Services`` and keeps it on ``app.state.services``; a route asks for
+the part it needs (``chat: ChatDep``) instead of reaching into an untyped ``app.state``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from vlmserve.api.metrics import Metrics
+from vlmserve.api.serving.chat import ChatService
+from vlmserve.api.serving.convert import Converter
+from vlmserve.api.serving.tasks import TaskService
+from vlmserve.api.serving.worker import WorkerService
+from vlmserve.config import Settings
+from vlmserve.registry.manager import ModelManager
+from vlmserve.streaming import SessionManager
+
+__all__ = [
+    "ChatDep",
+    "ModelsDep",
+    "Services",
+    "ServicesDep",
+    "SessionsDep",
+    "TasksDep",
+    "WorkerDep",
+]
+
+
+@dataclass(slots=True)
+class Services:
+    settings: Settings
+    models: ModelManager
+    sessions: SessionManager
+    metrics: Metrics
+    chat: ChatService
+    worker: WorkerService
+    tasks: TaskService
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, settings: Settings, models: ModelManager, sessions: SessionManager
+              ) -> Services:  # fmt: skip
+        metrics = Metrics()
+        converter = Converter.from_settings(settings, metrics)
+        chat = ChatService(models, converter, sessions, metrics)
+        worker = WorkerService(models, converter)
+        return cls(settings, models, sessions, metrics, chat, worker, TaskService(chat))
+
+
+def _services(request: Request) -> Services:
+    return request.app.state.services  # type: ignore[no-any-return]
+
+
+def _models(request: Request) -> ModelManager:
+    return _services(request).models
+
+
+def _sessions(request: Request) -> SessionManager:
+    return _services(request).sessions
+
+
+def _chat(request: Request) -> ChatService:
+    return _services(request).chat
+
+
+def _worker(request: Request) -> WorkerService:
+    return _services(request).worker
+
+
+def _tasks(request: Request) -> TaskService:
+    return _services(request).tasks
+
+
+
+ServicesDep = Annotated[Services, Depends(_services)]
+ModelsDep = Annotated[ModelManager, Depends(_models)]
+SessionsDep = Annotated[SessionManager, Depends(_sessions)]
+ChatDep = Annotated[ChatService, Depends(_chat)]
+WorkerDep = Annotated[WorkerService, Depends(_worker)]
+TasksDep = Annotated[TaskService, Depends(_tasks)]

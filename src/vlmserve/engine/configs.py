@@ -1,0 +1,83 @@
+"""Typed configuration of each in-process backend kind, built once from ``Settings``.
+
+The defaults live in one place, ``config.Settings``; ``defaults(**changes)`` reads them from
+there (not from the environment) for code that builds a backend without a server (tests,
+benchmarks). Upstream backends have theirs in ``engine/upstream.UpstreamConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, TypeVar
+
+from vlmserve.config import Settings
+
+__all__ = ["ChatEngineConfig", "EmbedConfig"]
+
+_C = TypeVar("_C")
+
+
+def _defaults(cls: type[_C], mapping: dict[str, str], changes: dict[str, Any]) -> _C:
+    values = {
+        name: Settings.model_fields[setting].get_default(call_default_factory=True)
+        for name, setting in mapping.items()
+    }
+    return replace(cls(**values), **changes)  # type: ignore[type-var]
+
+
+@dataclass(slots=True, frozen=True)
+class ChatEngineConfig:
+    """What ``HFChatBackend`` and its batching engine need (each field's setting alongside)."""
+
+    max_model_len: int  # max_model_len: prompt + completion tokens
+    max_queued: int  # max_queued_requests: waiting requests before 429
+    max_num_seqs: int  # sequences decoded together; 1 = one at a time
+    max_num_batched_tokens: int  # prompt tokens per prefill step
+    vision_cache_bytes: int  # vision-tower outputs kept by content hash; 0 = off
+    processor_cache_bytes: int  # preprocessed images by content; 0 = off
+    stream_interval: int  # tokens per stream event when the batch is busy
+    kv_cache_bytes: int  # kv_cache_memory: the KV budget; 0 = auto
+    gpu_memory_utilization: float  # share of the GPU the model may use (weights + KV)
+
+    _SETTINGS: ClassVar[dict[str, str]] = {
+        "max_model_len": "max_model_len",
+        "max_queued": "max_queued_requests",
+        "max_num_seqs": "max_num_seqs",
+        "max_num_batched_tokens": "max_num_batched_tokens",
+        "vision_cache_bytes": "vision_cache_bytes",
+        "processor_cache_bytes": "processor_cache_bytes",
+        "stream_interval": "stream_interval",
+        "kv_cache_bytes": "kv_cache_memory",
+        "gpu_memory_utilization": "gpu_memory_utilization",
+    }
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **changes: Any) -> ChatEngineConfig:
+        values = {name: getattr(settings, s) for name, s in cls._SETTINGS.items()}
+        return replace(cls(**values), **changes)
+
+    @classmethod
+    def defaults(cls, **changes: Any) -> ChatEngineConfig:
+        return _defaults(cls, cls._SETTINGS, changes)
+
+
+@dataclass(slots=True, frozen=True)
+class EmbedConfig:
+    """What ``HFEmbedBackend`` needs besides its load options and adapter."""
+
+    max_batch: int  # embed_max_batch_size: items in one forward pass
+    batch_wait_ms: float  # embed_batch_wait_ms: how long a request waits for others
+
+    _SETTINGS: ClassVar[dict[str, str]] = {
+        "max_batch": "embed_max_batch_size",
+        "batch_wait_ms": "embed_batch_wait_ms",
+    }
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **changes: Any) -> EmbedConfig:
+        values = {name: getattr(settings, s) for name, s in cls._SETTINGS.items()}
+        return replace(cls(**values), **changes)
+
+    @classmethod
+    def defaults(cls, **changes: Any) -> EmbedConfig:
+        return _defaults(cls, cls._SETTINGS, changes)

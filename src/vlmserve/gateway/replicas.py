@@ -1,0 +1,34 @@
+"""The gateway side of registration: workers join and leave the replica pools of the
+server's proxied models (``openai`` registry entries)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmserve.registry.manager import ModelManager
+
+__all__ = ["deregister_replica", "register_replica", "replica_state"]
+
+
+async def register_replica(models: ModelManager, model: str, url: str, instance: str
+                           ) -> dict[str, Any]:  # fmt: skip
+    """Add (or refresh) a replica of ``model``; it gets traffic once health and preflight
+    pass. One instance serves one URL: a worker that moved to another model leaves the old."""
+    handle = models.resolve(model)
+    if not handle.backend.accepts_replicas:
+        await handle.backend.add_replica(url, instance)  # the 400 that says why
+    for other in models.handles:
+        if other is not handle:
+            other.backend.remove_replica(instance)
+    replica = await handle.backend.add_replica(url, instance)
+    return {"model": handle.name, **replica}
+
+
+def deregister_replica(models: ModelManager, instance: str) -> list[str]:
+    """Remove the instance's replicas everywhere; returns the models it served."""
+    return [h.name for h in models.handles if h.backend.remove_replica(instance)]
+
+
+def replica_state(models: ModelManager) -> list[dict[str, Any]]:
+    """Every proxied model and its replicas: health, ejection, load, why it is out."""
+    return [{"model": m["name"], **m["upstream"]} for m in models.state() if "upstream" in m]

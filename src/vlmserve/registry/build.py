@@ -1,0 +1,116 @@
+"""Settings and registry entries -> model handles: the one module that names the concrete
+backend classes (``hf`` chat and embedding in process, ``openai`` upstreams, ``vllm``
+subprocesses). Everything else talks to them through ``engine.protocol.Backend``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from vlmserve.config import ModelConfig, Settings
+from vlmserve.engine.configs import ChatEngineConfig, EmbedConfig
+from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.hf.embed import HFEmbedBackend
+from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.protocol import Backend
+from vlmserve.engine.supervisor import Supervisor, SupervisorConfig
+from vlmserve.engine.types import Serves
+from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
+from vlmserve.engine.vllm import VllmBackend
+from vlmserve.errors import ConfigError
+from vlmserve.gateway.pool import PoolPolicy
+from vlmserve.registry.entries import ModelEntry, VllmConfig
+from vlmserve.registry.handles import ModelHandle
+
+__all__ = ["build_handles", "hf_backend", "hf_handle", "upstream_backend"]
+
+
+def load_options(cfg: ModelConfig, settings: Settings) -> LoadOptions:
+    return LoadOptions(
+        source=cfg.source,
+        device=cfg.device or settings.device,
+        dtype=cfg.dtype or settings.dtype,
+        attn_implementation=settings.attn_implementation,
+        trust_remote_code=settings.trust_remote_code,
+        min_pixels=settings.min_pixels,
+        max_pixels=settings.max_pixels,
+    )
+
+
+def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
+    """An in-process model: an embedding model for the ``embedding`` role, else chat."""
+    options = load_options(cfg, settings)
+    if Serves.EMBEDDING.value in cfg.roles:
+        return HFEmbedBackend(cfg.served_name, options, adapter=cfg.adapter,
+                              config=EmbedConfig.from_settings(settings))  # fmt: skip
+    return HFChatBackend(cfg.served_name, options, ChatEngineConfig.from_settings(settings))
+
+
+def hf_handle(cfg: ModelConfig, settings: Settings) -> ModelHandle:
+    return ModelHandle(
+        name=cfg.served_name, roles=list(cfg.roles), backend=hf_backend(cfg, settings),
+        source=cfg.source, keep_alive=cfg.keep_alive,
+    )  # fmt: skip
+
+
+def _api_key(entry: ModelEntry, key: str | None, env: str | None) -> str | None:
+    if not env:
+        return key
+    value = os.environ.get(env)
+    if not value:
+        raise ConfigError(f"model {entry.name!r}: environment variable {env} "
+                          "(backend_config.api_key_env) is not set")  # fmt: skip
+    return value
+
+
+def upstream_backend(entry: ModelEntry, settings: Settings, transport: Any = None) -> Backend:
+    """The proxy backend of an ``openai`` or ``vllm`` registry entry."""
+    cfg = entry.upstream_config()
+    limits = entry.limits.max_queued_requests or settings.max_queued_requests
+    config = UpstreamConfig(
+        model=entry.served_id, base_urls=getattr(cfg, "urls", []),
+        connect_timeout=cfg.timeouts.connect, read_timeout=cfg.timeouts.read,
+        api_key=_api_key(entry, cfg.api_key, cfg.api_key_env),
+        health_interval=settings.upstream_health_interval, preflight=cfg.preflight,
+        embedding=entry.capabilities.embedding,
+        policy=PoolPolicy(max_failures=settings.upstream_max_failures,
+                          eject_seconds=settings.upstream_eject_seconds,
+                          max_queued=limits, max_concurrency=cfg.max_concurrency),
+    )  # fmt: skip
+    if not isinstance(cfg, VllmConfig):
+        return UpstreamBackend(entry.name, config, transport=transport)
+    supervisor = Supervisor(SupervisorConfig(
+        entry.name, cfg.command, env=cfg.env, health_timeout=cfg.health_timeout,
+        stop_timeout=cfg.stop_timeout, log_dir=cfg.log_dir,
+    ))  # fmt: skip
+    return VllmBackend(entry.name, config, supervisor, transport=transport)
+
+
+def _entry_handle(entry: ModelEntry, settings: Settings) -> ModelHandle:
+    if entry.backend != "hf":
+        handle = ModelHandle(entry.name, list(entry.roles), upstream_backend(entry, settings))
+    else:
+        handle = hf_handle(entry.to_model_config(), settings)
+    handle.aliases = entry.identifiers
+    handle.keep_alive = entry.keep_alive
+    handle.capabilities = frozenset(entry.capabilities.enabled())
+    handle.deprecated = entry.deprecated
+    return handle
+
+
+def registry_handles(settings: Settings) -> list[ModelHandle]:
+    """Handles for the registry file's entries: hf in process, openai/vllm proxied."""
+    from vlmserve.registry.files import load_registry
+
+    if not settings.registry:
+        return []
+    discovered = Path(settings.registry_discovered) if settings.registry_discovered else None
+    registry = load_registry(Path(settings.registry), discovered)
+    return [_entry_handle(entry, settings) for entry in registry.entries]
+
+
+def build_handles(settings: Settings) -> list[ModelHandle]:
+    """Every model the settings name: ``--model``/``[[models]]``, then the registry's."""
+    handles = [hf_handle(cfg, settings) for cfg in settings.model_configs()]
+    return handles + registry_handles(settings)

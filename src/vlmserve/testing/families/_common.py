@@ -1,0 +1,158 @@
+"""Shared parts of the tiny family builders: tokenizer, template files, save, cache.
+
+Every family checkpoint is built the same way as ``tiny.build_qwen2_vl``: the locally
+trained BPE tokenizer (``tiny_tokenizer.build_tokenizer``) plus the family's own special
+tokens, the family's real processor classes and official chat template (vendored under
+``vlmserve/testing/templates``), random weights drawn from a seeded generator, written
+atomically into the tiny cache under ``<family>-<key>``.
+
+torch/transformers are imported inside the functions so importing the registry stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vlmserve.testing.tiny import INIT_STD, TinySpec
+from vlmserve.testing.tiny_cache import build_atomically, cache_root, short_hash
+from vlmserve.testing.tiny_tokenizer import build_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "FAMILY_FORMAT",
+    "INIT_STD",
+    "SPEC",
+    "build_cached",
+    "family_tokenizer",
+    "read_template",
+    "save_checkpoint",
+]
+
+# Bump when a family builder's output changes for an unchanged spec: part of every cache key.
+FAMILY_FORMAT = 1
+SPEC = TinySpec()
+
+
+def read_template(name: str) -> str:
+    """A vendored chat template (``templates/<name>.jinja``) without its provenance header.
+
+    The header is a Jinja comment block ``{# ... #}`` followed by one newline; the template
+    proper starts right after it, byte for byte as published.
+    """
+    text = resources.files("vlmserve.testing").joinpath("templates", f"{name}.jinja").read_text()
+    if text.startswith("{#"):
+        text = text[text.index("#}\n") + 3 :]
+    return text.removesuffix("\n")
+
+
+def family_tokenizer(
+    *,
+    named: Mapping[str, str] | None = None,
+    extra: Sequence[str] = (),
+    eos: str,
+    pad: str,
+    bos: str | None = None,
+    spec: TinySpec = SPEC,
+) -> PreTrainedTokenizerBase:
+    """The tiny BPE tokenizer plus ``extra`` and ``named`` special tokens (``tokenizer.<name>``).
+
+    ``named`` are the model-specific special tokens processors read as attributes
+    (e.g. ``boi_token`` for Gemma 3, ``context_image_token`` for InternVL).
+    """
+    from transformers import AutoTokenizer
+
+    named = dict(named or {})
+    base = build_tokenizer(spec.vocab_target)
+    vocab = base.get_vocab()
+    wanted = [*extra, *named.values(), eos, pad, *([bos] if bos else [])]
+    new = list(dict.fromkeys(t for t in wanted if t not in vocab))
+    if new:
+        base.add_special_tokens({"extra_special_tokens": new}, replace_extra_special_tokens=False)
+    with tempfile.TemporaryDirectory() as tmp:  # reload: named tokens are an init argument
+        base.save_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(
+            tmp, extra_special_tokens=named, eos_token=eos, pad_token=pad, bos_token=bos
+        )
+
+
+def save_checkpoint(
+    out: Path,
+    *,
+    model_class: Any,
+    config: Any,
+    processor: Any,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    bos_id: int | None = None,
+    spec: TinySpec = SPEC,
+) -> None:
+    """Seeded random weights of ``model_class(config)``, saved with processor and generation
+    config (greedy by default, like the Qwen2-VL checkpoint)."""
+    import torch
+    from transformers import GenerationConfig
+
+    with torch.random.fork_rng(devices=[]):  # seed without touching the caller's RNG
+        torch.manual_seed(spec.seed)
+        model = model_class(config)
+    model.to(getattr(torch, spec.torch_dtype))
+    model.save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=bos_id,
+        eos_token_id=list(eos_ids),
+        pad_token_id=pad_id,
+        do_sample=False,
+    ).save_pretrained(out)
+    processor.save_pretrained(out)
+
+
+def build_cached(
+    family: str, write: Callable[[Path], None], out_dir: Path | None, spec: TinySpec = SPEC
+) -> Path:
+    """Build (or find in the cache) ``<family>-<key>`` with ``write(tmp_dir)``.
+
+    The key covers the spec, ``FAMILY_FORMAT`` and the vendored template, so editing a
+    template file builds a fresh checkpoint instead of serving a stale one.
+    """
+    key = short_hash(
+        {
+            "family": family,
+            "format": FAMILY_FORMAT,
+            "template": short_hash(read_template(family)),
+            **dataclasses.asdict(spec),
+        }
+    )
+    target = Path(out_dir) if out_dir is not None else cache_root() / f"{family}-{key}"
+    return build_atomically(target, partial(_write, write), what=f"tiny {family} {key}")
+
+
+def _write(write: Callable[[Path], None], out: Path) -> None:
+    write(out)
+
+
+def token_ids(tokenizer: PreTrainedTokenizerBase, *tokens: str) -> list[int]:
+    return [int(tokenizer.convert_tokens_to_ids(t)) for t in tokens]
+
+
+def text_config(vocab_size: int, spec: TinySpec = SPEC, **extra: Any) -> dict[str, Any]:
+    """The tiny decoder's common fields (Llama/Qwen2 names)."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": INIT_STD,
+        **extra,
+    }
