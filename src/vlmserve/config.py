@@ -53,6 +53,8 @@ class ModelConfig(BaseSettings):
     device: str | None = None  # None: the server's --device
     dtype: str | None = None
     keep_alive: float | None = None  # idle seconds before unloading; -1 never; None: server's
+    reasoning_parser: str | None = None  # None: the server's --reasoning-parser
+    tool_call_parser: str | None = None
 
     @property
     def served_name(self) -> str:
@@ -75,6 +77,10 @@ class Settings(BaseSettings):
     min_pixels: int | None = None  # image processor bounds; None: the model's own
     max_pixels: int | None = None
     max_model_len: int = 32768  # prompt + completion tokens
+    # vLLM's --reasoning-parser (qwen3, deepseek_r1): thinking goes to `reasoning`; None:
+    # detected from the chat template. --tool-call-parser: how tool calls are read (hermes)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
     # --- server --------------------------------------------------------------------------
     host: str = "127.0.0.1"

@@ -29,6 +29,7 @@ from vlmserve.api.routes import (
     chat,
     embeddings,
     gateway,
+    responses,
     streams,
     system,
     tasks,
@@ -56,7 +57,7 @@ CORS_EXPOSED_HEADERS = ["X-Session-ID", "X-Request-ID", "Retry-After"]
 
 log = logging.getLogger(__name__)
 ROUTERS = (system.router, chat.router, streams.router, embeddings.router, worker.router,
-           admin.router, tasks.router, gateway.router)  # fmt: skip
+           admin.router, tasks.router, gateway.router, responses.router)  # fmt: skip
 
 
 def build_sessions(settings: Settings) -> SessionManager:

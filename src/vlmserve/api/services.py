@@ -15,6 +15,7 @@ from fastapi import Depends, Request
 from vlmserve.api.metrics import Metrics
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.convert import Converter
+from vlmserve.api.serving.responses import ResponsesService
 from vlmserve.api.serving.tasks import TaskService
 from vlmserve.api.serving.worker import WorkerService
 from vlmserve.config import Settings
@@ -24,6 +25,7 @@ from vlmserve.streaming import SessionManager
 __all__ = [
     "ChatDep",
     "ModelsDep",
+    "ResponsesDep",
     "Services",
     "ServicesDep",
     "SessionsDep",
@@ -41,6 +43,7 @@ class Services:
     chat: ChatService
     worker: WorkerService
     tasks: TaskService
+    responses: ResponsesService
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -50,7 +53,8 @@ class Services:
         converter = Converter.from_settings(settings, metrics)
         chat = ChatService(models, converter, sessions, metrics)
         worker = WorkerService(models, converter)
-        return cls(settings, models, sessions, metrics, chat, worker, TaskService(chat))
+        responses = ResponsesService(chat, chat_resumer=chat.resume)  # one resumer per manager
+        return cls(settings, models, sessions, metrics, chat, worker, TaskService(chat), responses)
 
 
 def _services(request: Request) -> Services:
@@ -77,6 +81,9 @@ def _tasks(request: Request) -> TaskService:
     return _services(request).tasks
 
 
+def _responses(request: Request) -> ResponsesService:
+    return _services(request).responses
+
 
 ServicesDep = Annotated[Services, Depends(_services)]
 ModelsDep = Annotated[ModelManager, Depends(_models)]
@@ -84,3 +91,4 @@ SessionsDep = Annotated[SessionManager, Depends(_sessions)]
 ChatDep = Annotated[ChatService, Depends(_chat)]
 WorkerDep = Annotated[WorkerService, Depends(_worker)]
 TasksDep = Annotated[TaskService, Depends(_tasks)]
+ResponsesDep = Annotated[ResponsesService, Depends(_responses)]

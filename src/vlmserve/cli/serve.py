@@ -75,6 +75,10 @@ HELP = {
                           "model's)."),
     "max_pixels": (MODEL, "Largest image size after resizing, in pixels (default: the model's)."),
     "max_model_len": (MODEL, "Prompt + completion token limit."),
+    "reasoning_parser": (MODEL, "qwen3 | deepseek_r1: a thinking model's reasoning goes to "
+                                "`reasoning` (default: detected from the chat template)."),
+    "tool_call_parser": (MODEL, "hermes: how tool calls are read from the answer (default: "
+                                "hermes, for requests with `tools`)."),
     "host": (SERVER, "Address to bind."),
     "port": (SERVER, "Port."),
     "log_level": (SERVER, "debug | info | warning | error."),
@@ -150,6 +154,8 @@ def command(
     min_pixels: Annotated[Int, _opt("min_pixels")] = None,
     max_pixels: Annotated[Int, _opt("max_pixels")] = None,
     max_model_len: Annotated[Int, _opt("max_model_len")] = None,
+    reasoning_parser: Annotated[Str, _opt("reasoning_parser")] = None,
+    tool_call_parser: Annotated[Str, _opt("tool_call_parser")] = None,
     host: Annotated[Str, _opt("host")] = None,
     port: Annotated[Int, _opt("port")] = None,
     log_level: Annotated[Str, _opt("log_level")] = None,

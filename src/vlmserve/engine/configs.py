@@ -38,6 +38,8 @@ class ChatEngineConfig:
     stream_interval: int  # tokens per stream event when the batch is busy
     kv_cache_bytes: int  # kv_cache_memory: the KV budget; 0 = auto
     gpu_memory_utilization: float  # share of the GPU the model may use (weights + KV)
+    reasoning_parser: str | None  # qwen3 | deepseek_r1; None: detected from the template
+    tool_call_parser: str | None  # hermes; None: hermes when a request has tools
 
     _SETTINGS: ClassVar[dict[str, str]] = {
         "max_model_len": "max_model_len",
@@ -49,6 +51,8 @@ class ChatEngineConfig:
         "stream_interval": "stream_interval",
         "kv_cache_bytes": "kv_cache_memory",
         "gpu_memory_utilization": "gpu_memory_utilization",
+        "reasoning_parser": "reasoning_parser",
+        "tool_call_parser": "tool_call_parser",
     }
 
     @classmethod

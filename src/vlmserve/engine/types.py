@@ -21,6 +21,7 @@ __all__ = [
     "GenerateRequest",
     "ImagePart",
     "ModelState",
+    "OutputOptions",
     "Part",
     "SamplingParams",
     "Serves",
@@ -48,6 +49,7 @@ class Serves(str, enum.Enum):
 class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
     CANCELLED = "cancelled"
     ERROR = "error"
 
@@ -125,6 +127,11 @@ Part = TextPart | ImagePart | VideoPart
 class ChatMessage:
     role: str
     content: list[Part]
+    # history an agent sends back: an assistant turn's calls (OpenAI shape), a tool result's
+    # call id, a thinking model's earlier reasoning; the chat template renders them
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
 
 
 @dataclass(slots=True)
@@ -141,6 +148,24 @@ class GenerateRequest:
     # The wire request body, for backends that forward it (upstream proxies) instead of
     # running the model here.
     raw: dict[str, Any] | None = None
+    output: OutputOptions = field(default_factory=lambda: OutputOptions())
+
+
+@dataclass(slots=True)
+class OutputOptions:
+    """How the answer is rendered and read back: template switches, tools, reasoning."""
+
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, given to the template
+    tool_choice: Any = None  # "auto" | "none" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # False: the reasoning is dropped from the answer
+    # tool_choice required/named: the grammar makes the whole answer bare JSON calls
+    enforced_tool_calls: bool = False
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 @dataclass(slots=True)
@@ -152,6 +177,8 @@ class Chunk:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning: str = ""  # new reasoning text (thinking models), kept out of ``text``
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI streaming tool_call deltas
 
 
 @dataclass(slots=True)

@@ -119,11 +119,15 @@ class ChunkReader:
             self.completion_tokens = int(usage.get("completion_tokens") or 0)
         out: list[Chunk] = []
         for choice in data.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content") or ""
-            if text:
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+            reasoning = delta.get("reasoning") or delta.get("reasoning_content") or ""
+            calls = delta.get("tool_calls") or None
+            if text or reasoning or calls:
                 self.pieces += 1
                 out.append(Chunk(text, [], prompt_tokens=self.prompt_tokens,
-                                 completion_tokens=self.completion_tokens))  # fmt: skip
+                                 completion_tokens=self.completion_tokens,
+                                 reasoning=reasoning, tool_calls=calls))  # fmt: skip
             reason = choice.get("finish_reason")
             if reason:
                 self.finish = _FINISH.get(reason, FinishReason.STOP)

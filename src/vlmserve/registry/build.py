@@ -13,6 +13,7 @@ from vlmserve.engine.configs import ChatEngineConfig, EmbedConfig
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.embed import HFEmbedBackend
 from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.outputs import check_parser_names
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.supervisor import Supervisor, SupervisorConfig
 from vlmserve.engine.types import Serves
@@ -44,7 +45,13 @@ def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
     if Serves.EMBEDDING.value in cfg.roles:
         return HFEmbedBackend(cfg.served_name, options, adapter=cfg.adapter,
                               config=EmbedConfig.from_settings(settings))  # fmt: skip
-    return HFChatBackend(cfg.served_name, options, ChatEngineConfig.from_settings(settings))
+    config = ChatEngineConfig.from_settings(
+        settings,
+        reasoning_parser=cfg.reasoning_parser or settings.reasoning_parser,
+        tool_call_parser=cfg.tool_call_parser or settings.tool_call_parser,
+    )
+    check_parser_names(config.reasoning_parser, config.tool_call_parser)
+    return HFChatBackend(cfg.served_name, options, config)
 
 
 def hf_handle(cfg: ModelConfig, settings: Settings) -> ModelHandle:

@@ -212,6 +212,8 @@ class ModelEntry(_Strict):
     keep_alive: float | None = None
     backend_config: dict[str, Any] = Field(default_factory=dict)
     version_lock: VersionLock | None = None
+    reasoning_parser: str | None = None  # hf entries: as --reasoning-parser, for this model
+    tool_call_parser: str | None = None
 
     @field_validator("name", "served_model_id")
     @classmethod
@@ -306,6 +308,8 @@ class ModelEntry(_Strict):
             roles=list(self.roles),
             device=device,
             dtype=dtype,
+            reasoning_parser=self.reasoning_parser,
+            tool_call_parser=self.tool_call_parser,
         )
 
 

@@ -98,9 +98,26 @@ ContentPart = Annotated[
 
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: UnicodeText | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=128)  # assistant turns
+    tool_call_id: str | None = Field(default=None, max_length=256)  # tool results
+    reasoning_content: UnicodeText | None = None  # a thinking model's earlier reasoning
+    reasoning: UnicodeText | None = None  # the same, under vLLM's newer name
+
+    @property
+    def earlier_reasoning(self) -> str | None:
+        return self.reasoning_content or self.reasoning
+
+
+class ToolCallIn(BaseModel):
+    """An earlier assistant turn's call (sent back by agents with the tool's result)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
 
 
 class StreamOptions(BaseModel):
@@ -136,7 +153,13 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     logprobs: bool = False
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None  # auto | none | required | a function
+    parallel_tool_calls: bool | None = None
+    # thinking models (vLLM's fields): template switches (enable_thinking), and whether the
+    # answer carries the reasoning
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
     user: str | None = None
     # vLLM-compatible extras (benchmarks need fixed output lengths)
     ignore_eos: bool = False

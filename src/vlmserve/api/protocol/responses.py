@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CompletionIds", "chunk_json", "completion_body", "sse_json", "usage"]
+__all__ = ["CompletionIds", "chunk_json", "completion_body", "delta_of", "sse_json", "usage"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,20 +58,43 @@ def sse_json(body: Any) -> str:
 
 
 def completion_body(
-    ids: CompletionIds, text: str, finish_reason: str, usage_: dict[str, int]
+    ids: CompletionIds,
+    text: str,
+    finish_reason: str,
+    usage_: dict[str, int],
+    *,
+    reasoning: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """A ``chat.completion``. A thinking model's reasoning is in ``reasoning`` and, for
+    clients written against the older name (SGLang, vLLM before late 2025), in
+    ``reasoning_content``; tool calls make ``content`` None when there is no text."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning"] = message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+        message["content"] = text or None
     return {
         "id": ids.id,
         "object": "chat.completion",
         "created": ids.created,
         "model": ids.model,
         "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
         ],
         "usage": usage_,
     }
+
+
+def delta_of(text: str, reasoning: str, tool_calls: list[dict[str, Any]] | None
+             ) -> dict[str, Any] | None:  # fmt: skip
+    """One chunk's ``delta`` (None when it carries nothing)."""
+    delta: dict[str, Any] = {}
+    if reasoning:
+        delta["reasoning"] = delta["reasoning_content"] = reasoning
+    if text:
+        delta["content"] = text
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
+    return delta or None

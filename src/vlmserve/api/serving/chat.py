@@ -5,15 +5,22 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from vlmserve.api.metrics import Metrics
 from vlmserve.api.protocol.chat import ChatCompletionRequest, StreamOptions
-from vlmserve.api.protocol.responses import CompletionIds, chunk_json, completion_body, usage
-from vlmserve.api.serving.convert import Converter, response_format
-from vlmserve.engine.protocol import Backend
-from vlmserve.engine.types import Chunk, FinishReason, GenerateRequest, Serves
+from vlmserve.api.protocol.responses import (
+    CompletionIds,
+    chunk_json,
+    completion_body,
+    delta_of,
+    usage,
+)
+from vlmserve.api.serving.convert import Converter
+from vlmserve.api.serving.generation import Generation, open_generation, sent_token_ids
+from vlmserve.engine.types import Chunk, FinishReason
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
 from vlmserve.registry.manager import Lease, ModelManager
 from vlmserve.streaming import Emit, Event, Resumption, SessionManager, SessionRecord, error_emit
@@ -40,9 +47,10 @@ async def _emits(
     if first:
         yield Emit(chunk_json(ids, {"role": "assistant", "content": ""}))
     async for c in chunks:
-        if c.text or c.token_ids:
+        if c.text or c.token_ids or c.reasoning or c.tool_calls:
             now = usage(c.prompt_tokens, c.completion_tokens) if running else None
-            content = chunk_json(ids, {"content": c.text}, usage_=now)
+            delta = delta_of(c.text, c.reasoning, c.tool_calls) or {"content": ""}
+            content = chunk_json(ids, delta, usage_=now)
             yield Emit(content, meta={"token_ids": c.token_ids})
         if c.finish_reason is not None:
             yield Emit(chunk_json(ids, {}, c.finish_reason.value))
@@ -76,39 +84,43 @@ def _on_error(exc: BaseException) -> list[Emit]:
     return [error_emit("generation failed; the server log has the details", "internal_error")]
 
 
-async def _observed(
-    chunks: AsyncIterator[Chunk], metrics: Metrics | None, model: str
-) -> AsyncIterator[Chunk]:
-    """Pass chunks through, recording time to first token, token counts and duration."""
-    started, first = time.perf_counter(), None
-    async for chunk in chunks:
-        if first is None and (chunk.token_ids or chunk.text):
-            first = time.perf_counter() - started
-        if chunk.finish_reason is not None and metrics is not None:
-            total = time.perf_counter() - started
-            metrics.observe_generation(
-                model, prompt_tokens=chunk.prompt_tokens, output_tokens=chunk.completion_tokens,
-                ttft=total if first is None else first, total=total,
-            )  # fmt: skip
-        yield chunk
+@dataclass(slots=True)
+class _Answer:
+    """A non-streamed answer, gathered chunk by chunk."""
 
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    last: Chunk | None = None
 
-def _admit(backend: Backend) -> Callable[[], None]:
-    """Reserve a queue place (429 now when full); returns its release."""
-    return backend.admit()
+    def add(self, chunk: Chunk) -> None:
+        self.text.append(chunk.text)
+        self.reasoning.append(chunk.reasoning)
+        for delta in chunk.tool_calls or []:
+            self._merge(delta)
+        self.last = chunk
 
+    def _merge(self, delta: dict[str, Any]) -> None:
+        """Streaming deltas -> whole calls: the first names the call, later ones add to its
+        ``arguments``."""
+        index = delta.get("index", len(self.calls))
+        if index >= len(self.calls):
+            call = {k: v for k, v in delta.items() if k != "index"}
+            call["function"] = dict(call.get("function") or {})
+            self.calls.append(call)
+            return
+        more = (delta.get("function") or {}).get("arguments") or ""
+        function = self.calls[index]["function"]
+        function["arguments"] = (function.get("arguments") or "") + more
 
-def _nothing() -> None:
-    pass
-
-
-async def _admitted(
-    release: Callable[[], None], chunks: AsyncIterator[Chunk]
-) -> AsyncIterator[Chunk]:
-    """Hand the reserved queue place over as the engine takes the request (no await between)."""
-    release()
-    async for chunk in chunks:
-        yield chunk
+    def body(self, ids: CompletionIds) -> dict[str, Any]:
+        last = self.last
+        if last is None or last.finish_reason is None:
+            raise VlmserveError("generation ended without a result")
+        counts = usage(last.prompt_tokens, last.completion_tokens)
+        return completion_body(ids, "".join(self.text), last.finish_reason.value, counts,
+                               reasoning="".join(self.reasoning) or None,
+                               tool_calls=self.calls or None)  # fmt: skip
 
 
 class ChatService:
@@ -123,45 +135,28 @@ class ChatService:
         self.converter = converter
         self.sessions = sessions
         self.metrics = metrics
-        sessions.set_resumer(self._resume)
+        sessions.set_resumer(self.resume)
 
-    def _generate(self, backend: Backend, prepared: Any) -> AsyncIterator[Chunk]:
-        return _observed(backend.generate(prepared), self.metrics, backend.model_id)
-
-    async def _request(
-        self, backend: Backend, body: ChatCompletionRequest, request_id: str
-    ) -> GenerateRequest:
-        """The engine request. A proxied model gets the wire body as is: its media are
-        neither fetched nor decoded here (only ``Converter.check``'s limits apply)."""
-        if not backend.proxied:
-            return await self.converter.to_request(body, request_id)
-        self.converter.check(body)
-        return GenerateRequest(
-            request_id, [], self.converter.sampling(body), response_format=response_format(body),
-            raw=body.model_dump(mode="json", exclude_unset=True),
+    async def open_generation(
+        self, body: ChatCompletionRequest, request_id: str, *, model: str | None = None,
+        resume_after: list[int] | None = None,
+    ) -> Generation:  # fmt: skip
+        """Lease, admit and prepare one generation (``generation.open_generation``)."""
+        return await open_generation(
+            self.models, self.converter, self.metrics, body, request_id,
+            model=model, resume_after=resume_after,
         )  # fmt: skip
 
     async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
-        needs = self.converter.needs(body)
-        async with await self.models.acquire(body.model, "chat", Serves.CHAT, needs) as backend:
-            release = _admit(backend)
-            try:
-                prepared = await backend.prepare(await self._request(backend, body, request_id))
-                ids = _new_ids(backend.model_id)
-                text, last = [], None
-                async for chunk in _admitted(release, self._generate(backend, prepared)):
-                    text.append(chunk.text)
-                    last = chunk
-            finally:
-                release()
-        if last is None or last.finish_reason is None:
-            raise VlmserveError("generation ended without a result")
-        return completion_body(
-            ids,
-            "".join(text),
-            last.finish_reason.value,
-            usage(last.prompt_tokens, last.completion_tokens),
-        )
+        generation = await self.open_generation(body, request_id)
+        answer = _Answer()
+        try:
+            async for chunk in generation.chunks:
+                answer.add(chunk)
+        finally:
+            generation.release_place()
+            generation.lease.release()
+        return answer.body(_new_ids(generation.model_id))
 
     async def start_stream(self, body: ChatCompletionRequest, request_id: str) -> str:
         """Validate and prepare (4xx before any byte is sent), then start the session."""
@@ -173,51 +168,35 @@ class ChatService:
                 param="session_id",
                 code="session_exists",
             )
-        needs = self.converter.needs(body)
-        lease = await self.models.acquire(body.model, "chat", Serves.CHAT, needs)
-        prepared, release = None, _nothing
+        generation = await self.open_generation(body, request_id)
         try:
-            backend = lease.backend
-            release = _admit(backend)  # a full queue is a 429 now, not an event in a 200 stream
-            prepared = await backend.prepare(await self._request(backend, body, request_id))
-            ids = _new_ids(backend.model_id)
+            ids = _new_ids(generation.model_id)
             record = {"body": body.model_dump(mode="json"), "id": ids.id,
                       "created": ids.created, "model": ids.model}  # fmt: skip
-            chunks = _admitted(release, self._generate(backend, prepared))
-            emits = _emits(chunks, ids, body.stream_options, first=True)
+            emits = _emits(generation.chunks, ids, body.stream_options, first=True)
             await self.sessions.start(
-                session_id, record, _leased(lease, emits),
+                session_id, record, _leased(generation.lease, emits),
                 on_cancel=_on_cancel(ids), on_error=_on_error, aliases=[ids.id],
             )  # fmt: skip
         except BaseException:
-            release()
-            if prepared is not None:
-                await lease.backend.discard(prepared)
-            lease.release()
+            await generation.abandon()
             raise
         return session_id
 
-    async def _resume(self, record: SessionRecord, events: list[Event]) -> Resumption | None:
-        """After a restart: continue a stored generation after exactly the tokens already sent."""
+    async def resume(self, record: SessionRecord, events: list[Event]) -> Resumption | None:
+        """After a restart: continue a stored generation after exactly the tokens already sent
+        (the SessionManager's resumer; None when it cannot be continued)."""
         stored = record.request
-        lease = None
         try:
             body = ChatCompletionRequest.model_validate(stored["body"])
-            lease = await self.models.acquire(stored["model"], "chat", Serves.CHAT)
-            if lease.backend.proxied:  # its tokens are the upstream's
-                raise ValueError("a proxied generation cannot continue after a restart")
-            request = await self.converter.to_request(body, f"resume-{record.session_id}")
-            request.prefix_token_ids = [
-                t for e in events if e.meta for t in e.meta.get("token_ids", [])
-            ]
-            prepared = await lease.backend.prepare(request)
+            generation = await self.open_generation(
+                body, f"resume-{record.session_id}", model=stored["model"],
+                resume_after=sent_token_ids(events),
+            )  # fmt: skip
         except (KeyError, VlmserveError, ValueError) as exc:
-            if lease is not None:
-                lease.release()
             log.warning("cannot continue session %s: %s", record.session_id, exc)
             return None
         ids = CompletionIds(id=stored["id"], created=stored["created"], model=stored["model"])
-        chunks = self._generate(lease.backend, prepared)
-        emits = _emits(chunks, ids, body.stream_options, first=not events)
-        return Resumption(producer=_leased(lease, emits), on_cancel=_on_cancel(ids),
+        emits = _emits(generation.chunks, ids, body.stream_options, first=not events)
+        return Resumption(producer=_leased(generation.lease, emits), on_cancel=_on_cancel(ids),
                           on_error=_on_error)  # fmt: skip

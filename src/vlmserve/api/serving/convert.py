@@ -19,10 +19,12 @@ from vlmserve.api.protocol.chat import (
     VideoUrlPart,
 )
 from vlmserve.config import Settings
+from vlmserve.engine.parsers import tool_call_response_format
 from vlmserve.engine.types import (
     ChatMessage,
     GenerateRequest,
     ImagePart,
+    OutputOptions,
     Part,
     SamplingParams,
     TextPart,
@@ -67,16 +69,44 @@ def _unsupported(body: ChatCompletionRequest, max_n: int) -> None:
         )
     if body.logprobs:
         raise UnsupportedFeature("logprobs are not supported yet", param="logprobs")
-    if body.tools:
-        raise UnsupportedFeature("tool calls are not supported", param="tools")
 
 
 def response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
-    """The request's ``response_format`` as a plain dict; None for free text."""
+    """The grammar the answer must follow: ``response_format``, or the tool-call schema of
+    ``tool_choice`` required / a named function; None for free text."""
+    forced = _forced_tools(body)
     rf = body.response_format
+    if forced is not None:
+        if rf is not None and rf.type != "text":
+            raise InvalidRequest("response_format cannot be combined with tool_choice "
+                                 f"{body.tool_choice!r}; the answer is the tool call",
+                                 param="response_format")  # fmt: skip
+        return forced
     if rf is None or rf.type == "text":
         return None
     return rf.model_dump(mode="json", exclude_none=True)
+
+
+def _forced_tools(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    if body.tool_choice is not None and not body.tools:
+        raise InvalidRequest("tool_choice needs tools; send the function definitions in `tools`",
+                             param="tool_choice")  # fmt: skip
+    if not body.tools or body.tool_choice in (None, "auto", "none"):
+        return None
+    parallel = body.parallel_tool_calls is not False
+    return tool_call_response_format(body.tools, body.tool_choice, parallel=parallel)
+
+
+def output_options(body: ChatCompletionRequest) -> OutputOptions:
+    forced = body.tools is not None and body.tool_choice not in (None, "auto", "none")
+    return OutputOptions(
+        chat_template_kwargs=dict(body.chat_template_kwargs or {}),
+        tools=body.tools,
+        tool_choice=body.tool_choice or ("auto" if body.tools else None),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        include_reasoning=body.include_reasoning,
+        enforced_tool_calls=forced,
+    )
 
 
 def _media_count(messages: list[ChatMessageIn]) -> int:
@@ -197,21 +227,26 @@ class Converter:
             messages=list(messages),
             sampling=self.sampling(body),
             response_format=response_format(body),
+            output=output_options(body),
         )
 
     async def _message(self, index: int, message: ChatMessageIn) -> ChatMessage:
         role = "system" if message.role == "developer" else message.role
-        if message.content is None:
-            return ChatMessage(role=role, content=[])
+        calls = [c.model_dump(mode="json") for c in message.tool_calls or []] or None
+        out = ChatMessage(role=role, content=[], tool_calls=calls,
+                          tool_call_id=message.tool_call_id,
+                          reasoning=message.earlier_reasoning)  # fmt: skip
         if isinstance(message.content, str):
-            return ChatMessage(role=role, content=[TextPart(message.content)])
-        parts = await asyncio.gather(
-            *(
-                self._part(f"messages[{index}].content[{j}]", p)
-                for j, p in enumerate(message.content)
+            out.content = [TextPart(message.content)]
+        elif message.content is not None:
+            parts = await asyncio.gather(
+                *(
+                    self._part(f"messages[{index}].content[{j}]", p)
+                    for j, p in enumerate(message.content)
+                )
             )
-        )
-        return ChatMessage(role=role, content=list(parts))
+            out.content = list(parts)
+        return out
 
     async def _part(self, where: str, part: object) -> Part:
         try:

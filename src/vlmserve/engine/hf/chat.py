@@ -29,6 +29,8 @@ from vlmserve.engine.hf.lifecycle import HFModel, ModelState
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.hf.processor_cache import CachedImageProcessor
 from vlmserve.engine.hf.processor_cache import install as install_processor_cache
+from vlmserve.engine.outputs import OutputParsers, parse_outputs
+from vlmserve.engine.parsers import detect_reasoning_parser
 from vlmserve.engine.types import BackendStats, ChatMessage, Chunk, GenerateRequest, Serves
 from vlmserve.errors import InvalidRequest, Overloaded
 
@@ -55,6 +57,7 @@ class HFChatBackend(HFModel):
         self.config = replace(config or ChatEngineConfig.defaults(), **changes)
         self._processor_cache: CachedImageProcessor | None = None
         self._caps: Capabilities | None = None  # what the loaded model takes (image, video)
+        self._reasoning: str | None = None  # the reasoning parser (configured or detected)
         self.in_flight = 0  # requests streaming now (queued or decoding)
         self.engine: BatchEngine | None = None  # None: not loaded, or not a batchable model
         self._tokens_before = 0  # tokens produced by earlier engines and the fallback path
@@ -71,6 +74,9 @@ class HFChatBackend(HFModel):
         super().load()
         loaded = self._require()
         self._caps = capabilities(loaded.model, loaded.processor)
+        template = getattr(loaded.processor, "chat_template", None)
+        detected = detect_reasoning_parser(template if isinstance(template, str) else None)
+        self._reasoning = self.config.reasoning_parser or detected
         if not supports(loaded.model):
             log.info(
                 "%s: %s is served one request at a time (no batched runner for it)",
@@ -178,12 +184,26 @@ class HFChatBackend(HFModel):
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        prepared.parsers = self._parsers(prepared)
         fits = getattr(self.engine, "check_fits", None)  # engine v2: the KV budget
         if fits is not None:
             fits(prepared.prompt_tokens, request.sampling.max_tokens)
         if request.response_format is not None:
             prepared.grammar = await asyncio.to_thread(self._compile, request.response_format)
         return prepared
+
+    def _parsers(self, prepared: Prepared) -> OutputParsers | None:
+        """How this answer is read back (None: plain text); a resumed request's already sent
+        tokens advance the parsers first."""
+        request = prepared.request
+        parsers = OutputParsers.build(request.output, self._reasoning, self.config.tool_call_parser,
+                                      prepared.prompt_text)  # fmt: skip
+        if not parsers.active:
+            return None
+        if request.prefix_token_ids:
+            tokenizer = self._require().processor.tokenizer
+            parsers.skip(tokenizer.decode(request.prefix_token_ids, skip_special_tokens=True))
+        return parsers
 
     def _compile(self, response_format: dict[str, Any]) -> Any:
         """The response format's grammar (400 for schema features it cannot enforce)."""
@@ -226,7 +246,12 @@ class HFChatBackend(HFModel):
 
         return release
 
-    async def generate(self, prepared: Prepared) -> AsyncIterator[Chunk]:
+    def generate(self, prepared: Prepared) -> AsyncIterator[Chunk]:
+        """The request's chunks; a thinking model's reasoning and tool calls split out."""
+        chunks = self._chunks(prepared)
+        return chunks if prepared.parsers is None else parse_outputs(chunks, prepared.parsers)
+
+    async def _chunks(self, prepared: Prepared) -> AsyncIterator[Chunk]:
         self._require()
         self._refuse_if_full(self._waiting())  # callers that did not admit (worker routes)
         engine = self.engine

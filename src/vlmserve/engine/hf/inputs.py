@@ -9,6 +9,8 @@ is off) nor guesses an fps for its timestamps.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,8 @@ class Prepared:
     inputs: dict[str, torch.Tensor]
     prompt_tokens: int  # prompt length including any continued prefix
     grammar: Any = None  # engine.hf.grammar.CompiledGrammar when response_format is set
+    prompt_text: str = ""  # the rendered prompt (placeholders not expanded)
+    parsers: Any = None  # engine.outputs.OutputParsers when the answer is parsed
 
 
 def fit_image(image: Image.Image, factor: int) -> Image.Image:
@@ -86,8 +90,37 @@ def _template_messages(messages: list[ChatMessage], factor: int) -> _Rendered:
                 out.videos.append(frames)
                 out.metadata.append(metadata_for(part, frames))
                 content.append({"type": "video"})
-        out.messages.append({"role": message.role, "content": content})
+        out.messages.append(_with_history(message, {"role": message.role, "content": content}))
     return out
+
+
+def _with_history(message: ChatMessage, shaped: dict[str, Any]) -> dict[str, Any]:
+    """An agent's history fields, the way chat templates read them (vLLM does the same):
+    ``tool_calls`` with their arguments as objects, ``tool_call_id``, ``reasoning_content``."""
+    if message.tool_calls:
+        shaped["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        shaped["tool_call_id"] = message.tool_call_id
+    if message.reasoning:
+        shaped["reasoning_content"] = message.reasoning
+    return shaped
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):  # else the template gets the text as sent
+            function["arguments"] = json.loads(arguments)
+    return {**call, "function": function}
+
+
+def _template_kwargs(request: GenerateRequest) -> dict[str, Any]:
+    """``chat_template_kwargs`` (e.g. ``enable_thinking``) and the request's tools."""
+    kwargs = dict(request.output.chat_template_kwargs)
+    if request.output.tools and request.output.tool_choice != "none":
+        kwargs["tools"] = request.output.tools
+    return kwargs
 
 
 def metadata_for(part: VideoPart, frames: list[Image.Image] | None = None) -> Any:
@@ -133,16 +166,25 @@ def patch_factor(processor: Any) -> int:
     return int(getattr(ip, "patch_size", 14)) * int(getattr(ip, "merge_size", 2))
 
 
-def render_prompt(processor: Any, messages: list[ChatMessage]) -> str:
+def render_prompt(processor: Any, messages: list[ChatMessage], **kwargs: Any) -> str:
     """The prompt text exactly as the model sees it (vision placeholders not yet expanded).
 
     A part the model cannot take is a 400 here too: the template would drop it silently.
     """
     check_media(processor_capabilities(processor), messages)
     rendered = _template_messages(messages, patch_factor(processor))
-    return processor.apply_chat_template(
-        rendered.messages, tokenize=False, add_generation_prompt=True
-    )
+    return _apply_template(processor, rendered.messages, kwargs)
+
+
+def _apply_template(processor: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+    try:
+        return processor.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+    except (TypeError, ValueError, KeyError) as exc:  # jinja errors raised by the template
+        raise InvalidRequest(
+            f"the model's chat template rejected the messages: {exc}", param="messages"
+        ) from exc
 
 
 def run_processor(
@@ -186,15 +228,14 @@ def build_inputs(
     """
     check_media(caps or processor_capabilities(processor), request.messages)
     rendered = _template_messages(request.messages, patch_factor(processor))
-    text = processor.apply_chat_template(
-        rendered.messages, tokenize=False, add_generation_prompt=True
-    )
+    text = _apply_template(processor, rendered.messages, _template_kwargs(request))
     inputs = run_processor(
         processor, [text], rendered.images, rendered.videos, video_metadata=rendered.metadata
     )
     if request.prefix_token_ids:
         inputs = _append_prefix(inputs, request.prefix_token_ids)
-    return Prepared(request=request, inputs=inputs, prompt_tokens=int(inputs["input_ids"].shape[1]))
+    tokens = int(inputs["input_ids"].shape[1])
+    return Prepared(request=request, inputs=inputs, prompt_tokens=tokens, prompt_text=text)
 
 
 def _append_prefix(inputs: dict[str, torch.Tensor], prefix: list[int]) -> dict[str, torch.Tensor]:

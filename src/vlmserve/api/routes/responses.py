@@ -1,0 +1,74 @@
+"""OpenAI's Responses API: ``/v1/responses`` create, retrieve (or resume its events), cancel,
+delete. The work is ``vlmserve.api.serving.responses``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Query, Request, Response
+
+from vlmserve.api.protocol.responses_api import ResponsesRequest
+from vlmserve.api.routing import StrictJSONRoute
+from vlmserve.api.services import ResponsesDep
+from vlmserve.api.serving.responses_sse import response_sse
+from vlmserve.api.serving.sse import ClientGone, run_until_disconnect
+
+router = APIRouter(route_class=StrictJSONRoute)
+log = logging.getLogger(__name__)
+
+
+@router.post("/v1/responses", response_model=None)
+async def create_response(request: Request, responses: ResponsesDep, body: ResponsesRequest
+                          ) -> Any:  # fmt: skip
+    """A response: JSON, or its events as SSE (``stream: true``); ``background: true`` answers
+    at once and generates without a client."""
+    request_id = request.state.request_id
+    request.state.model = body.model  # the metrics' model label
+    if body.ignored_fields:  # accepted for client compatibility, but said out loud
+        log.warning("%s: ignoring unsupported fields %s", request_id, body.ignored_fields)
+    if not body.store and not body.stream:
+        try:
+            return await run_until_disconnect(
+                request, responses.complete_unstored(body, request_id)
+            )
+        except ClientGone:
+            return Response(status_code=499)
+    response_id = await responses.start(body, request_id)
+    if body.stream:
+        return await response_sse(responses.sessions, response_id, -1)
+    if body.background:
+        return await responses.retrieve(response_id)
+    try:
+        return await run_until_disconnect(request, responses.finished(response_id))
+    except ClientGone:  # a plain request is cancelled with its client, as a chat completion is
+        await responses.cancel(response_id)
+        return Response(status_code=499)
+
+
+@router.get("/v1/responses/{response_id}", response_model=None)
+async def retrieve_response(
+    responses: ResponsesDep,
+    response_id: str,
+    stream: bool = False,
+    starting_after: int | None = Query(default=None, ge=0, le=2**62),
+) -> Any:
+    """The stored response; with ``stream=true`` its events after ``starting_after`` (all when
+    left out), then live ones. Nothing left to send is a 204."""
+    if not stream:
+        return await responses.retrieve(response_id)
+    await responses.check_stored(response_id)
+    after = -1 if starting_after is None else starting_after
+    return await response_sse(responses.sessions, response_id, after)
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=None)
+async def cancel_response(responses: ResponsesDep, response_id: str) -> Any:
+    """Stop a running response; the answer is the response, status ``cancelled``."""
+    return await responses.cancel(response_id)
+
+
+@router.delete("/v1/responses/{response_id}", response_model=None)
+async def delete_response(responses: ResponsesDep, response_id: str) -> Any:
+    """Forget a stored response (a running one is cancelled first); then it is a 404."""
+    return await responses.delete(response_id)

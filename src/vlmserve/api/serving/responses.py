@@ -1,0 +1,239 @@
+"""OpenAI's Responses API on ChatService's pipeline and the session store of chat streams.
+
+A response is a ChatCompletionRequest run through the same steps as a chat stream (model
+lease, admission, media limits and decoding, ``prepare``, metrics, the proxied path), whose
+engine chunks become Responses events in a session named by the response id. The session
+store (memory, SQLite, Redis) therefore keeps stored and background responses exactly as it
+keeps chat streams: replay and resume by sequence number, cancel, and, with a persistent
+store, continuation after a restart (``_resume``, through the SessionManager's resumer; chat
+sessions go on to ``ChatService.resume``).
+
+``store: false`` responses are not retrievable; a non-streamed one runs through
+``ChatService.complete`` and never touches the store. ``DELETE`` leaves a tombstone session
+(``<id>.deleted``): the store has no delete yet, and both expire with the sessions' TTL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from vlmserve.api.protocol.responses_api import ResponsesRequest
+from vlmserve.api.serving.chat import ChatService
+from vlmserve.api.serving.responses_convert import (
+    assistant_message,
+    check_supported,
+    input_messages,
+    remap,
+    to_chat_request,
+)
+from vlmserve.api.serving.responses_objects import (
+    ResponseLog,
+    base_response,
+    new_message_id,
+    new_response_id,
+    usage,
+)
+from vlmserve.api.serving.responses_stream import produce, resumption
+from vlmserve.errors import InvalidRequest, NotFound, VlmserveError
+from vlmserve.streaming import Emit, Event, Resumer, Resumption, SessionRecord, SessionState
+
+__all__ = ["KIND", "ResponsesService"]
+
+log = logging.getLogger(__name__)
+
+KIND = "response"  # SessionRecord.request["kind"] of a response's session
+_FINISH_STATUS = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}
+
+
+def _tombstone(response_id: str) -> str:
+    return f"{response_id}.deleted"
+
+
+async def _no_events() -> AsyncIterator[Emit]:
+    return
+    yield  # an async generator that ends at once
+
+
+def output_text(response: dict[str, Any]) -> str:
+    return "".join(
+        part.get("text", "")
+        for item in response.get("output") or []
+        if item.get("type") == "message"
+        for part in item.get("content") or []
+        if part.get("type") == "output_text"
+    )
+
+
+class ResponsesService:
+    def __init__(self, chat: ChatService, chat_resumer: Resumer | None = None) -> None:
+        self.chat = chat
+        self.sessions = chat.sessions
+        # One resumer per SessionManager: ours continues responses, the chat one the rest.
+        self._chat_resumer = chat_resumer
+        self.sessions.set_resumer(self._resume)
+
+    # -- create ---------------------------------------------------------------------------
+
+    async def _conversation(self, body: ResponsesRequest) -> list[dict[str, Any]]:
+        """Earlier turns (``previous_response_id``: its input and its answer) + this input."""
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id:
+            record, rlog = await self._load(body.previous_response_id, "previous_response_id")
+            previous = rlog.snapshot(record.state)
+            if previous["status"] in ("queued", "in_progress"):
+                raise InvalidRequest(
+                    f"response {body.previous_response_id!r} is still {previous['status']}; "
+                    "wait for it to finish (GET /v1/responses/{id}) before continuing it",
+                    param="previous_response_id",
+                )
+            turns = record.request["body"]["messages"][record.request["turns_from"] :]
+            history = [*turns, assistant_message(output_text(previous))]
+        return [*history, *input_messages(body)]
+
+    async def start(self, body: ResponsesRequest, request_id: str) -> str:
+        """Validate, prepare (every 4xx before a byte is sent), then run it as a session."""
+        check_supported(body)
+        conversation = await self._conversation(body)
+        chat_body = to_chat_request(body, conversation)
+        try:
+            generation = await self.chat.open_generation(chat_body, request_id)
+        except VlmserveError as exc:
+            raise remap(exc) from None
+        response_id = new_response_id()
+        request = {
+            "kind": KIND, "store": body.store, "background": body.background,
+            "message_id": new_message_id(),
+            "turns_from": len(chat_body.messages) - len(conversation),
+            "body": chat_body.model_dump(mode="json"),
+            "response": base_response(body, response_id, generation.model_id),
+        }  # fmt: skip
+        rlog = ResponseLog.restore(request, [])
+        try:
+            session = await self.sessions.start(response_id, request, produce(rlog, generation),
+                                                on_cancel=rlog.on_cancel,
+                                                on_error=rlog.on_error)  # fmt: skip
+        except BaseException:
+            await generation.abandon()
+            raise
+        if body.background or not body.stream:
+            # Nobody listens, yet nothing may cancel it for that: a background response runs
+            # without a client; a plain request waits for it (and cancels it if it leaves).
+            session.attach()
+        return response_id
+
+    async def finished(self, response_id: str) -> dict[str, Any]:
+        """The response once its generation has ended (a stored, non-streamed create)."""
+        session = self.sessions.get(response_id)
+        if session is not None:
+            await session.wait()
+        return await self.retrieve(response_id)
+
+    async def complete_unstored(self, body: ResponsesRequest, request_id: str) -> dict[str, Any]:
+        """``store: false``, not streamed: ChatService's JSON answer, as a Response."""
+        check_supported(body)
+        chat_body = to_chat_request(body, await self._conversation(body))
+        try:
+            answer = await self.chat.complete(chat_body, request_id)
+        except VlmserveError as exc:
+            raise remap(exc) from None
+        rlog = ResponseLog(base_response(body, new_response_id(), answer["model"]),
+                           new_message_id())  # fmt: skip
+        rlog.sent.add("response.output_item.added")
+        choice = answer["choices"][0]
+        rlog.text = choice["message"]["content"] or ""
+        counts = answer["usage"]
+        status = _FINISH_STATUS.get(choice["finish_reason"], "failed")
+        return rlog.response(status, usage(counts["prompt_tokens"], counts["completion_tokens"]))
+
+    # -- stored responses -----------------------------------------------------------------
+
+    async def _record(self, response_id: str, param: str | None = None) -> SessionRecord:
+        store = self.sessions.store
+        record = None
+        if response_id.startswith("resp_") and len(response_id) <= 64:
+            record = await store.get(response_id)
+        if (
+            record is None
+            or record.request.get("kind") != KIND
+            or not record.request.get("store")
+            or await store.get(_tombstone(response_id)) is not None
+        ):
+            raise NotFound(
+                f"no stored response {response_id!r} (unknown, deleted, created with "
+                f"store: false, or expired: responses are kept {self.sessions.ttl:g}s)",
+                param=param,
+                code="response_not_found",
+            )
+        return record
+
+    async def _events(self, record: SessionRecord) -> list[Event]:
+        events = await self.sessions.store.events(record.session_id, -1)
+        session = self.sessions.get(record.session_id)
+        if not events and session is not None:  # the memory store keeps no events
+            events = list(session.ring)
+        return events
+
+    async def _current(self, response_id: str, param: str | None = None) -> SessionRecord:
+        """The stored record, after continuing the response here if it was orphaned."""
+        record = await self._record(response_id, param)
+        if record.state is SessionState.RUNNING and self.sessions.get(response_id) is None:
+            await self._take_over(record)
+            record = await self._record(response_id, param)
+        return record
+
+    async def _load(self, response_id: str, param: str | None = None
+                    ) -> tuple[SessionRecord, ResponseLog]:  # fmt: skip
+        record = await self._current(response_id, param)
+        return record, ResponseLog.restore(record.request, await self._events(record))
+
+    async def _take_over(self, record: SessionRecord) -> None:
+        """A running response no process produces (a restart): continue it here, as opening
+        a listener does for a chat stream (a live producer elsewhere is left alone)."""
+        listener = self.sessions.listen(record.session_id, record.last_index)
+        try:
+            await listener
+        except VlmserveError as exc:
+            log.info("response %s: not taken over: %s", record.session_id, exc)
+        finally:
+            await listener.aclose()
+        session = self.sessions.get(record.session_id)
+        if session is not None and record.request.get("background"):
+            session.attach()  # runs without a client, as before the restart
+
+    async def retrieve(self, response_id: str) -> dict[str, Any]:
+        record, rlog = await self._load(response_id)
+        return rlog.snapshot(record.state)
+
+    async def check_stored(self, response_id: str) -> None:
+        """404 unless stored; an orphaned one (a restart) continues here first."""
+        await self._current(response_id)
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """Stop a running response (within an engine step); a finished one is returned as is."""
+        await self._record(response_id)
+        await self.sessions.cancel(response_id)
+        return await self.retrieve(response_id)
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        await self._record(response_id)
+        await self.sessions.cancel(response_id)
+        with contextlib.suppress(InvalidRequest):  # InvalidRequest: deleted meanwhile
+            await self.sessions.start(_tombstone(response_id), {"kind": "deleted"}, _no_events(),
+                                      on_cancel=list, on_error=lambda exc: [])  # fmt: skip
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    # -- restart --------------------------------------------------------------------------
+
+    async def _resume(self, record: SessionRecord, events: list[Event]) -> Resumption | None:
+        if record.request.get("kind") != KIND:
+            if self._chat_resumer is None:
+                return None
+            return await self._chat_resumer(record, events)
+        try:
+            return await resumption(self.chat, record.request, events, record.session_id)
+        except (KeyError, VlmserveError, ValueError) as exc:
+            log.warning("cannot continue response %s: %s", record.session_id, exc)
+            return None
