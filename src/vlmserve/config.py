@@ -55,6 +55,7 @@ class ModelConfig(BaseSettings):
     keep_alive: float | None = None  # idle seconds before unloading; -1 never; None: server's
     reasoning_parser: str | None = None  # None: the server's --reasoning-parser
     tool_call_parser: str | None = None
+    chat_template: str | None = None  # a .jinja file or the template; None: the server's
 
     @property
     def served_name(self) -> str:
@@ -81,6 +82,8 @@ class Settings(BaseSettings):
     # detected from the chat template. --tool-call-parser: how tool calls are read (hermes)
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    # vLLM's --chat-template: a .jinja file (or the template text) replacing the checkpoint's
+    chat_template: str | None = None
 
     # --- server --------------------------------------------------------------------------
     host: str = "127.0.0.1"

@@ -26,8 +26,16 @@ from rich.progress import (
 from rich.table import Table
 
 from vlmserve.errors import ConfigError, NotFound
+from vlmserve.registry.discover import discover as discover_entries
+from vlmserve.registry.discover import discovered_document
 from vlmserve.registry.entries import ModelEntry, VersionLock
-from vlmserve.registry.files import Registry, load_registry, write_locks, write_snapshot
+from vlmserve.registry.files import (
+    Registry,
+    load_registry,
+    write_document,
+    write_locks,
+    write_snapshot,
+)
 from vlmserve.registry.lock import OnBytes, hash_artifacts, local_source, total_bytes, verify
 
 __all__ = ["registry_app"]
@@ -248,6 +256,31 @@ def _lockable(
                 raise
             skipped.append(str(exc))
     return targets, skipped
+
+
+@registry_app.command()
+def discover(
+    root: Annotated[Path, typer.Argument(help="Folder holding model directories.")],
+    write: Annotated[bool, typer.Option("--write", help="Write the discovered file.")] = False,
+    discovered: DiscoveredOpt = None,
+) -> None:
+    """Scan ROOT for checkpoints; list them, and with --write save the discovered layer
+    (--discovered, default registry.discovered.toml). The curated file still wins by name."""
+    if not root.is_dir():
+        _fail(f"{root} is not a directory")
+    entries = discover_entries(root)
+    table = Table(title=f"discovered under {root}")
+    for column in ("name", "architecture", "capabilities", "quantization", "size", "source"):
+        table.add_column(column, no_wrap=column == "name")
+    for e in entries:
+        size = f"{(e.size_bytes or 0) / 2**20:,.1f} MiB"
+        table.add_row(*map(escape, [e.name, e.architecture or "", ", ".join(
+            e.capabilities.enabled()), e.quantization or "", size, e.source or ""]))  # fmt: skip
+    Console().print(table)
+    if write:
+        out = discovered or Path("registry.discovered.toml")
+        write_document(out, discovered_document(entries))
+        Console(stderr=True).print(f"wrote {len(entries)} entries to {escape(str(out))}")
 
 
 @registry_app.command()

@@ -13,6 +13,7 @@ from vlmserve.engine.configs import ChatEngineConfig, EmbedConfig
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.embed import HFEmbedBackend
 from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.hf.templates import read_chat_template
 from vlmserve.engine.outputs import check_parser_names
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.supervisor import Supervisor, SupervisorConfig
@@ -36,7 +37,12 @@ def load_options(cfg: ModelConfig, settings: Settings) -> LoadOptions:
         trust_remote_code=settings.trust_remote_code,
         min_pixels=settings.min_pixels,
         max_pixels=settings.max_pixels,
+        chat_template=_template(cfg.chat_template or settings.chat_template),
     )
+
+
+def _template(value: str | None) -> str | None:
+    return read_chat_template(value) if value is not None else None
 
 
 def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:

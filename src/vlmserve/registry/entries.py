@@ -214,6 +214,11 @@ class ModelEntry(_Strict):
     version_lock: VersionLock | None = None
     reasoning_parser: str | None = None  # hf entries: as --reasoning-parser, for this model
     tool_call_parser: str | None = None
+    chat_template: str | None = None  # hf entries: as --chat-template (a file or the text)
+    # written by `registry discover` (facts about the files, for people and tools)
+    architecture: str | None = None
+    quantization: str | None = None
+    size_bytes: int | None = Field(default=None, ge=0)
 
     @field_validator("name", "served_model_id")
     @classmethod
@@ -310,6 +315,7 @@ class ModelEntry(_Strict):
             dtype=dtype,
             reasoning_parser=self.reasoning_parser,
             tool_call_parser=self.tool_call_parser,
+            chat_template=self.chat_template,
         )
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "load_registry",
     "merge_entries",
     "read_entries",
+    "write_document",
     "write_locks",
     "write_snapshot",
 ]
@@ -193,6 +194,15 @@ def write_snapshot(registry: Registry, path: Path) -> None:
     """The merged registry as JSON, sorted by name and key: same registry, same bytes."""
     models = [e.model_dump(mode="json") for e in sorted(registry, key=lambda e: e.name)]
     text = json.dumps({"models": models}, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    _write_atomically(path, text)
+
+
+def write_document(path: Path, doc: Mapping[str, Any]) -> None:
+    """A registry document as TOML (``.toml``) or JSON (any other suffix), atomically."""
+    if path.suffix == ".toml":
+        text = dumps_toml(doc)
+    else:
+        text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     _write_atomically(path, text)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from vlmserve.engine.hf.templates import install_chat_template
 from vlmserve.errors import ConfigError
 
 __all__ = [
@@ -37,6 +38,7 @@ class LoadOptions:
     trust_remote_code: bool = False
     min_pixels: int | None = None
     max_pixels: int | None = None
+    chat_template: str | None = None  # Jinja text replacing the checkpoint's (--chat-template)
 
 
 @dataclass(slots=True)
@@ -231,6 +233,8 @@ def load_model(opts: LoadOptions) -> Loaded:
     local = Path(located.source).is_dir()
     try:
         processor = load_processor(located, local_files_only=local)
+        if opts.chat_template is not None:
+            install_chat_template(processor, opts.chat_template, opts.source)
         model = AutoModelForImageTextToText.from_pretrained(
             located.source,
             dtype=dtype,
