@@ -1,16 +1,21 @@
-"""SQLite group commit: many sessions' appends share transactions, each append still durable
-when it returns, and one bad event fails only its own append."""
+"""Group commit (SQLite, Redis): many sessions' appends share transactions, each append still
+durable when it returns, and one bad event fails only its own append."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import time
+import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
-from vlmserve.streaming import Event, SessionRecord, SessionState, SQLiteStore
+from vlmserve.streaming import Event, RedisStore, SessionRecord, SessionState, SQLiteStore
 from vlmserve.streaming.store.group import GroupCommit
 
 
@@ -19,8 +24,19 @@ def record(sid: str) -> SessionRecord:
     return SessionRecord(sid, {"model": "m"}, SessionState.RUNNING, now, now)
 
 
-async def test_concurrent_appends_share_transactions_and_all_are_stored(tmp_path: Path) -> None:
-    store = SQLiteStore(tmp_path / "s.db")
+@pytest.fixture(params=["sqlite", "redis"])
+async def durable(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    if request.param == "sqlite":
+        store: Any = SQLiteStore(tmp_path / "s.db")
+    else:
+        store = RedisStore(request.getfixturevalue("redis_url"), ttl=60, prefix=uuid.uuid4().hex)
+    yield store
+    with contextlib.suppress(Exception):  # the SQLite test closes its own
+        await store.close()
+
+
+async def test_concurrent_appends_share_transactions_and_all_are_stored(durable: Any) -> None:
+    store = durable
     sessions = [f"s{i}" for i in range(8)]
     for sid in sessions:
         await store.create(record(sid))
@@ -36,9 +52,15 @@ async def test_concurrent_appends_share_transactions_and_all_are_stored(tmp_path
         events = await store.events(sid, -1)
         assert [e.data for e in events] == [f"{sid}-{i}" for i in range(20)]
         assert (await store.get(sid)).last_index == 19  # type: ignore[union-attr]
+
+
+async def test_sqlite_group_commits_survive_a_reopen(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(record("s"))
+    await asyncio.gather(*(store.append("s", Event(i, str(i))) for i in range(10)))
     await store.close()
     reopened = SQLiteStore(tmp_path / "s.db")  # committed, not just queued
-    assert len(await reopened.events("s3", -1)) == 20
+    assert [e.data for e in await reopened.events("s", -1)] == [str(i) for i in range(10)]
     await reopened.close()
 
 
@@ -51,8 +73,8 @@ async def test_an_append_alone_is_written_at_once(tmp_path: Path) -> None:
     await store.close()
 
 
-async def test_a_duplicate_event_fails_only_its_own_append(tmp_path: Path) -> None:
-    store = SQLiteStore(tmp_path / "s.db")
+async def test_a_duplicate_event_fails_only_its_own_append(durable: Any) -> None:
+    store = durable
     for sid in ("a", "b"):
         await store.create(record(sid))
     await store.append("a", Event(0, "first"))
@@ -62,11 +84,10 @@ async def test_a_duplicate_event_fails_only_its_own_append(tmp_path: Path) -> No
         store.append("a", Event(1, "next")),
         return_exceptions=True,
     )
-    assert isinstance(results[0], sqlite3.IntegrityError)
+    assert isinstance(results[0], sqlite3.IntegrityError | redis.ResponseError)
     assert results[1:] == [None, None]
     assert [e.data for e in await store.events("a", -1)] == ["first", "next"]
     assert [e.data for e in await store.events("b", -1)] == ["fine"]
-    await store.close()
 
 
 async def test_a_failed_write_fails_every_waiting_caller() -> None:

@@ -6,6 +6,8 @@ Keys (``P`` = prefix):
     P:alias:<alias>  string the session id
 Every key expires ``ttl`` seconds after the session's last append, state change or heartbeat.
 ``wait_events`` blocks in ``XREAD BLOCK`` so followers in other processes see events at once.
+Appends are group-committed (``store/group.py``): the events that queue while one MULTI/EXEC
+runs go out together in the next, one round trip for all of them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import redis.asyncio as aioredis
 
 from vlmserve.streaming.events import Event, SessionRecord, SessionState
 from vlmserve.streaming.store.base import already_exists, dump_meta, load_meta
+from vlmserve.streaming.store.group import GroupCommit
 
 __all__ = ["RedisStore"]
 
@@ -37,6 +40,7 @@ class RedisStore:
         self._ttl_s = max(1, int(ttl))
         self._redis = aioredis.from_url(url, decode_responses=True)
         self._aliases: dict[str, list[str]] = {}  # session id -> aliases, to refresh their TTL
+        self._appends: GroupCommit[tuple[str, Event]] = GroupCommit(self._append_batch)
 
     def _key(self, kind: str, name: str) -> str:
         return f"{self.prefix}:{kind}:{name}"
@@ -78,19 +82,44 @@ class RedisStore:
 
     async def _touch(self, session_id: str, fields: dict[str, str], event: Event | None) -> None:
         """Atomically: update record fields (+ updated_at), add an event, refresh every TTL."""
-        key = self._key("session", session_id)
-        stream = self._key("events", session_id)
-        alias_keys = await self._alias_keys(session_id)
+        await self._alias_keys(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            if event is not None:
-                pipe.xadd(stream, _event_fields(event), id=_entry_id(event.index))
-            pipe.hset(key, mapping={**fields, "updated_at": repr(time.time())})
-            for name in (key, stream, *alias_keys):
-                pipe.expire(name, self._ttl_s)
+            self._queue_touch(pipe, session_id, fields, event)
             await pipe.execute()
 
+    def _queue_touch(
+        self, pipe: Any, session_id: str, fields: dict[str, str], event: Event | None
+    ) -> None:
+        key = self._key("session", session_id)
+        stream = self._key("events", session_id)
+        alias_keys = [self._key("alias", a) for a in self._aliases.get(session_id, [])]
+        if event is not None:
+            pipe.xadd(stream, _event_fields(event), id=_entry_id(event.index))
+        pipe.hset(key, mapping={**fields, "updated_at": repr(time.time())})
+        for name in (key, stream, *alias_keys):
+            pipe.expire(name, self._ttl_s)
+
     async def append(self, session_id: str, event: Event) -> None:
-        await self._touch(session_id, {"last_index": str(event.index)}, event)
+        await self._alias_keys(session_id)  # known before the batch is written
+        await self._appends.submit((session_id, event))
+
+    async def _append_batch(self, items: list[tuple[str, Event]]) -> list[BaseException | None]:
+        """Group commit: every queued event in one MULTI/EXEC (one round trip, applied
+        together); an event whose command fails (a duplicate index) fails only its append."""
+        spans: list[int] = []
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for session_id, event in items:
+                before = len(pipe.command_stack)
+                self._queue_touch(pipe, session_id, {"last_index": str(event.index)}, event)
+                spans.append(len(pipe.command_stack) - before)
+            results = await pipe.execute(raise_on_error=False)
+        out: list[BaseException | None] = []
+        at = 0
+        for span in spans:
+            errors = [r for r in results[at : at + span] if isinstance(r, Exception)]
+            out.append(errors[0] if errors else None)
+            at += span
+        return out
 
     async def set_state(self, session_id: str, state: SessionState) -> None:
         await self._touch(session_id, {"state": state.value}, None)
