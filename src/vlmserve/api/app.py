@@ -122,6 +122,7 @@ def _scrape(metrics: Metrics, models: ModelManager) -> Any:
         running, waiting, usage = _load_numbers(h)
         metrics.set_load(h.name, running=running, waiting=waiting, usage=usage)
         stats = h.backend.stats()
+        metrics.set_kv_cache(h.name, preemptions=stats.preemptions, nbytes=stats.kv_cache_bytes)
         if stats.vision_cache is not None:
             metrics.set_vision_cache(h.name, stats.vision_cache)
         if stats.processor_cache is not None:

@@ -68,8 +68,16 @@ class Metrics:
             Gauge, "num_requests_waiting", "requests admitted, not yet decoding", ["model"]
         )
         self.cache_usage = make(
-            Gauge, "kv_cache_usage_ratio", "share of the engine's sequence slots in use", ["model"]
+            Gauge, "kv_cache_usage_ratio", "share of the KV cache blocks in use", ["model"]
         )
+        self.preemptions = make(
+            Counter, "num_preemptions", "rows preempted when the KV cache ran out (recomputed)",
+            ["model"],
+        )  # fmt: skip
+        self.kv_cache_bytes = make(
+            Gauge, "kv_cache_bytes", "memory allocated for the KV cache (the budget)", ["model"]
+        )
+        self._seen_preemptions: dict[str, int] = {}
         self._add_vllm_aliases()
 
     def _add_vllm_aliases(self) -> None:
@@ -82,7 +90,7 @@ class Metrics:
         self.vllm_running = alias("vllm:num_requests_running", "requests decoding")
         self.vllm_waiting = alias("vllm:num_requests_waiting", "requests waiting")
         self.vllm_cache_usage = alias(
-            "vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (here: sequence slots in use)"
+            "vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (KV blocks in use)"
         )
 
     def _add_generation_series(self) -> None:
@@ -164,6 +172,15 @@ class Metrics:
         self.vllm_running.labels(model_name=model).set(running)
         self.vllm_waiting.labels(model_name=model).set(waiting)
         self.vllm_cache_usage.labels(model_name=model).set(usage)
+
+    def set_kv_cache(self, model: str, *, preemptions: int, nbytes: int) -> None:
+        """The engine's running total of preemptions (a counter: only increases are added;
+        a reloaded engine starts again from 0) and its KV cache size."""
+        seen = self._seen_preemptions.get(model, 0)
+        if preemptions > seen:
+            self.preemptions.labels(model=model).inc(preemptions - seen)
+        self._seen_preemptions[model] = preemptions
+        self.kv_cache_bytes.labels(model=model).set(nbytes)
 
     def observe_ttft(self, model: str, seconds: float) -> None:
         self.ttft.labels(model=model).observe(seconds)

@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from vlmserve.engine.types import Chunk, FinishReason
 from vlmserve.errors import VlmserveError
 
@@ -103,7 +105,7 @@ class ChunkReader:
             return []
         if value == "[DONE]":
             return self.close()
-        data = json.loads(value)
+        data = orjson.loads(value)  # per chunk: ~2.5x faster than json.loads
         if not isinstance(data, dict):
             raise VlmserveError(f"upstream sent a non-object chunk: {value[:200]!r}",
                                 code="upstream_error")  # fmt: skip

@@ -12,7 +12,6 @@ one decode step.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -91,20 +90,13 @@ class HFChatBackend(HFModel):
 
     def _new_engine(self, loaded: Any) -> BatchEngine:
         c = self.config
-        extra: dict[str, Any] = {}
-        if "kv_cache_bytes" in inspect.signature(BatchEngine.__init__).parameters:  # engine v2
-            extra["kv_cache_bytes"] = c.kv_cache_bytes or None
         return BatchEngine(
             loaded.model, loaded.processor.tokenizer, _eos_ids(loaded.model),
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             vision_cache_bytes=c.vision_cache_bytes, stream_interval=c.stream_interval,
             submit=lambda fn: self._executor.submit(fn), model_id=self.model_id,
-            on_fatal=self._engine_failed, **extra,
+            on_fatal=self._engine_failed, kv_cache_bytes=c.kv_cache_bytes or None,
         )  # fmt: skip
-
-    def capabilities(self) -> frozenset[str] | None:
-        caps = self._caps if self.state is ModelState.READY else None
-        return frozenset(caps.enabled()) if caps is not None else None
 
     def watch_failures(self, callback: Callable[[Any], None]) -> None:
         self.on_engine_failure = callback
@@ -158,12 +150,9 @@ class HFChatBackend(HFModel):
             out.kv_usage = float(out.running)
             return out
         out.running, out.waiting = engine.running, engine.queued
-        usage = getattr(engine, "kv_usage", None)  # engine v2: blocks in use
-        out.kv_usage = (
-            usage if usage is not None else engine.running / max(1, self.config.max_num_seqs)
-        )
-        out.preemptions = getattr(engine, "preemptions", 0)
-        out.kv_cache_bytes = getattr(engine, "kv_cache_bytes", 0)
+        out.kv_usage = engine.kv_usage  # KV blocks in use
+        out.preemptions = engine.preemptions
+        out.kv_cache_bytes = engine.kv_cache_bytes
         return out
 
     # --- requests ------------------------------------------------------------------------
@@ -185,9 +174,9 @@ class HFChatBackend(HFModel):
                 code="context_length_exceeded",
             )
         prepared.parsers = self._parsers(prepared)
-        fits = getattr(self.engine, "check_fits", None)  # engine v2: the KV budget
-        if fits is not None:
-            fits(prepared.prompt_tokens, request.sampling.max_tokens)
+        if self.engine is not None:  # 400 now if the whole KV budget could never hold it
+            new_tokens = request.sampling.max_tokens - len(request.prefix_token_ids)
+            self.engine.check_fits(prepared.prompt_tokens, new_tokens)
         if request.response_format is not None:
             prepared.grammar = await asyncio.to_thread(self._compile, request.response_format)
         return prepared

@@ -1,7 +1,8 @@
 """Continuous batching for Qwen2-VL in the ``hf`` engine (design: docs/engine.md).
 
-``BatchEngine`` (engine.py) runs the step loop; ``Scheduler`` admits requests; the runner
-(runner.py) does prefill and decode forwards over a ``SlotKVCache``; ``Sampler`` picks
+``BatchEngine`` (engine.py) runs the step loop; ``Scheduler`` admits requests by free KV
+blocks (``BlockManager``) and preempts; the runner (runner.py) does prefill and decode
+forwards over a ``PagedKVCache`` under a byte budget; ``Sampler`` picks
 tokens for all rows at once; ``PromptEmbedder`` + ``VisionCache`` turn images and videos
 into prompt embeddings, skipping the vision tower for content it has seen.
 """

@@ -1,10 +1,13 @@
 """The continuous-batching loop: one thread, one step at a time, rows joining and leaving.
 
-A step (nano-vllm's ``LLMEngine.step``): drop cancelled rows -> admit waiting requests that
-fit (``Scheduler``) and prefill them together, vision tower included -> one decode forward
-for every running row -> sample all rows at once -> hand each row's tokens to its consumer
--> finished rows leave (their KV slot is reused at once). Outputs of a step reach each
-event loop in one ``call_soon_threadsafe``. The loop runs on the model's executor thread
+A step (nano-vllm's ``LLMEngine.step``): drop cancelled rows -> admit waiting requests whose
+KV blocks fit (``Scheduler``) and prefill them together, vision tower included -> make room
+for every row's next token, preempting the newest rows when blocks run out -> one decode
+forward for every running row -> sample all rows at once -> hand each row's tokens to its
+consumer -> finished rows leave (their KV blocks are reused at once). A preempted row is
+recomputed when readmitted (``paging.py``): its KV and next tokens are exactly those of an
+uninterrupted run, and nothing is emitted twice. Outputs of a step reach each event loop in
+one ``call_soon_threadsafe``. The loop runs on the model's executor thread
 while there is work and returns when the engine is idle; ``submit`` restarts it.
 
 Failures (``faults.py``): a batched forward that raises is retried row by row, so one
@@ -16,7 +19,6 @@ reloads it. A failed engine refuses new requests; it is never used again.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import deque
@@ -32,6 +34,10 @@ from vlmserve.engine.hf.batching.faults import (
     request_error,
     retry_alone,
 )
+from vlmserve.engine.hf.batching.kv_cache import DEFAULT_BLOCK_SIZE
+from vlmserve.engine.hf.batching.lifecycle import EngineLifecycle
+from vlmserve.engine.hf.batching.outbox import END, Outbox
+from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging
 from vlmserve.engine.hf.batching.runner import PrefillRow, Qwen2VLRunner
 from vlmserve.engine.hf.batching.sampler import Sampler
 from vlmserve.engine.hf.batching.scheduler import Scheduler
@@ -46,19 +52,15 @@ from vlmserve.errors import ServiceUnavailable
 __all__ = ["END", "BatchEngine"]
 
 log = logging.getLogger(__name__)
-END = object()  # the last item a consumer receives
 # With this many rows decoding, outputs go to the event loops every `stream_interval` steps:
 # the consumers then merge that many tokens per SSE event, dividing the event loop's per-token
 # work (which shares the GIL with this thread) at the cost of tokens arriving in groups.
 _BUSY_ROWS = 4
 _SMALL_MODEL_PARAMS = 50_000_000  # below this a decode step's matmuls take microseconds
-# An idle engine keeps a KV cache up to this size for the next request (allocating and zeroing
-# it again cost ~1 ms a request at one-at-a-time traffic); a larger one goes back at once.
-_KEEP_IDLE_CACHE_BYTES = 64 * 2**20
 _Item = TypeVar("_Item")
 
 
-class BatchEngine:
+class BatchEngine(EngineLifecycle):
     def __init__(
         self,
         model: Any,
@@ -72,6 +74,8 @@ class BatchEngine:
         stream_interval: int = 4,
         model_id: str = "model",
         on_fatal: Callable[[BaseException, Any], None] | None = None,
+        kv_cache_bytes: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
@@ -81,19 +85,20 @@ class BatchEngine:
         vocab = int(model.config.get_text_config().vocab_size)
         self.vocab = vocab
         self.sampler = Sampler(vocab, eos_ids)
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
+        # the KV budget (None/0: kv_cache.auto_budget), allocated once, in blocks
+        self.paging = KVPaging(self.runner, kv_cache_bytes, block_size)
+        self.kv, self.blocks = self.paging.budget, self.paging.blocks
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks)
         self.model_id = model_id  # in messages
         self._submit = submit  # runs a callable on the model's executor thread
         self._on_fatal = on_fatal  # (cause, an event loop of a failed request or None)
         self._lock = threading.Lock()
         self._inbox: deque[Sequence] = deque()
-        self._live: set[Sequence] = (
-            set()
-        )  # submitted, END not yet delivered: a fatal error ends these
+        self._live: set[Sequence] = set()  # END not yet delivered: a fatal error ends these
         self._active = False
         self._closed = False
         self.failure: EngineFailed | None = None  # set once, when the engine became unusable
-        self._out: list[tuple[Sequence, Any]] = []
+        self._outbox = Outbox()
         self._threads = 1 if _small(model) and self.runner.device.type == "cpu" else 0
         self.tokens_generated = 0
         self.steps = 0
@@ -116,39 +121,28 @@ class BatchEngine:
     def running(self) -> int:
         return len(self.scheduler.running)
 
-    def submit(self, seq: Sequence) -> None:
-        with self._lock:
-            if self.failure is not None:
-                raise self.failure
-            if self._closed:
-                raise ServiceUnavailable("the model is unloading; retry shortly", retry_after=5)
-            self._inbox.append(seq)
-            self._live.add(seq)
-            start, self._active = not self._active, True
-        if start:
-            try:
-                future = self._submit(self._loop)
-            except Exception as exc:  # the executor is shut down: nothing will ever run
-                self._die(exc)
-                raise self.failure or exc from exc
-            if hasattr(future, "add_done_callback"):
-                future.add_done_callback(self._loop_ended)
+    # --- the KV budget (gauges read from any thread: plain int/float reads) ----------------
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``InvalidRequest`` (400, naming the budget and the setting) when a request
+        of ``prompt_tokens`` + ``max_tokens`` could never be held by the whole KV cache."""
+        self.kv.check_fits(prompt_tokens, max_tokens)
 
-    def close(self) -> None:
-        """Stop after the current step; rows still queued or running get a 503."""
-        with self._lock:
-            self._closed = True
-            idle = not self._active and self.failure is None  # a failed engine ended them all
-        if idle:
-            self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes allocated for the KV cache (whole blocks of the budget)."""
+        return self.kv.nbytes
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV blocks owned by running rows, 0..1."""
+        return self.blocks.usage
+
+    @property
+    def preemptions(self) -> int:
+        """Rows preempted (KV freed, recomputed later) since the engine started."""
+        return self.scheduler.preemptions
 
     # --- the loop (engine thread) -----------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # outside a forward: the engine's state is not trusted
-            self._die(exc)
-
     def _run(self) -> None:
         if self._threads:
             torch.set_num_threads(self._threads)
@@ -160,21 +154,8 @@ class BatchEngine:
                     self._flush()
             self._flush()
         if self._closed:
-            self.runner.cache.release()
+            self._release_cache()
             self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
-
-    def _loop_ended(self, future: Any) -> None:
-        """The loop's future is done. ``_loop`` handles its own errors, so this only acts
-        when the loop never ran (cancelled by an executor shutdown) or escaped anyway."""
-        cause = RuntimeError("the engine loop was cancelled before it ran")
-        if not future.cancelled():
-            cause = future.exception()
-            if cause is None:
-                return
-        if self._closed:
-            self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
-        else:
-            self._die(cause)
 
     def _take_inbox(self) -> bool:
         """Move submitted requests to the scheduler; False (and inactive) when idle."""
@@ -183,13 +164,12 @@ class BatchEngine:
                 self.scheduler.add(self._inbox.popleft())
             if self._closed or self.scheduler.idle:
                 self._active = False
-                if self.runner.cache.nbytes > _KEEP_IDLE_CACHE_BYTES:
-                    self.runner.cache.release()  # memory back while idle
                 return False
             return True
 
     def step(self) -> None:
         self._reap_cancelled()
+        self._refuse_oversized()
         admitted = self.scheduler.schedule()
         if admitted:
             ready = self._start_rows(admitted)
@@ -197,11 +177,12 @@ class BatchEngine:
                 rows, tokens = self._forward(self._prefill_forward, ready)
                 self._advance([seq for seq, _ in rows], tokens)
             self._flush()  # first tokens out now, not after the decode step
+        preempted = self.scheduler.reserve_decode()  # may preempt the newest rows
         running = list(self.scheduler.running)
         if running:
             self.peak_running = max(self.peak_running, len(running))
             self._advance(*self._forward(self._decode_forward, running))
-        elif not admitted and self.scheduler.waiting:
+        elif not admitted and not preempted and self.scheduler.waiting:
             raise EngineStateError(
                 f"the scheduler admitted none of {len(self.scheduler.waiting)} waiting "
                 "requests while no row runs"
@@ -220,9 +201,17 @@ class BatchEngine:
     def _reap_cancelled(self) -> None:
         for seq in [s for s in self.scheduler.waiting if s.cancelled]:
             self.scheduler.drop_waiting(seq)
-            self._end(seq)
+            if seq.output_ids:  # preempted after streaming: its stream ends as any other
+                self._finish(seq, cancelled=True)
+            else:
+                self._end(seq)
         for seq in [s for s in self.scheduler.running if s.cancelled]:
             self._finish(seq, cancelled=True)
+
+    def _refuse_oversized(self) -> None:
+        for seq, exc in self.paging.oversized(self.scheduler.waiting):
+            self.scheduler.drop_waiting(seq)
+            self._fail(seq, exc)
 
     def _start_rows(self, admitted: list[Sequence]) -> list[tuple[Sequence, PrefillRow]]:
         """Embed each admitted prompt (vision tower included); a row whose input fails here
@@ -235,7 +224,8 @@ class BatchEngine:
             try:
                 built = self.embedder.build(seq.prepared.inputs, seq.slot)
                 seq.rope_delta = built.rope_delta
-                self._init_row(seq)
+                if not seq.output_ids:  # a recomputed row keeps its RNG, grammar, penalty
+                    seq.start_sampling(self.vocab, self.runner.device)
             except Exception as exc:
                 log.exception("request %s: its input failed to embed", _rid(seq))
                 self._fail(seq, request_error(exc))
@@ -264,40 +254,32 @@ class BatchEngine:
 
     def _prefill_forward(self, items: list[tuple[Sequence, PrefillRow]]) -> list[int]:
         for seq, row in items:
-            row.slot = seq.slot  # a failed row may have moved the others
+            row.slots = self.paging.prompt_slots(seq)
         logits = self.runner.prefill([row for _, row in items])
         seqs = [seq for seq, _ in items]
-        for seq in seqs:
-            seq.length = seq.prompt_len
-        return self.sampler.sample(logits, seqs)
+        tokens = self.paging.sample(self.sampler, logits, seqs)
+        for seq in seqs:  # only now: a failed attempt leaves nothing to undo
+            self.paging.after_prefill(seq)
+        return tokens
 
     def _decode_forward(self, running: list[Sequence]) -> list[int]:
+        self.paging.clear_fresh()
         logits = self.runner.decode(
             [s.next_token for s in running],
             [s.length + s.rope_delta for s in running],
-            [s.slot for s in running],
             [s.length for s in running],
+            [s.block_table for s in running],
         )
-        tokens = self.sampler.sample(logits, running)
+        tokens = self.paging.sample(self.sampler, logits, running)
         for seq in running:  # only now: a failed attempt leaves nothing to undo
-            seq.length += 1  # (and a row moved to another slot takes its new column along)
+            self.paging.after_decode(seq)
         return tokens
-
-    def _init_row(self, seq: Sequence) -> None:
-        req = seq.prepared.request
-        device = self.runner.device
-        if req.sampling.seed is not None and not req.sampling.greedy:
-            seq.generator = torch.Generator(device=device)
-            seq.generator.manual_seed(req.sampling.seed)
-        if req.sampling.penalty != 1.0:
-            seq.seen = torch.zeros(self.vocab, dtype=torch.bool, device=device)
-            seq.seen[seq.prepared.inputs["input_ids"][0].to(device)] = True
-        if seq.prepared.grammar is not None:
-            seq.matcher = seq.prepared.grammar.matcher(prefix=req.prefix_token_ids)
 
     def _advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
         """Record each row's new token, stream it, and retire rows that are done."""
         for seq, token in zip(seqs, tokens, strict=True):
+            if token == NOT_SAMPLED and seq.output_ids:
+                continue  # recomputing after a preemption: nothing new yet
             try:
                 done = self._accept(seq, token)
             except Exception as exc:  # the grammar refused a token, an id out of range
@@ -311,6 +293,7 @@ class BatchEngine:
         if not 0 <= token < self.vocab:  # never embed an id the model does not have
             raise IndexError(f"sampled token {token} is outside the vocabulary ({self.vocab})")
         seq.generated += 1
+        seq.output_ids.append(token)
         seq.next_token = token
         if seq.matcher is not None:
             seq.matcher.accept(token)
@@ -329,89 +312,37 @@ class BatchEngine:
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         self._retire(seq)
-        self._out.append((seq, exc))
+        self._outbox.put(seq, exc)
         self._end(seq)
 
     def _end(self, seq: Sequence) -> None:
-        self._out.append((seq, END))  # leaves ``_live`` once delivered (``_flush``)
+        self._outbox.put(seq, END)  # leaves ``_live`` once delivered (``_flush``)
 
     def _retire(self, seq: Sequence) -> None:
         seq.finished_step = self.steps
         if seq.status is not SeqStatus.RUNNING:
             seq.status = SeqStatus.FINISHED
             return
-        old_last = len(self.scheduler.running) - 1
-        moved = self.scheduler.remove(seq)
-        if moved is not None and moved.length > 0:
-            self.runner.cache.move(old_last, moved.slot, moved.length)
-
-    def _abort_all(self, exc: BaseException) -> None:
-        with self._lock:
-            pending = list(self._inbox) + list(self.scheduler.waiting)
-            self._inbox.clear()
-            self.scheduler.waiting.clear()
-        for seq in pending + list(self.scheduler.running):
-            self._fail(seq, exc)
-        self._flush()
-
-    def _die(self, cause: BaseException) -> None:
-        """Fatal: end every request in flight with ``EngineFailed`` now, refuse new ones and
-        tell the owner. Touches nothing but the lock and the requests' queues, since the
-        rest of the engine may be what broke."""
-        with self._lock:
-            if self.failure is not None:
-                return
-            self.failure = EngineFailed(self.model_id, cause)
-            self._active = False
-            live = [*self._live]
-            self._live.clear()
-            self._inbox.clear()
-        log.error("%s: the engine failed; ending its %d requests", self.model_id, len(live),
-                  exc_info=cause)  # fmt: skip
-        if self._on_fatal is not None and not self._closed:  # closing: no reload wanted
-            try:  # first, so that a client retrying at once finds the model failed
-                self._on_fatal(cause, live[0].loop if live else None)
-            except Exception:
-                log.exception("%s: the engine failure handler failed", self.model_id)
-        self._out = []
-        for seq in live:
-            seq.status = SeqStatus.FINISHED
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
-                seq.loop.call_soon_threadsafe(
-                    _deliver, [(seq.queue, self.failure), (seq.queue, END)]
-                )
-        with contextlib.suppress(Exception):
-            self.runner.cache.release()
+        self.scheduler.remove(seq)  # its KV blocks are free at once
 
     # --- output -------------------------------------------------------------------------------
     def _emit(self, seq: Sequence, chunk: Chunk) -> None:
         if seq.grammar_done and chunk.finish_reason is not None and not seq.cancelled:
             chunk.finish_reason = FinishReason.STOP  # the grammar is complete
         self.tokens_generated += len(chunk.token_ids)
-        self._out.append((seq, chunk))
+        self._outbox.put(seq, chunk)
 
     def _flush(self) -> None:
         """Deliver this step's outputs: one wake-up per event loop, not one per token."""
-        if not self._out:
-            return
-        by_loop: dict[Any, list[tuple[Any, Any]]] = {}
-        out, self._out = self._out, []
-        for seq, item in out:
-            by_loop.setdefault(seq.loop, []).append((seq.queue, item))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
-                loop.call_soon_threadsafe(_deliver, items)
-        for seq, item in out:
-            if item is END:
-                self._live.discard(seq)
+        for seq in self._outbox.flush():
+            self._live.discard(seq)
+
+    def _release_cache(self) -> None:
+        if self.runner.cache is not None:
+            self.runner.cache.release()
 
     def vision_cache_stats(self) -> dict[str, int]:
         return self.vision_cache.stats()
-
-
-def _deliver(items: list[tuple[Any, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
 
 
 def _rid(seq: Sequence) -> str:

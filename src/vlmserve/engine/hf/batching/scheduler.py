@@ -1,26 +1,44 @@
-"""Which waiting requests join the running batch this step (first come, first served).
+"""Which waiting requests join the running batch this step, and who leaves when the KV
+cache is full (vLLM's scheduler, first come, first served, preemption by recompute).
 
-Bounds: at most ``max_num_seqs`` rows decode together, and one step prefills at most
+Bounds: at most ``max_num_seqs`` rows decode together, one step prefills at most
 ``max_num_batched_tokens`` prompt tokens (several waiting requests may prefill in the same
-forward). A prompt longer than the budget is admitted alone, never starved. Rows live in
-``running`` in slot order: ``running[i].slot == i``, so the decode batch is dense.
+forward; a prompt longer than that is admitted alone, never starved), and with a
+``BlockManager`` a request is admitted only when the KV blocks of its prompt (plus the
+tokens it had generated before a preemption) are free, with one block to spare per
+running row. The head of the queue waits for
+room; nobody overtakes it.
+
+When a decode step needs a new block and none is free, the most recently admitted running
+row is **preempted**: its blocks are freed and it goes back to the *front* of the queue, to
+be recomputed later. Rows live in ``running`` in slot order (``running[i].slot == i``), so
+the decode batch is dense.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from vlmserve.engine.hf.batching.block_manager import BlockManager
 from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
 
 __all__ = ["Scheduler"]
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        blocks: BlockManager | None = None,
+    ):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.blocks = blocks  # None: no KV budget (scheduler tests)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0
+        self._admissions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -37,24 +55,67 @@ class Scheduler:
             seq = self.waiting[0]
             if admitted and tokens + seq.prompt_len > self.max_num_batched_tokens:
                 break
+            if self.blocks is not None:
+                # headroom: one block per running row, for its next decode tokens (admitting
+                # into the last free blocks would only preempt someone at the next step)
+                need = self.blocks.blocks_for(seq.kv_need) + len(self.running)
+                if need > len(self.blocks.free):
+                    break
+                self.blocks.allocate(seq.block_table, seq.kv_need)
             self.waiting.popleft()
             tokens += seq.prompt_len
             seq.slot = len(self.running)
             seq.status = SeqStatus.RUNNING
+            seq.admitted, self._admissions = self._admissions, self._admissions + 1
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def reserve_decode(self) -> list[Sequence]:
+        """Make room for every running row's next token, preempting the newest rows while
+        blocks run short (possibly the row itself). Returns the preempted rows."""
+        if self.blocks is None:
+            return []
+        preempted: list[Sequence] = []
+        for seq in sorted(self.running, key=lambda s: s.admitted):  # oldest first
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted for an older row just now
+            while not self.blocks.can_append(seq.block_table, seq.length):
+                victim = max(self.running, key=lambda s: s.admitted)
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append_slot(seq.block_table, seq.length)
+        return preempted
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it back at the front of the queue (recompute)."""
+        self._leave(seq)
+        seq.status = SeqStatus.WAITING
+        seq.slot = -1
+        seq.length = 0
+        seq.preempted += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
 
     def drop_waiting(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
     def remove(self, seq: Sequence) -> Sequence | None:
-        """Take a running row out; the last row moves into its slot. Returns the moved row
-        (its KV must follow: ``cache.move(moved_from, seq.slot)``) or None."""
+        """Take a running row out (its blocks are freed); the last row moves into its slot.
+        Returns the moved row or None."""
+        moved = self._leave(seq)
+        seq.status = SeqStatus.FINISHED
+        return moved
+
+    def _leave(self, seq: Sequence) -> Sequence | None:
+        if self.blocks is not None:
+            self.blocks.free_table(seq.block_table)
         slot = seq.slot
         last = self.running.pop()
-        seq.status = SeqStatus.FINISHED
         if last is seq:
             return None
         self.running[slot] = last

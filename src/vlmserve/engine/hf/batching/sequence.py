@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,8 +15,8 @@ __all__ = ["SeqStatus", "Sequence"]
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"  # queued; nothing computed yet
-    RUNNING = "running"  # prefilled: owns a KV slot, decodes every step
+    WAITING = "waiting"  # queued (new, or preempted: its KV blocks were freed)
+    RUNNING = "running"  # prefilled: owns KV blocks and a row of the batch, decodes every step
     FINISHED = "finished"
 
 
@@ -31,10 +32,17 @@ class Sequence:
     run: Any = None  # generation._Run: detokeniser, stop strings, counts, finish reason
     status: SeqStatus = SeqStatus.WAITING
     cancelled: bool = False
-    slot: int = -1  # row of the KV cache (and of the decode batch)
+    slot: int = -1  # row of the decode batch (running rows are 0..B-1)
+    block_table: list[int] = field(default_factory=list)  # its KV blocks (BlockManager)
+    admitted: int = -1  # admission order: the newest running row is preempted first
     length: int = 0  # tokens whose K/V are in the cache
     rope_delta: int = 0  # M-RoPE: position of cache index i is i + rope_delta
     generated: int = 0  # tokens sampled in this run
+    output_ids: list[int] = field(default_factory=list)  # those tokens (recomputed if preempted)
+    # After a preemption: tokens already sampled and streamed, fed again one decode step
+    # each (logits discarded, nothing sampled or emitted) until the KV is back.
+    replay: deque[int] = field(default_factory=deque)
+    preempted: int = 0  # times this row lost its KV blocks
     next_token: int = -1  # sampled, not yet fed through the model
     finished_step: int = -1  # engine step at which the row left (tests, diagnostics)
     grammar_done: bool = False  # the response-format grammar is complete: finish with "stop"
@@ -45,6 +53,25 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return self.prepared.prompt_tokens
+
+    def start_sampling(self, vocab: int, device: torch.device) -> None:
+        """Per-row sampling state: seeded RNG, penalty mask, grammar matcher (with a resumed
+        prefix replayed). Once per request: a preempted row keeps its state."""
+        req = self.prepared.request
+        if req.sampling.seed is not None and not req.sampling.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(req.sampling.seed)
+        if req.sampling.penalty != 1.0:
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self.seen[self.prepared.inputs["input_ids"][0].to(device)] = True
+        if self.prepared.grammar is not None:
+            self.matcher = self.prepared.grammar.matcher(prefix=req.prefix_token_ids)
+
+    @property
+    def kv_need(self) -> int:
+        """Tokens whose K/V admission must make room for: the prompt, plus the tokens it
+        generated before a preemption (recomputed)."""
+        return self.prompt_len + len(self.output_ids)
 
     @property
     def sampling(self) -> Any:

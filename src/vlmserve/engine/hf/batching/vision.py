@@ -36,7 +36,9 @@ class PromptEmbedder:
         self.video_token = int(model.config.video_token_id)
         self.merge = int(model.config.vision_config.spatial_merge_size)
 
-    def build(self, inputs: dict[str, torch.Tensor], slot: int) -> RowInputs:
+    def build(self, inputs: dict[str, torch.Tensor], slot: int = -1) -> RowInputs:
+        """``slot`` (the row's place in the batch) is not needed by a paged cache; kept
+        for callers."""
         device = self.runner.device
         ids = inputs["input_ids"][0].to(device)  # [T]
         embeds = self.runner.embed(ids)  # [T, hidden]
@@ -56,9 +58,9 @@ class PromptEmbedder:
                 )
             embeds[where] = feats.to(embeds.dtype)
         if images is None and videos is None:
-            return RowInputs(PrefillRow(embeds, None, slot), 0)
+            return RowInputs(PrefillRow(embeds, None), 0)
         positions, delta = self._positions(inputs, ids)
-        return RowInputs(PrefillRow(embeds, positions, slot), delta)
+        return RowInputs(PrefillRow(embeds, positions), delta)
 
     def _positions(
         self, inputs: dict[str, torch.Tensor], ids: torch.Tensor

@@ -1,0 +1,135 @@
+"""The engine's thread and its failure path: start the loop on submit, stop on close, and
+end every request at once when the engine fails (``faults.py`` says what is fatal).
+
+``EngineLifecycle`` is a base of ``BatchEngine``: the step logic is in ``engine.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from vlmserve.engine.hf.batching.faults import EngineFailed
+from vlmserve.engine.hf.batching.outbox import END, Outbox, deliver
+from vlmserve.engine.hf.batching.scheduler import Scheduler
+from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
+from vlmserve.errors import ServiceUnavailable
+
+__all__ = ["EngineLifecycle"]
+
+log = logging.getLogger("vlmserve.engine.hf.batching.engine")
+
+
+class EngineLifecycle:
+    """Thread and failure handling; ``BatchEngine`` provides the step (``_run``)."""
+
+    model_id: str
+    scheduler: Scheduler
+    _submit: Callable[[Callable[[], None]], Any]
+    _on_fatal: Callable[[BaseException, Any], None] | None
+    _lock: threading.Lock
+    _inbox: deque[Sequence]
+    _live: set[Sequence]
+    _active: bool
+    _closed: bool
+    failure: EngineFailed | None
+    _outbox: Outbox
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def _flush(self) -> None:
+        raise NotImplementedError
+
+    def _release_cache(self) -> None:
+        raise NotImplementedError
+
+    def submit(self, seq: Sequence) -> None:
+        with self._lock:
+            if self.failure is not None:
+                raise self.failure
+            if self._closed:
+                raise ServiceUnavailable("the model is unloading; retry shortly", retry_after=5)
+            self._inbox.append(seq)
+            self._live.add(seq)
+            start, self._active = not self._active, True
+        if start:
+            try:
+                future = self._submit(self._loop)
+            except Exception as exc:  # the executor is shut down: nothing will ever run
+                self._die(exc)
+                raise self.failure or exc from exc
+            if hasattr(future, "add_done_callback"):
+                future.add_done_callback(self._loop_ended)
+
+    def close(self) -> None:
+        """Stop after the current step; rows still queued or running get a 503."""
+        with self._lock:
+            self._closed = True
+            idle = not self._active and self.failure is None  # a failed engine ended them all
+        if idle:
+            self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
+
+    def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # outside a forward: the engine's state is not trusted
+            self._die(exc)
+
+    def _loop_ended(self, future: Any) -> None:
+        """The loop's future is done. ``_loop`` handles its own errors, so this only acts
+        when the loop never ran (cancelled by an executor shutdown) or escaped anyway."""
+        cause = RuntimeError("the engine loop was cancelled before it ran")
+        if not future.cancelled():
+            cause = future.exception()
+            if cause is None:
+                return
+        if self._closed:
+            self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
+        else:
+            self._die(cause)
+
+    def _abort_all(self, exc: BaseException) -> None:
+        with self._lock:
+            pending = list(self._inbox) + list(self.scheduler.waiting)
+            self._inbox.clear()
+            self.scheduler.waiting.clear()
+        for seq in pending + list(self.scheduler.running):
+            self._fail(seq, exc)
+        self._flush()
+
+    def _die(self, cause: BaseException) -> None:
+        """Fatal: end every request in flight with ``EngineFailed`` now, refuse new ones and
+        tell the owner. Touches nothing but the lock and the requests' queues, since the
+        rest of the engine may be what broke."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = EngineFailed(self.model_id, cause)
+            self._active = False
+            live = [*self._live]
+            self._live.clear()
+            self._inbox.clear()
+        log.error("%s: the engine failed; ending its %d requests", self.model_id, len(live),
+                  exc_info=cause)  # fmt: skip
+        if self._on_fatal is not None and not self._closed:  # closing: no reload wanted
+            try:  # first, so that a client retrying at once finds the model failed
+                self._on_fatal(cause, live[0].loop if live else None)
+            except Exception:
+                log.exception("%s: the engine failure handler failed", self.model_id)
+        self._outbox.clear()
+        for seq in live:
+            seq.status = SeqStatus.FINISHED
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                seq.loop.call_soon_threadsafe(
+                    deliver, [(seq.queue, self.failure), (seq.queue, END)]
+                )
+        with contextlib.suppress(Exception):
+            self._release_cache()

@@ -1,0 +1,97 @@
+"""The engine's side of the paged KV cache: the budget, the blocks, recompute after preemption.
+
+``KVPaging`` sizes the cache from the budget (``KVBudget.plan``), allocates it once through
+the runner, and owns the ``BlockManager`` the scheduler admits and preempts with. A row that
+was preempted is recomputed when readmitted: its prompt is prefilled again and the tokens it
+had already sampled and streamed are fed back one decode step each (``Sequence.replay``),
+their logits discarded. Its KV then holds exactly what an uninterrupted run computed (the
+decode step is batch invariant), its RNG, grammar matcher and penalty state were never
+touched, so its next tokens are those of the uninterrupted run and nothing is emitted
+twice. (vLLM recomputes prompt + output in one prefill: faster, but a prefill's K/V round
+differently from the decode steps', so greedy output could change after a preemption.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vlmserve.engine.hf.batching.block_manager import BlockManager
+from vlmserve.engine.hf.batching.kv_cache import KVBudget
+from vlmserve.engine.hf.batching.runner import Qwen2VLRunner
+from vlmserve.engine.hf.batching.sequence import Sequence
+
+__all__ = ["NOT_SAMPLED", "KVPaging"]
+
+NOT_SAMPLED = -1  # a forward's "token" for a row that is recomputing tokens it streamed
+
+
+class KVPaging:
+    def __init__(self, runner: Qwen2VLRunner, kv_cache_bytes: int | None, block_size: int):
+        self.runner = runner
+        self.budget = KVBudget.plan(
+            kv_cache_bytes, runner.block_bytes(block_size), block_size, runner.device
+        )
+        runner.allocate_cache(self.budget.num_blocks, block_size)
+        self.blocks = BlockManager(self.budget.num_blocks, block_size)
+
+    def oversized(self, waiting: Any) -> list[tuple[Sequence, BaseException]]:
+        """Waiting rows the whole cache can never hold, each with its 400 (``check_fits``
+        refuses such requests before they start; this catches callers that did not ask,
+        and rows that outgrew the cache while generating)."""
+        out: list[tuple[Sequence, BaseException]] = []
+        for seq in waiting:
+            if self.blocks.fits(seq.kv_need):
+                continue
+            try:
+                self.budget.check_fits(seq.prompt_len, max(seq.max_new, len(seq.output_ids) + 1))
+            except Exception as exc:
+                out.append((seq, exc))
+            else:  # check_fits is the looser test (prompt + max_tokens); never reached
+                out.append((seq, MemoryError("the KV cache cannot hold this request")))
+        return out
+
+    def prompt_slots(self, seq: Sequence) -> list[int]:
+        """Cache slots of the prompt's tokens (its blocks were allocated at admission)."""
+        self.clear_fresh()
+        return [self.blocks.slot(seq.block_table, i) for i in range(seq.prompt_len)]
+
+    def clear_fresh(self) -> None:
+        """Zero the blocks handed out since the last forward (before they are read)."""
+        cache = self.runner.cache
+        if cache is not None:
+            cache.clear(self.blocks.take_fresh())
+
+    @staticmethod
+    def recomputing(seq: Sequence) -> bool:
+        """Whether this forward's logits for ``seq`` give a token it already streamed:
+        its prefill after a preemption (tokens out, none in the cache) or a replay step."""
+        return bool(seq.replay) or (bool(seq.output_ids) and seq.length == 0)
+
+    @staticmethod
+    def after_prefill(seq: Sequence) -> None:
+        seq.length = seq.prompt_len
+        if seq.output_ids:  # recomputed: feed back the tokens it had streamed
+            seq.next_token, *rest = seq.output_ids
+            seq.replay.extend(rest)
+
+    @staticmethod
+    def after_decode(seq: Sequence) -> None:
+        seq.length += 1
+        if seq.replay:
+            seq.next_token = seq.replay.popleft()
+
+    def sample(self, sampler: Any, logits: torch.Tensor, rows: list[Sequence]) -> list[int]:
+        """Tokens of the rows that sample (logits [B, V]); ``NOT_SAMPLED`` for the rows
+        that are recomputing (their logits are dropped: no RNG draw, no grammar step)."""
+        live = [i for i, s in enumerate(rows) if not self.recomputing(s)]
+        if len(live) == len(rows):
+            return sampler.sample(logits, rows)
+        tokens = [NOT_SAMPLED] * len(rows)
+        if live:
+            index = torch.tensor(live, device=logits.device)
+            picked = sampler.sample(logits[index], [rows[i] for i in live])
+            for i, token in zip(live, picked, strict=True):
+                tokens[i] = token
+        return tokens
