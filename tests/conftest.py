@@ -59,11 +59,15 @@ async def client(make_client: Callable[..., Any]) -> httpx.AsyncClient:
 
 
 @pytest.fixture
-def live_server(tiny_dir: Path, chat_models: ModelManager) -> Iterator[Callable[..., LiveServer]]:
-    """``live_server(**settings)`` -> a started LiveServer sharing the loaded tiny model."""
+def live_server(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., LiveServer]]:
+    """``live_server(**settings)`` -> a started LiveServer sharing the loaded tiny model (its
+    uploaded files in a temporary directory, never the working tree)."""
     servers: list[LiveServer] = []
 
     def factory(**overrides: Any) -> LiveServer:
+        overrides.setdefault("files_dir", str(tmp_path_factory.mktemp("files")))
         server = LiveServer(build_app(make_settings(tiny_dir, **overrides), models=chat_models))
         servers.append(server.__enter__())
         return server

@@ -171,6 +171,23 @@ class Settings(BaseSettings):
     stream_ring_size: int = 2048
     redis_url: str | None = None  # set to share streams between server replicas
 
+    # --- files and batches (/v1/files, /v1/batches) --------------------------------------
+    # uploaded files, batch results and their SQLite index (files.db); None: vlmserve-data/
+    # next to sessions_db_path. Nothing is created before the first upload.
+    files_dir: str | None = None
+    # one upload's bytes; the whole request is also under max_body_bytes, so keep this below it
+    files_max_bytes: int = Field(default=48 * MiB, ge=1)
+    files_quota_bytes: int = Field(default=10 * 2**30, ge=0)  # per API key, all its files; 0 = none
+    files_ttl_seconds: float = Field(default=30 * 86400.0, ge=0)  # files and batches; 0 = keep
+    batch_max_concurrency: int = Field(default=1, ge=1)  # batch lines in flight, all batches
+
+    @property
+    def files_path(self) -> Path:
+        """Where files and batches live (``files_dir``, or vlmserve-data/ by sessions.db)."""
+        if self.files_dir:
+            return Path(self.files_dir)
+        return Path(self.sessions_db_path).parent / "vlmserve-data"
+
     @field_validator("idle_command", "deregister_command", mode="before")
     @classmethod
     def _argv(cls, value: object) -> object:
@@ -181,7 +198,7 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", "files_max_bytes", "files_quota_bytes", mode="before")
     @classmethod
     def _size(cls, value: object) -> object:
         return parse_size(value) if isinstance(value, str) else value

@@ -26,8 +26,10 @@ from vlmserve.api.middleware import (
 )
 from vlmserve.api.routes import (
     admin,
+    batches,
     chat,
     embeddings,
+    files,
     gateway,
     responses,
     streams,
@@ -57,7 +59,8 @@ CORS_EXPOSED_HEADERS = ["X-Session-ID", "X-Request-ID", "Retry-After"]
 
 log = logging.getLogger(__name__)
 ROUTERS = (system.router, chat.router, streams.router, embeddings.router, worker.router,
-           admin.router, tasks.router, gateway.router, responses.router)  # fmt: skip
+           admin.router, tasks.router, gateway.router, responses.router, files.router,
+           batches.router)  # fmt: skip
 
 
 def build_sessions(settings: Settings) -> SessionManager:
@@ -152,7 +155,8 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
         with clock.busy():  # loading counts as activity (seed 000)
             loading = asyncio.create_task(load())  # /ready is 503 until it is done
         tasks = [loading, asyncio.create_task(models.run_keep_alive()),
-                 asyncio.create_task(announce(loading))]  # fmt: skip
+                 asyncio.create_task(announce(loading)),
+                 asyncio.create_task(services.batches.start(loading))]  # fmt: skip
         if watchdog is not None:
             watchdog.start()
         try:
@@ -160,6 +164,7 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
         finally:
             for task in tasks:
                 task.cancel()
+            await services.batches.stop()  # their stored state resumes at the next start
             if registration is not None:  # a clean stop leaves the gateway's pool at once
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(registration.deregister("shutdown"), timeout=5)

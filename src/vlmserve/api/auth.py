@@ -21,10 +21,15 @@ Keys come from ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` and are c
 ``hmac.compare_digest`` against every configured key (no early exit). With no API keys
 configured, non-admin routes are open. With no admin keys configured, admin routes are CLOSED
 (403): an operator who set only API keys must not get an open admin API by accident.
+
+A request let through with a key (API keys configured) carries the key's identity for what it
+owns (files, batches): ``scope["state"]["owner"]`` = ``owner_of(key)``, a SHA-256 digest, never
+the key itself. Without configured API keys there is one owner, ``ANONYMOUS``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from collections.abc import Sequence
@@ -36,12 +41,26 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from vlmserve.api.errors import error_body
 from vlmserve.errors import AuthenticationError
 
-__all__ = ["ADMIN_PREFIXES", "Access", "AuthMiddleware", "classify_path", "normalize_path"]
+__all__ = [
+    "ADMIN_PREFIXES",
+    "ANONYMOUS",
+    "Access",
+    "AuthMiddleware",
+    "classify_path",
+    "normalize_path",
+    "owner_of",
+]
 
 _MAX_DECODE_ROUNDS = 8
 # Normalised path prefixes that need an admin key: the admin API, and the gateway's control
 # routes (registering a replica sends it users' traffic; the replica list shows upstream URLs).
 ADMIN_PREFIXES = ("/admin", "/v1/gateway")
+ANONYMOUS = "anonymous"  # the one owner when no API keys are configured
+
+
+def owner_of(key: bytes) -> str:
+    """The identity a key's files and batches are stored under (the key is never stored)."""
+    return "key-" + hashlib.sha256(b"vlmserve-owner:" + key).hexdigest()[:32]
 
 
 class Access(IntEnum):
@@ -147,6 +166,9 @@ class AuthMiddleware:
             return
         denial = self._check(scope)
         if denial is None:
+            given = _presented_key(scope) if self._api_keys else None
+            owner = ANONYMOUS if given is None else owner_of(given)
+            scope.setdefault("state", {})["owner"] = owner
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})

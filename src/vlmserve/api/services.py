@@ -12,9 +12,13 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.metrics import Metrics
+from vlmserve.api.serving.batches import BatchesService
+from vlmserve.api.serving.batches_lines import Endpoints
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.convert import Converter
+from vlmserve.api.serving.files import FilesService
 from vlmserve.api.serving.responses import ResponsesService
 from vlmserve.api.serving.tasks import TaskService
 from vlmserve.api.serving.worker import WorkerService
@@ -23,8 +27,11 @@ from vlmserve.registry.manager import ModelManager
 from vlmserve.streaming import SessionManager
 
 __all__ = [
+    "BatchesDep",
     "ChatDep",
+    "FilesDep",
     "ModelsDep",
+    "OwnerDep",
     "ResponsesDep",
     "Services",
     "ServicesDep",
@@ -44,6 +51,8 @@ class Services:
     worker: WorkerService
     tasks: TaskService
     responses: ResponsesService
+    files: FilesService
+    batches: BatchesService
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -54,7 +63,11 @@ class Services:
         chat = ChatService(models, converter, sessions, metrics)
         worker = WorkerService(models, converter)
         responses = ResponsesService(chat, chat_resumer=chat.resume)  # one resumer per manager
-        return cls(settings, models, sessions, metrics, chat, worker, TaskService(chat), responses)
+        files = FilesService.from_settings(settings)
+        batches = BatchesService(files, Endpoints(chat, responses, worker), models=models,
+                                 max_concurrency=settings.batch_max_concurrency)  # fmt: skip
+        return cls(settings, models, sessions, metrics, chat, worker, TaskService(chat),
+                   responses, files, batches)  # fmt: skip
 
 
 def _services(request: Request) -> Services:
@@ -85,6 +98,20 @@ def _responses(request: Request) -> ResponsesService:
     return _services(request).responses
 
 
+def _files(request: Request) -> FilesService:
+    return _services(request).files
+
+
+def _batches(request: Request) -> BatchesService:
+    return _services(request).batches
+
+
+def _owner(request: Request) -> str:
+    """Who owns what this request makes or reads (files, batches): its API key's identity,
+    set by the auth middleware; one anonymous owner without configured API keys."""
+    return getattr(request.state, "owner", ANONYMOUS)  # type: ignore[no-any-return]
+
+
 ServicesDep = Annotated[Services, Depends(_services)]
 ModelsDep = Annotated[ModelManager, Depends(_models)]
 SessionsDep = Annotated[SessionManager, Depends(_sessions)]
@@ -92,3 +119,6 @@ ChatDep = Annotated[ChatService, Depends(_chat)]
 WorkerDep = Annotated[WorkerService, Depends(_worker)]
 TasksDep = Annotated[TaskService, Depends(_tasks)]
 ResponsesDep = Annotated[ResponsesService, Depends(_responses)]
+FilesDep = Annotated[FilesService, Depends(_files)]
+BatchesDep = Annotated[BatchesService, Depends(_batches)]
+OwnerDep = Annotated[str, Depends(_owner)]

@@ -39,6 +39,8 @@ ENV_ONLY = (
     "idle_seconds", "idle_check_interval", "idle_command", "activity_file", "deregister_url",
     "deregister_command", "instance_id", "deregister_timeout", "sessions_db_path",
     "sessions_ttl_seconds", "cancel_after_disconnect_seconds", "stream_ring_size",
+    "files_dir", "files_max_bytes", "files_quota_bytes", "files_ttl_seconds",
+    "batch_max_concurrency",
 )  # fmt: skip
 # Repeatable flags whose values may also be comma lists, and the setting each adds to.
 LIST_FLAGS = {

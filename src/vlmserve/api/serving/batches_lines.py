@@ -1,0 +1,164 @@
+"""One batch line: read from the input file, run through the endpoint's own service, written in
+OpenAI's output line format.
+
+    input   {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+    output  {"id": "batch_req_...", "custom_id": "a", "error": null,
+             "response": {"status_code": 200, "request_id": "...", "body": {...}}}
+    error   the same with the 4xx (or 500) status and its error body in ``response``, and
+            ``error`` = {"code", "message"}
+
+A file whose lines are not all such objects (bad JSON, a missing custom_id, a repeated one,
+another url than the batch's endpoint) fails the whole batch before any line runs, with the line
+numbers in ``errors.data``; a line whose *body* the endpoint refuses is an error line and the
+batch goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from vlmserve.api.errors import error_body
+from vlmserve.api.protocol.chat import ChatCompletionRequest
+from vlmserve.api.protocol.embeddings import EmbeddingsRequest
+from vlmserve.api.protocol.responses_api import ResponsesRequest
+from vlmserve.api.routing import strict_loads
+from vlmserve.api.serving.chat import ChatService
+from vlmserve.api.serving.files_store import LineResult
+from vlmserve.api.serving.responses import ResponsesService
+from vlmserve.api.serving.worker import WorkerService
+from vlmserve.errors import InvalidRequest, VlmserveError
+
+__all__ = ["ENDPOINTS", "BatchLine", "Endpoints", "error_result", "ok_result", "parse_lines"]
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+MAX_LINES = 50_000  # OpenAI's limit per batch
+_MAX_ERRORS = 20  # line errors listed when a file is refused
+
+
+@dataclass(slots=True)
+class BatchLine:
+    line: int  # 1-based
+    custom_id: str
+    body: Any
+
+
+def _line_problem(number: int, text: str, endpoint: str) -> tuple[str, str] | None:
+    """(code, message) of a line that is not a request object, or None."""
+    try:
+        item = strict_loads(text)
+    except json.JSONDecodeError as exc:
+        return "invalid_json_line", f"line {number} is not valid JSON: {exc.msg}"
+    if not isinstance(item, dict):
+        return "invalid_request", f"line {number} is not a JSON object"
+    if not isinstance(item.get("custom_id"), str) or not item["custom_id"]:
+        return "missing_custom_id", f"line {number} has no custom_id (a non-empty string)"
+    if item.get("method", "POST") != "POST":
+        return "invalid_method", f"line {number}: method must be POST"
+    if item.get("url") != endpoint:
+        return "mismatched_url", (f"line {number}: url {item.get('url')!r} is not the batch's "
+                                  f"endpoint {endpoint!r}")  # fmt: skip
+    return None
+
+
+def parse_lines(text: str, endpoint: str) -> tuple[list[BatchLine], list[dict[str, Any]]]:
+    """The lines of an input file, or (when any is malformed) the errors, OpenAI's shape:
+    ``{"code", "message", "param", "line"}``."""
+    lines: list[BatchLine] = []
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        problem = _line_problem(number, raw, endpoint)
+        if problem is None:
+            item = json.loads(raw)
+            if item["custom_id"] in seen:
+                message = f"line {number}: custom_id {item['custom_id']!r} is used twice"
+                problem = "duplicate_custom_id", message
+            else:
+                seen.add(item["custom_id"])
+                lines.append(BatchLine(number, item["custom_id"], item.get("body")))
+        if problem is not None and len(errors) < _MAX_ERRORS:
+            errors.append({"code": problem[0], "message": problem[1], "param": None,
+                           "line": number})  # fmt: skip
+    if not errors and not lines:
+        errors.append({"code": "empty_file", "message": "the input file has no request lines",
+                       "param": None, "line": None})  # fmt: skip
+    if not errors and len(lines) > MAX_LINES:
+        errors.append({"code": "too_many_requests", "message": f"the input file has "
+                       f"{len(lines)} lines; a batch holds at most {MAX_LINES}",
+                       "param": None, "line": None})  # fmt: skip
+    return lines, errors
+
+
+def _request_id() -> str:
+    return f"batch_req_{uuid.uuid4().hex}"
+
+
+def ok_result(line: BatchLine, request_id: str, body: dict[str, Any]) -> LineResult:
+    response = {"status_code": 200, "request_id": request_id, "body": body}
+    result = {"id": _request_id(), "custom_id": line.custom_id, "response": response,
+              "error": None}  # fmt: skip
+    return LineResult(line.line, True, result)
+
+
+def error_result(line: BatchLine, request_id: str, exc: VlmserveError) -> LineResult:
+    code = exc.code or exc.error_type
+    body = error_body(exc.message, exc.error_type, code, exc.param)
+    response = {"status_code": exc.status_code, "request_id": request_id, "body": body}
+    result = {"id": _request_id(), "custom_id": line.custom_id, "response": response,
+              "error": {"code": code, "message": exc.message}}  # fmt: skip
+    return LineResult(line.line, False, result)
+
+
+def _invalid(exc: ValidationError) -> InvalidRequest:
+    """A body the endpoint's wire model refuses: the first problem, as the routes' 400 says."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
+    param = ".".join(str(p) for p in first.get("loc", ()))
+    reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    more = f" (and {len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
+    return InvalidRequest(f"{param}: {reason}{more}" if param else reason + more,
+                          param=param or None, code="invalid_value")  # fmt: skip
+
+
+def _validate(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the line's body must be a JSON object", param="body")
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    if getattr(parsed, "stream", False) or getattr(parsed, "background", False):
+        raise InvalidRequest("a batch line cannot stream or run in the background",
+                             param="stream")  # fmt: skip
+    return parsed
+
+
+class Endpoints:
+    """Runs a line's body through the service of its endpoint (never a second implementation)."""
+
+    def __init__(self, chat: ChatService, responses: ResponsesService, worker: WorkerService):
+        self._run: dict[str, Callable[[Any, str], Awaitable[dict[str, Any]]]] = {
+            "/v1/chat/completions": self._chat, "/v1/responses": self._responses,
+            "/v1/embeddings": self._embeddings,
+        }  # fmt: skip
+        self.chat, self.responses, self.worker = chat, responses, worker
+
+    async def run(self, endpoint: str, body: Any, request_id: str) -> dict[str, Any]:
+        return await self._run[endpoint](body, request_id)
+
+    async def _chat(self, body: Any, request_id: str) -> dict[str, Any]:
+        return await self.chat.complete(_validate(ChatCompletionRequest, body), request_id)
+
+    async def _responses(self, body: Any, request_id: str) -> dict[str, Any]:
+        parsed = _validate(ResponsesRequest, body)
+        return await self.responses.complete_unstored(parsed, request_id)
+
+    async def _embeddings(self, body: Any, request_id: str) -> dict[str, Any]:
+        return await self.worker.embeddings(_validate(EmbeddingsRequest, body))

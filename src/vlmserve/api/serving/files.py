@@ -1,0 +1,175 @@
+"""OpenAI's Files API: uploads kept under ``files_dir``, each owned by the API key that sent it.
+
+An upload streams to disk under ``files_max_bytes`` and the owner's ``files_quota_bytes``
+(both checked from ``Content-Length`` before a byte is read, then while it streams). Files
+expire ``files_ttl_seconds`` after they were made (OpenAI's ``expires_at``); expired files and
+finished batches are swept on uploads and every few minutes. Another key's file is a 404, as an
+unknown one is: nobody learns which ids exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from python_multipart.exceptions import MultipartParseError
+
+from vlmserve.api.serving.files_store import FileRow, FilesStore
+from vlmserve.api.serving.files_upload import FORM_OVERHEAD, receive_upload
+from vlmserve.config import Settings
+from vlmserve.errors import InvalidRequest, NotFound, PayloadTooLarge
+
+__all__ = ["PURPOSES", "FilesService", "new_file_id"]
+
+log = logging.getLogger(__name__)
+
+PURPOSES = ("batch", "vision", "user_data")  # what clients upload; batch results: batch_output
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class FilesService:
+    def __init__(self, store: FilesStore, *, max_bytes: int, quota_bytes: int, ttl: float):
+        self.store = store
+        self.max_bytes = max_bytes
+        self.quota_bytes = quota_bytes  # 0: no quota
+        self.ttl = ttl  # 0: files are kept until deleted
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> FilesService:
+        return cls(FilesStore(settings.files_path), max_bytes=settings.files_max_bytes,
+                   quota_bytes=settings.files_quota_bytes,
+                   ttl=settings.files_ttl_seconds)  # fmt: skip
+
+    def expires_at(self, now: int) -> int | None:
+        return now + int(self.ttl) if self.ttl else None
+
+    # -- limits -----------------------------------------------------------------------------
+
+    def _too_large(self) -> str:
+        return (f"the file is larger than {self.max_bytes} bytes (VLMSERVE_FILES_MAX_BYTES); "
+                "split it into smaller files")  # fmt: skip
+
+    def _quota_left(self, owner: str) -> int | None:
+        return None if not self.quota_bytes else self.quota_bytes - self.store.used_bytes(owner)
+
+    def _over_quota(self, owner: str, adding: int) -> PayloadTooLarge:
+        used = self.store.used_bytes(owner)
+        return PayloadTooLarge(
+            f"this upload ({_mib(adding)}) would take this API key's files to "
+            f"{_mib(used + adding)}, over its quota of {_mib(self.quota_bytes)} "
+            "(VLMSERVE_FILES_QUOTA_BYTES); delete files (DELETE /v1/files/{id}) first",
+            param="file", code="files_quota_exceeded",
+        )  # fmt: skip
+
+    def check_length(self, owner: str, content_length: str | None) -> None:
+        """Refuse by the declared length, before a byte is read."""
+        if content_length is None or not content_length.isdigit():
+            return
+        declared = int(content_length) - FORM_OVERHEAD
+        if declared > self.max_bytes:
+            raise PayloadTooLarge(self._too_large(), param="file")
+        left = self._quota_left(owner)
+        if left is not None and declared > left:
+            raise self._over_quota(owner, declared)
+
+    # -- create -----------------------------------------------------------------------------
+
+    async def upload(self, owner: str, content_type: str | None, content_length: str | None,
+                     body: AsyncIterator[bytes]) -> dict[str, Any]:  # fmt: skip
+        self.sweep()
+        self.check_length(owner, content_length)
+        left = self._quota_left(owner)
+        limit = self.max_bytes if left is None else max(0, min(self.max_bytes, left))
+        file_id = new_file_id()
+        part = self.store.blob(file_id).with_suffix(".part")
+        self.store.db()  # makes the directories
+        try:
+            upload = await receive_upload(content_type, body, part, limit, self._too_large())
+        except PayloadTooLarge:
+            if left is not None and left < self.max_bytes:
+                raise self._over_quota(owner, limit + 1) from None
+            raise
+        except MultipartParseError as exc:
+            raise InvalidRequest(f"the multipart form cannot be read: {exc}") from None
+        purpose = upload.fields.get("purpose", "")
+        if purpose not in PURPOSES:
+            part.unlink(missing_ok=True)
+            raise InvalidRequest(
+                f"purpose {purpose!r} is not one of {', '.join(PURPOSES)}", param="purpose"
+            )
+        part.rename(self.store.blob(file_id))
+        return self._add(owner, file_id, upload.filename, purpose, upload.bytes).to_wire()
+
+    def _add(self, owner: str, file_id: str, filename: str, purpose: str, size: int) -> FileRow:
+        now = int(time.time())
+        row = FileRow(file_id, owner, filename, purpose, size, now, self.expires_at(now))
+        self.store.add_file(row)
+        return row
+
+    def write(self, owner: str, file_id: str, filename: str, lines: list[str]) -> FileRow:
+        """A file the server makes (batch output and errors): JSONL, purpose batch_output.
+        It counts towards the owner's quota but is always written."""
+        data = "".join(f"{line}\n" for line in lines).encode()
+        path = self.store.blob(file_id)
+        self.store.db()
+        path.with_suffix(".part").write_bytes(data)
+        path.with_suffix(".part").rename(path)
+        return self._add(owner, file_id, filename, "batch_output", len(data))
+
+    # -- read, delete -----------------------------------------------------------------------
+
+    def get(self, owner: str, file_id: str, param: str | None = None) -> FileRow:
+        row = self.store.file(owner, file_id) if len(file_id) <= 128 else None
+        if row is None:
+            raise NotFound(f"no file {file_id!r} (unknown, deleted, expired, or another API "
+                           "key's)", param=param, code="file_not_found")  # fmt: skip
+        return row
+
+    def retrieve(self, owner: str, file_id: str) -> dict[str, Any]:
+        return self.get(owner, file_id).to_wire()
+
+    def path(self, owner: str, file_id: str) -> Path:
+        self.get(owner, file_id)
+        return self.store.blob(file_id)
+
+    def read_text(self, owner: str, file_id: str, param: str | None = None) -> str:
+        self.get(owner, file_id, param)
+        return self.store.blob(file_id).read_text("utf-8", errors="replace")
+
+    def list(self, owner: str, purpose: str | None, limit: int, after: str | None,
+             order: str) -> dict[str, Any]:  # fmt: skip
+        rows = self.store.files(owner, purpose, limit + 1, after, order == "desc")
+        data = [r.to_wire() for r in rows[:limit]]
+        return {"object": "list", "data": data, "has_more": len(rows) > limit,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None}  # fmt: skip
+
+    def delete(self, owner: str, file_id: str) -> dict[str, Any]:
+        self.get(owner, file_id)
+        self.store.delete_file(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def sweep(self) -> None:
+        """Delete what has outlived ``files_ttl_seconds``."""
+        if not self.ttl:
+            return
+        files, batches = self.store.expired(time.time())
+        for file_id in files:
+            with contextlib.suppress(OSError):
+                self.store.delete_file(file_id)
+        for batch_id in batches:
+            self.store.delete_batch(batch_id)
+        if files or batches:
+            log.info("retention: deleted %d files and %d batches", len(files), len(batches))
