@@ -98,6 +98,10 @@ class HFChatBackend(HFModel):
             on_fatal=self._engine_failed, kv_cache_bytes=c.kv_cache_bytes or None,
         )  # fmt: skip
 
+    def capabilities(self) -> frozenset[str] | None:
+        caps = self._caps if self.state is ModelState.READY else None
+        return frozenset(caps.enabled()) if caps is not None else None
+
     def watch_failures(self, callback: Callable[[Any], None]) -> None:
         self.on_engine_failure = callback
 
