@@ -2,7 +2,10 @@
 
 The producer task numbers each ``Emit``, appends the event to the store (durable), then to the
 ring buffer, then wakes listeners; so anything a listener sees in the ring is also in the store.
-Generation never waits for listeners. When the last listener leaves, a timer of
+Up to ``_IN_FLIGHT`` events of a session are on their way to the store at once (the store's
+group commit writes them together, in order), so a store's commit latency does not hold the
+producer back token by token; the terminal event waits for all of them. Generation never
+waits for listeners. When the last listener leaves, a timer of
 ``cancel_after_disconnect`` seconds is armed; a new listener disarms it.
 """
 
@@ -33,6 +36,7 @@ from vlmserve.streaming.store.base import SessionStore
 __all__ = ["Session", "SessionOptions"]
 
 logger = logging.getLogger(__name__)
+_IN_FLIGHT = 16  # events of one session being committed at once
 
 
 @dataclass(slots=True)
@@ -58,7 +62,9 @@ class Session:
     _cancel_task: asyncio.Task[None] | None = None
     _heartbeat: asyncio.Task[None] | None = None
     _timer: asyncio.TimerHandle | None = None
-    _pending: asyncio.Future[None] | None = None  # the commit in flight
+    _pending: deque[asyncio.Future[None]] = field(default_factory=deque)  # commits in flight
+    _issued: int | None = None  # the last index handed out (None: record.last_index)
+    _store_error: BaseException | None = None  # a commit that failed in the background
     _finishing: bool = False  # the end (normal, cancel or error) has begun
     _ended: bool = False  # terminal published, or stopped for good without one (shutdown)
 
@@ -107,23 +113,58 @@ class Session:
             async for emit in self._producer:
                 await self._commit(emit)
         except asyncio.CancelledError:
-            raise  # cancel() or close() goes on from here
+            if self._store_error is None or self._finishing:
+                raise  # cancel() or close() goes on from here
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):  # Python 3.11+
+                task.uncancel()
+            await self._fail(self._store_error)  # a commit failed while the producer waited
         except Exception as exc:
-            if not self._finishing:
-                self._finishing = True
-                await self._settle()
-                await self.finish(self._error_emits(exc), SessionState.FAILED)
+            await self._fail(exc)
         else:
             if not self._finishing:
                 self._finishing = True
                 await self.finish([], SessionState.FINISHED)
 
+    async def _fail(self, exc: BaseException) -> None:
+        if not self._finishing:
+            self._finishing = True
+            await self._settle()
+            await self.finish(self._error_emits(exc), SessionState.FAILED)
+
+    def _published(self, future: asyncio.Future[None]) -> None:
+        """A commit failed while the producer was elsewhere (waiting for its next chunk):
+        stop the producer, so the session ends as failed instead of waiting forever."""
+        if future.cancelled() or future.exception() is None or self._store_error is not None:
+            return
+        self._store_error = future.exception()
+        if self._task is not None and not self._task.done() and not self._finishing:
+            self._task.cancel()
+
     async def _commit(self, emit: Emit, final: SessionState | None = None) -> None:
-        index = self.record.last_index + 1
+        """Number ``emit`` and send it to the store; wait only when ``_IN_FLIGHT`` commits
+        are under way, or for every one of them when the event is the terminal one."""
+        index = (self.record.last_index if self._issued is None else self._issued) + 1
+        self._issued = index
         event = Event(index, emit.data, emit.event, emit.meta, terminal=final is not None)
-        self._pending = asyncio.ensure_future(self._publish(event, final))
-        # Shielded: a cancel must not leave it unknown whether the store got the event.
-        await asyncio.shield(self._pending)
+        publishing = asyncio.ensure_future(self._publish(event, final))
+        if final is None:
+            publishing.add_done_callback(self._published)
+        self._pending.append(publishing)
+        await asyncio.sleep(0)  # let the commit start and listeners read, as before
+        while self._pending and (final is not None or len(self._pending) >= _IN_FLIGHT):
+            # Shielded: a cancel must not leave it unknown whether the store got the event.
+            await asyncio.shield(self._pending[0])
+            self._pending.popleft()
+
+    async def _drain(self) -> None:
+        """Wait for every commit in flight (errors included: the caller decides)."""
+        while self._pending:
+            future = self._pending[0]
+            with contextlib.suppress(Exception):
+                await asyncio.shield(future)
+            if self._pending and self._pending[0] is future:
+                self._pending.popleft()
 
     async def _publish(self, event: Event, final: SessionState | None) -> None:
         await self.store.append(self.session_id, event)
@@ -179,9 +220,7 @@ class Session:
                 await aclose()
             except Exception:
                 logger.exception("session %s: closing the producer failed", self.session_id)
-        if self._pending is not None:
-            with contextlib.suppress(Exception):
-                await self._pending
+        await self._drain()
 
     # -- cancel ---------------------------------------------------------------------------
 
