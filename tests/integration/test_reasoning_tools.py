@@ -122,6 +122,7 @@ async def test_a_tool_call_is_parsed_in_json_and_stream_and_the_result_goes_back
 
 async def test_tool_choice_required_always_yields_a_call(serve: Any, tiny_dir: Path) -> None:
     client = await serve(tiny_dir)  # random weights: only the grammar makes it a call
+    calls = 0
     for seed in range(3):
         answer = await client.chat.completions.create(
             model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80,
@@ -133,6 +134,8 @@ async def test_tool_choice_required_always_yields_a_call(serve: Any, tiny_dir: P
         assert choice.finish_reason == "tool_calls"
         assert choice.message.tool_calls[0].function.name == "get_weather"
         assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
+        calls += 1
+    assert calls >= 1  # not every answer may be cut off by max_tokens
 
 
 async def test_bad_tool_requests_are_clear_4xx(serve: Any, tiny_dir: Path) -> None:

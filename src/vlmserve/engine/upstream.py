@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from vlmserve.engine.protocol import Backend
-from vlmserve.engine.types import BackendStats, Chunk, GenerateRequest, ModelState, Serves
+from vlmserve.engine.types import Chunk, GenerateRequest, ModelState, Serves
 from vlmserve.engine.upstream_wire import ChunkReader, UpstreamError, error_from_body, upstream_body
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
 from vlmserve.gateway.pool import PoolPolicy, Replica, ReplicaPool
@@ -83,13 +83,6 @@ class UpstreamBackend(Backend):
     @property
     def serves(self) -> Serves:  # type: ignore[override]
         return Serves.EMBEDDING if self.config.embedding else Serves.CHAT
-
-    @property
-    def memory_bytes(self) -> int:
-        return 0
-
-    def stats(self) -> BackendStats:
-        return BackendStats()  # running/waiting: the manager counts this model's leases
 
     # --- gateway: replicas registered at run time ----------------------------------------
     @property

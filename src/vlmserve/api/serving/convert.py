@@ -37,6 +37,9 @@ from vlmserve.media.video import source_fps
 __all__ = ["Converter", "media_policy", "response_format", "sample_frames"]
 
 
+EMPTY_FRAMES = "frames is empty; send at least one base64 JPEG frame"
+
+
 def sample_frames(frames: list[str], limit: int) -> list[str]:
     """Uniformly pick at most ``limit`` frames before any is decoded."""
     if len(frames) <= limit:
@@ -133,8 +136,7 @@ def _check_frames(messages: list[ChatMessageIn]) -> None:
     for i, m in enumerate(messages):
         for j, p in enumerate(m.content if isinstance(m.content, list) else []):
             if isinstance(p, InputVideoPart) and p.frames is not None and not p.frames:
-                raise InvalidRequest("frames is empty; send at least one base64 JPEG frame",
-                                     param=f"messages[{i}].content[{j}]")  # fmt: skip
+                raise InvalidRequest(EMPTY_FRAMES, param=f"messages[{i}].content[{j}]")
 
 
 @dataclass(slots=True)
@@ -157,9 +159,7 @@ class Converter:
     async def frames(self, frames: list[str]) -> list[Image.Image]:
         """A clip sent as frames: uniformly sampled to the frame limit, then decoded."""
         if not frames:
-            raise InvalidRequest(
-                "frames is empty; send at least one base64 JPEG frame", param="frames"
-            )
+            raise InvalidRequest(EMPTY_FRAMES, param="frames")
         picked = sample_frames(frames, self.settings.max_video_frames)
         return list(await asyncio.gather(*(self.image(f) for f in picked)))
 
