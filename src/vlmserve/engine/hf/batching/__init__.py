@@ -7,9 +7,9 @@ tokens for all rows at once; ``PromptEmbedder`` + ``VisionCache`` turn images an
 into prompt embeddings, skipping the vision tower for content it has seen.
 """
 
+from vlmserve.engine.hf.batching.architectures import supports
 from vlmserve.engine.hf.batching.engine import END, BatchEngine
 from vlmserve.engine.hf.batching.faults import EngineFailed, RequestFailed
-from vlmserve.engine.hf.batching.runner import supports
 from vlmserve.engine.hf.batching.vision_cache import VisionCache
 
 __all__ = ["END", "BatchEngine", "EngineFailed", "RequestFailed", "VisionCache", "supports"]

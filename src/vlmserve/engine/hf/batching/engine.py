@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from vlmserve.engine.hf.batching.architectures import build
 from vlmserve.engine.hf.batching.detok_fast import fast_decoder
 from vlmserve.engine.hf.batching.faults import (
     EngineFailed,
@@ -38,11 +39,10 @@ from vlmserve.engine.hf.batching.kv_cache import DEFAULT_BLOCK_SIZE
 from vlmserve.engine.hf.batching.lifecycle import EngineLifecycle
 from vlmserve.engine.hf.batching.outbox import END, Outbox
 from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging
-from vlmserve.engine.hf.batching.runner import PrefillRow, Qwen2VLRunner
+from vlmserve.engine.hf.batching.runner import PrefillRow
 from vlmserve.engine.hf.batching.sampler import Sampler
 from vlmserve.engine.hf.batching.scheduler import Scheduler
 from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
-from vlmserve.engine.hf.batching.vision import PromptEmbedder
 from vlmserve.engine.hf.batching.vision_cache import VisionCache
 from vlmserve.engine.hf.generation import _Run
 from vlmserve.engine.hf.inputs import Prepared
@@ -79,9 +79,8 @@ class BatchEngine(EngineLifecycle):
     ):
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
-        self.runner = Qwen2VLRunner(model)
         self.vision_cache = VisionCache(vision_cache_bytes)
-        self.embedder = PromptEmbedder(model, self.runner, self.vision_cache)
+        self.runner, self.embedder = build(model, self.vision_cache)
         vocab = int(model.config.get_text_config().vocab_size)
         self.vocab = vocab
         self.sampler = Sampler(vocab, eos_ids)
