@@ -27,11 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.engine.hf.batching.kv_cache import PagedKVCache, block_bytes
+from vlmserve.engine.hf.batching.linear import Linear, fuse
 from vlmserve.engine.hf.batching.rope import RotaryTables
 
 __all__ = ["PrefillRow", "Qwen2VLRunner", "supports"]
-
-_MIN_ROWS = 4  # below this oneDNN/MKL switch to a GEMV path whose rounding differs
 
 
 def supports(model: Any) -> bool:
@@ -58,34 +57,20 @@ class PrefillRow:
 @dataclass(slots=True)
 class _Layer:
     ln1: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [(H + 2 * KVH) * D, hidden]
-    bqkv: torch.Tensor  # [(H + 2 * KVH) * D]
-    wo: torch.Tensor  # [hidden, H * D]
+    qkv: Linear  # hidden -> (H + 2 * KVH) * D, with bias
+    o: Linear  # H * D -> hidden
     ln2: torch.Tensor  # [hidden]
-    wgu: torch.Tensor  # [2 * intermediate, hidden]
-    wdown: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
-def _fuse(*linears: Any, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights of ``linears`` and re-point each one at its slice."""
-    weight = torch.cat([lin.weight.data for lin in linears], dim=0)
-    b = torch.cat([lin.bias.data for lin in linears], dim=0) if bias else None
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight.data = weight[start : start + rows]
-        if b is not None:
-            lin.bias.data = b[start : start + rows]
-        start += rows
-    return weight, b
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.shape[0]
-    if rows >= _MIN_ROWS:
-        return F.linear(x, w, b)
-    padded = torch.cat([x, x.new_zeros(_MIN_ROWS - rows, x.shape[1])])
-    return F.linear(padded, w, b)[:rows]
+def _lm_head(model: Any) -> Linear:
+    """The output projection; tied to the embeddings (Qwen2-VL-2B) it stays plain: packing
+    would hold a second copy of the vocabulary matrix."""
+    head = model.lm_head
+    if head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr():
+        return Linear(head.weight, None, False, head.weight.shape[0])
+    return fuse(model, ["lm_head"])
 
 
 class Qwen2VLRunner:
@@ -101,7 +86,7 @@ class Qwen2VLRunner:
         self.device = lm.embed_tokens.weight.device
         self.embed_weight = lm.embed_tokens.weight
         self.norm = lm.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = _lm_head(model)
         self.layers = [self._layer(layer) for layer in lm.layers]
         rotary = lm.rotary_emb
         self.rope = RotaryTables(
@@ -130,17 +115,13 @@ class Qwen2VLRunner:
 
     def _layer(self, layer: Any) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        wqkv, bqkv = _fuse(attn.q_proj, attn.k_proj, attn.v_proj, bias=True)
-        wgu, _ = _fuse(mlp.gate_proj, mlp.up_proj, bias=False)
-        assert bqkv is not None
         return _Layer(
             layer.input_layernorm.weight,
-            wqkv,
-            bqkv,
-            attn.o_proj.weight,
+            fuse(attn, ["q_proj", "k_proj", "v_proj"]),
+            fuse(attn, ["o_proj"]),
             layer.post_attention_layernorm.weight,
-            wgu,
-            mlp.down_proj.weight,
+            fuse(mlp, ["gate_proj", "up_proj"]),
+            fuse(mlp, ["down_proj"]),
         )
 
     # --- pieces ---------------------------------------------------------------------------
@@ -159,17 +140,17 @@ class Qwen2VLRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> q [N, H, D], k [N, KVH, D] (both rotated), v [N, KVH, D]."""
         n, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = _linear(self._norm(x, layer.ln1), layer.wqkv, layer.bqkv)
+        qkv = layer.qkv(self._norm(x, layer.ln1))
         qk = RotaryTables.apply(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)
         return qk[:, :h], qk[:, h:], qkv[:, (h + kvh) * d :].view(n, kvh, d)
 
     def _mlp(self, x: torch.Tensor, attn: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        x = x + _linear(attn, layer.wo)
-        gate, up = _linear(self._norm(x, layer.ln2), layer.wgu).chunk(2, dim=-1)
-        return x + _linear(F.silu(gate) * up, layer.wdown)
+        x = x + layer.o(attn)
+        gate, up = layer.gate_up(self._norm(x, layer.ln2)).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(self._norm(x, self.norm), self.lm_head).float()  # [rows, V]
+        return self.lm_head(self._norm(x, self.norm)).float()  # [rows, V]
 
     # --- steps ----------------------------------------------------------------------------
     def _kv(self) -> PagedKVCache:
