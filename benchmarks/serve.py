@@ -3,6 +3,7 @@
     python benchmarks/serve.py                                  # vlmserve batched vs one-at-a-time
     python benchmarks/serve.py --peer vllm --rounds 3 --json out.json
     python benchmarks/serve.py --peer vllm --peer transformers-serve --concurrency 1 8
+    python benchmarks/serve.py --peer vllm --size medium --concurrency 1 8   # ~100M params, bf16
 
 Every server serves the same checkpoint (default: the tiny random-weight Qwen2-VL) on a free
 loopback port and is driven by the same client (``vlmserve.client.loadtest``) with image requests
@@ -43,6 +44,27 @@ from peers.servers import (
 )
 from peers.tables import Row, ratio_rows, render, summarize
 
+
+def _medium() -> Any:
+    """The issue's medium checkpoint: big enough for the maths to matter on CPU (366 MB in
+    float32), saved in bfloat16 as every real Qwen2-VL is."""
+    from vlmserve.testing.tiny import TinySpec
+
+    return TinySpec(
+        hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=8,
+        intermediate_size=2816, vision_depth=4, vision_embed_dim=256, vision_num_heads=4,
+        torch_dtype="bfloat16",
+    )  # fmt: skip
+
+
+def _tiny() -> Any:
+    from vlmserve.testing.tiny import TinySpec
+
+    return TinySpec()
+
+
+SIZES = {"tiny": _tiny, "medium": _medium}
+
 __all__ = ["BenchConfig", "Sample", "build_config", "main", "parse_args", "plan_specs"]
 
 
@@ -65,6 +87,7 @@ class BenchConfig:
     json_path: Path | None
     log_dir: Path
     seed: int = 0
+    size: str = "tiny"  # the checkpoint built when model_dir is empty (SIZES)
     cache_image: tuple[int, int] | None = (448, 448)  # None: skip the media-cache check
     cache_max_pixels: int = 1280 * 28 * 28  # Qwen2-VL's documented cap (the tiny one: 224x224)
     cache_rounds: int = 3
@@ -100,7 +123,12 @@ def parse_image(text: str) -> tuple[int, int] | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="checkpoint dir (default: the tiny random-weight Qwen2-VL)")
+    p.add_argument("--model", help="checkpoint dir (default: the random-weight Qwen2-VL of --size)")
+    p.add_argument(
+        "--size", choices=sorted(SIZES), default="tiny",
+        help="checkpoint built when --model is not given: tiny (hidden 128, 2 layers, float32) or "
+        "medium (hidden 1024, 8 layers, ~100M parameters, saved in bfloat16 like real Qwen2-VL)",
+    )  # fmt: skip
     p.add_argument("--peer", action="append", default=[], choices=sorted(PEERS), dest="peers")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level")
@@ -109,7 +137,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image", type=parse_image, default=(64, 64), help="WxH or none")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens (ignore_eos)")
     p.add_argument("--prompt-words", type=int, default=32)
-    p.add_argument("--dtype", default="float32", help="same dtype for every server")
+    p.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+        help="one dtype for every server; default: float32 for --size tiny, and each server's "
+        "own default (auto) for --size medium (a bfloat16-saved checkpoint)",
+    )  # fmt: skip
     p.add_argument("--no-sequential", action="store_true", help="skip vlmserve --max-num-seqs 1")
     p.add_argument("--one-at-a-time", action="store_true", help="stop each server after its turn")
     p.add_argument("--peers-dir", help="peer venvs (default: $VLMSERVE_PEERS_DIR or ~/.cache/...)")
@@ -145,6 +177,7 @@ def build_config(ns: argparse.Namespace) -> BenchConfig:
     log_dir = Path(ns.log_dir) if ns.log_dir else peers_dir / "logs" / stamp
     return BenchConfig(
         model_dir=ns.model or "",
+        size=ns.size,
         concurrencies=list(dict.fromkeys(ns.concurrency)),
         rounds=ns.rounds,
         requests=ns.requests,
@@ -155,7 +188,7 @@ def build_config(ns: argparse.Namespace) -> BenchConfig:
         peers=list(dict.fromkeys(ns.peers)),
         sequential=not ns.no_sequential,
         one_at_a_time=ns.one_at_a_time,
-        dtype=ns.dtype,
+        dtype=ns.dtype or ("auto" if ns.size == "medium" and not ns.model else "float32"),
         peers_dir=peers_dir,
         startup_timeout=ns.startup_timeout,
         json_path=Path(ns.json_path) if ns.json_path else None,
@@ -305,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.model_dir:
         from vlmserve.testing import build_qwen2_vl
 
-        cfg.model_dir = str(build_qwen2_vl())
+        cfg.model_dir = str(build_qwen2_vl(SIZES[cfg.size]()))
     if shutil.which("vlmserve") is None:
         console.print("[yellow]no `vlmserve` on PATH; using python -m vlmserve.cli.main")
     specs = plan_specs(cfg, free_ports(2 + len(cfg.peers)))

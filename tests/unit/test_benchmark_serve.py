@@ -234,3 +234,19 @@ def test_cache_check_times_new_and_repeated_images_and_the_caches_answer(live_se
     out = io.StringIO()
     Console(file=out, width=140).print(cache_table(check))
     assert "repeated / new" in out.getvalue()
+
+
+def test_size_medium_builds_the_issue_checkpoint_in_bf16_and_defaults_to_each_servers_dtype(
+    tmp_path,
+):
+    ns = serve.parse_args(["--size", "medium", "--peers-dir", str(tmp_path)])
+    cfg = serve.build_config(ns)
+    assert (cfg.size, cfg.dtype) == ("medium", "auto")  # each server's own default
+    spec = serve.SIZES["medium"]()
+    assert (spec.hidden_size, spec.num_hidden_layers, spec.intermediate_size) == (1024, 8, 2816)
+    assert spec.torch_dtype == "bfloat16"
+    pinned = serve.build_config(serve.parse_args(["--size", "medium", "--dtype", "float32"]))
+    assert pinned.dtype == "float32"
+    assert serve.build_config(serve.parse_args([])).dtype == "float32"  # tiny: as before
+    assert "--dtype" in (argv := serve.plan_specs(cfg, [1, 2])[0].argv)
+    assert argv[argv.index("--dtype") + 1] == "auto"
