@@ -269,6 +269,37 @@ def _oom_error(source: str, device: torch.device, exc: BaseException) -> ConfigE
     )
 
 
+# transformers' quantization methods -> the package that runs them (what to pip install)
+QUANT_PACKAGES = {
+    "torchao": ("torchao", "torchao"),
+    "bitsandbytes": ("bitsandbytes", "bitsandbytes"),
+    "gptq": ("gptqmodel", "gptqmodel"),
+    "awq": ("gptqmodel", "gptqmodel"),
+    "compressed-tensors": ("compressed_tensors", "compressed-tensors"),
+}
+
+
+def check_quantization(source: str, config_path: Path) -> None:
+    """A quantized checkpoint whose package is missing fails here, naming what to install
+    (transformers would fail later, deep in loading, or fall back silently)."""
+    import importlib.util
+    import json
+
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return  # from_pretrained reports a missing or broken config
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method is None or method not in QUANT_PACKAGES:
+        return
+    module, package = QUANT_PACKAGES[method]
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"model {source!r} is quantized with {method}, whose package is not installed: "
+            f"pip install {package}"
+        )
+
+
 def _saved(opts: LoadOptions, local: bool) -> torch.dtype | None:
     if opts.dtype != "auto" or not local:
         return None  # a hub id: its config is read by from_pretrained anyway
@@ -287,6 +318,8 @@ def load_model(opts: LoadOptions) -> Loaded:
     device = resolve_device(opts.device)
     located = replace(opts, source=locate_source(opts.source))
     local = Path(located.source).is_dir()
+    if local:
+        check_quantization(opts.source, Path(located.source) / "config.json")
     try:
         dtype = resolve_dtype(opts.dtype, device, _saved(located, local))
         processor = load_processor(located, local_files_only=local)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MIN_ROWS", "Linear", "fuse"]
+__all__ = ["MIN_ROWS", "Linear", "ModuleLinear", "fuse"]
 
 log = logging.getLogger(__name__)
 MIN_ROWS = 4  # below this oneDNN/MKL switch to a GEMV path whose rounding differs
@@ -65,6 +65,30 @@ class Linear:
         return self(flat).view(*x.shape[:-1], self.out_features)
 
 
+class ModuleLinear(Linear):
+    """Linears that are not plain float weights (a quantized checkpoint's): each module is
+    called as it is (its own kernel, e.g. torchao's int8 weight-only matmul) and the outputs
+    concatenated; nothing is fused or repacked, the modules stay the model's own."""
+
+    __slots__ = ("modules",)
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+        out = sum(int(m.out_features) for m in modules)
+        super().__init__(torch.empty(0), None, False, out)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.modules) == 1:
+            return self.modules[0](x)
+        return torch.cat([m(x) for m in self.modules], dim=-1)
+
+
+def _plain(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose weight is an ordinary tensor (not a quantized subclass)."""
+    weight = getattr(module, "weight", None)
+    return type(module) is nn.Linear and type(weight.data) is torch.Tensor
+
+
 class _Slice(nn.Module):
     """Stands in for one HF linear whose weight now lives, packed, in a fused ``Linear``."""
 
@@ -97,6 +121,8 @@ def fuse(owner: nn.Module, names: list[str], *, pack: bool = True) -> Linear:
     once, packed). Plain: the fused tensor is new storage and each HF parameter is
     re-pointed at its rows (also held once)."""
     linears = [getattr(owner, name) for name in names]
+    if not all(_plain(lin) for lin in linears):
+        return ModuleLinear(linears)  # quantized (torchao, bitsandbytes, ...): their kernels
     weight = torch.cat([lin.weight.data for lin in linears], dim=0)
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias.data for lin in linears], dim=0) if has_bias else None
