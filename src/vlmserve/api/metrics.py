@@ -16,7 +16,14 @@ from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+)
 from prometheus_client.exposition import generate_latest
 from starlette.responses import Response
 from starlette.routing import Match
@@ -150,6 +157,24 @@ class Metrics:
             Gauge, "processor_cache_bytes", "bytes held by the image-processor cache", ["model"]
         )
         self._cache_seen: dict[tuple[str, str], tuple[int, int]] = {}
+        self._add_engine_series()
+
+    def _add_engine_series(self) -> None:
+        """Seed 002's engine figures: where step time goes, what memory is held."""
+        make = self._make
+        self.step_seconds = make(
+            Counter, "engine_step_seconds", "engine step time by phase: vision (vision tower and "
+            "prompt embedding), prefill, decode (forward + sampling)", ["model", "phase"],
+        )  # fmt: skip
+        self.weights_bytes = make(
+            Gauge, "model_weights_bytes", "memory held by the model's weights", ["model"]
+        )
+        self.device_memory_bytes = make(
+            Gauge, "device_memory_bytes", "accelerator memory allocated by torch (0 on CPU)",
+            ["model"],
+        )  # fmt: skip
+        self._steps_seen: dict[tuple[str, str], float] = {}
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds
 
     # -- requests (the middleware calls these) --
     def request_started(self, route: str) -> None:
@@ -181,6 +206,24 @@ class Metrics:
             self.preemptions.labels(model=model).inc(preemptions - seen)
         self._seen_preemptions[model] = preemptions
         self.kv_cache_bytes.labels(model=model).set(nbytes)
+
+    def set_engine(
+        self,
+        model: str,
+        *,
+        step_seconds: dict[str, float],
+        weights_bytes: int,
+        device_memory_bytes: int,
+    ) -> None:
+        """The engine's running step-time totals (counters: only increases are added) and
+        the memory its model holds."""
+        for phase, total in step_seconds.items():
+            seen = self._steps_seen.get((model, phase), 0.0)
+            if total > seen:
+                self.step_seconds.labels(model=model, phase=phase).inc(total - seen)
+            self._steps_seen[(model, phase)] = total
+        self.weights_bytes.labels(model=model).set(weights_bytes)
+        self.device_memory_bytes.labels(model=model).set(device_memory_bytes)
 
     def observe_ttft(self, model: str, seconds: float) -> None:
         self.ttft.labels(model=model).observe(seconds)
