@@ -3,6 +3,7 @@
     python benchmarks/batch_priority.py                       # tiny Qwen2-VL on CPU
     python benchmarks/batch_priority.py --model DIR --device cuda --rounds 5 --json out.json
     python benchmarks/batch_priority.py --batch-concurrency 1 2 4
+    python benchmarks/batch_priority.py --batch-concurrency 4 --max-num-seqs 2   # rows scarce
 
 One vlmserve (uvicorn on a free loopback port, in a thread) serves the checkpoint. Each round
 measures, one request at a time, the TTFT of ``--requests`` streamed chat requests (one image,
@@ -51,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-lines", type=int, default=400)
     p.add_argument("--batch-max-tokens", type=int, default=32)
     p.add_argument("--batch-concurrency", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--max-num-seqs", type=int, help="rows decoded together (small: lines queue)")
     p.add_argument("--json", type=Path, help="write the figures here")
     return p.parse_args(argv)
 
@@ -126,9 +128,10 @@ async def busy_ttft(http: httpx.AsyncClient, url: str, file_id: str,
 
 async def measure(model_dir: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as data:
+        extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
         settings = Settings(model=model_dir, served_model_name=MODEL, device=args.device,
                             files_dir=data, batch_max_concurrency=concurrency,
-                            files_max_bytes=60 * 2**20)  # fmt: skip
+                            files_max_bytes=60 * 2**20, **extra)  # fmt: skip
         with Server(build_app(settings)) as url:
             async with httpx.AsyncClient(base_url=url, timeout=600) as http:
                 upload = await http.post(

@@ -264,7 +264,7 @@ async def test_cancel_stops_a_batch_and_keeps_the_results_so_far(
 async def test_a_batch_resumes_after_a_restart_without_redoing_finished_lines(
     tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
 ) -> None:
-    lines = [chat_line(f"r-{i}") for i in range(12)]
+    lines = [chat_line(f"r-{i}", max_tokens=16, ignore_eos=True) for i in range(12)]
     first: list[str] = []
     async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (app, http):
         app.state.services.batches.on_line = lambda _, custom_id: first.append(custom_id)
@@ -288,6 +288,57 @@ async def test_a_batch_resumes_after_a_restart_without_redoing_finished_lines(
     assert 4 <= len(first) < 12 and set(first).isdisjoint(second)
     assert sorted(first + second) == sorted(line["custom_id"] for line in lines)
     assert [o["custom_id"] for o in outputs] == [line["custom_id"] for line in lines]
+
+
+async def test_a_batch_past_its_completion_window_expires_with_the_rest_as_errors(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    lines = [chat_line(f"x-{i}", max_tokens=48, ignore_eos=True) for i in range(30)]
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (app, http):
+        app.state.services.batches.window_seconds["24h"] = 2
+        api = client(http)
+        with pytest.raises(openai.BadRequestError, match="completion_window"):
+            await api.batches.create(input_file_id="file-x", endpoint="/v1/chat/completions",
+                                     completion_window="48h")  # type: ignore[arg-type]  # fmt: skip
+        batch = await run_batch(api, jsonl(lines))
+        outputs = await lines_of(api, batch.output_file_id)
+        errors = await lines_of(api, batch.error_file_id)
+    assert batch.status == "expired" and batch.expired_at is not None
+    assert batch.expired_at <= batch.expires_at + 2  # type: ignore[operator]
+    counts = batch.request_counts
+    assert counts.total == 30 and counts.completed == len(outputs) < 30
+    assert counts.failed == len(errors) == 30 - len(outputs)
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert all(e["response"] is None for e in errors)
+    ids = [line["custom_id"] for line in lines]
+    assert sorted(o["custom_id"] for o in outputs + errors) == sorted(ids)
+
+
+async def test_a_batch_whose_window_ended_while_the_server_was_down_expires_on_start(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    lines = [chat_line(f"d-{i}", max_tokens=16, ignore_eos=True) for i in range(12)]
+    first: list[str] = []
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (app, http):
+        app.state.services.batches.window_seconds["24h"] = 3
+        app.state.services.batches.on_line = lambda _, custom_id: first.append(custom_id)
+        api = client(http)
+        source = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = await api.batches.create(input_file_id=source.id, completion_window="24h",
+                                         endpoint="/v1/chat/completions")  # fmt: skip
+        while not first:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(3.2)  # the window ends while no server runs
+    second: list[str] = []
+    app = build_app(make_settings(tiny_dir, files_dir=str(tmp_path)), models=chat_models)
+    app.state.services.batches.on_line = lambda _, custom_id: second.append(custom_id)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            batch = await finished(client(c), batch.id)
+            errors = await lines_of(client(c), batch.error_file_id)
+    assert batch.status == "expired" and second == []  # nothing ran after the window
+    assert batch.request_counts.completed == len(first) and len(errors) == 12 - len(first)
 
 
 # -- an embeddings batch ----------------------------------------------------------------------

@@ -317,6 +317,11 @@ async def test_previous_response_id_puts_the_first_turn_in_the_second_prompt(
         ),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            404,
+            "input[0].content[0]",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
             400,
             "input[0].content[0]",
         ),

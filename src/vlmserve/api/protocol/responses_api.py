@@ -1,7 +1,8 @@
 """`/v1/responses` request shapes: OpenAI's Responses API, with our video parts.
 
 ``input`` is a string (one user message) or a list of ``message`` items whose content is a
-string or a list of parts: ``input_text``, ``input_image`` (``image_url``: a URL or data URL),
+string or a list of parts: ``input_text``, ``input_image`` (``image_url``: a URL or data URL;
+or ``file_id``: an uploaded file of purpose ``vision`` or ``user_data``),
 ``input_video`` / ``video_url`` (as ``/v1/chat/completions`` takes them), and, in assistant
 messages sent back, ``output_text`` / ``refusal``. Items of other types (function calls,
 reasoning, item references) and ``input_file`` parts are refused with a 400 that says why.

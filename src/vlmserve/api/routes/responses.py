@@ -1,16 +1,17 @@
 """OpenAI's Responses API: ``/v1/responses`` create, retrieve (or resume its events), cancel,
-delete. The work is ``vlmserve.api.serving.responses``."""
+delete, input items. The work is ``vlmserve.api.serving.responses``; every call sees only the
+caller's own stored responses (another API key's is a 404)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
 from vlmserve.api.protocol.responses_api import ResponsesRequest
 from vlmserve.api.routing import StrictJSONRoute
-from vlmserve.api.services import ResponsesDep
+from vlmserve.api.services import OwnerDep, ResponsesDep
 from vlmserve.api.serving.responses_sse import response_sse
 from vlmserve.api.serving.sse import ClientGone, run_until_disconnect
 
@@ -19,8 +20,8 @@ log = logging.getLogger(__name__)
 
 
 @router.post("/v1/responses", response_model=None)
-async def create_response(request: Request, responses: ResponsesDep, body: ResponsesRequest
-                          ) -> Any:  # fmt: skip
+async def create_response(request: Request, responses: ResponsesDep, owner: OwnerDep,
+                          body: ResponsesRequest) -> Any:  # fmt: skip
     """A response: JSON, or its events as SSE (``stream: true``); ``background: true`` answers
     at once and generates without a client."""
     request_id = request.state.request_id
@@ -30,25 +31,26 @@ async def create_response(request: Request, responses: ResponsesDep, body: Respo
     if not body.store and not body.stream:
         try:
             return await run_until_disconnect(
-                request, responses.complete_unstored(body, request_id)
+                request, responses.complete_unstored(body, request_id, owner)
             )
         except ClientGone:
             return Response(status_code=499)
-    response_id = await responses.start(body, request_id)
+    response_id = await responses.start(body, request_id, owner)
     if body.stream:
         return await response_sse(responses.sessions, response_id, -1)
     if body.background:
-        return await responses.retrieve(response_id)
+        return await responses.retrieve(response_id, owner)
     try:
-        return await run_until_disconnect(request, responses.finished(response_id))
+        return await run_until_disconnect(request, responses.finished(response_id, owner))
     except ClientGone:  # a plain request is cancelled with its client, as a chat completion is
-        await responses.cancel(response_id)
+        await responses.cancel(response_id, owner)
         return Response(status_code=499)
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)
 async def retrieve_response(
     responses: ResponsesDep,
+    owner: OwnerDep,
     response_id: str,
     stream: bool = False,
     starting_after: int | None = Query(default=None, ge=0, le=2**62),
@@ -56,19 +58,36 @@ async def retrieve_response(
     """The stored response; with ``stream=true`` its events after ``starting_after`` (all when
     left out), then live ones. Nothing left to send is a 204."""
     if not stream:
-        return await responses.retrieve(response_id)
-    await responses.check_stored(response_id)
+        return await responses.retrieve(response_id, owner)
+    await responses.check_stored(response_id, owner)
     after = -1 if starting_after is None else starting_after
     return await response_sse(responses.sessions, response_id, after)
 
 
 @router.post("/v1/responses/{response_id}/cancel", response_model=None)
-async def cancel_response(responses: ResponsesDep, response_id: str) -> Any:
+async def cancel_response(responses: ResponsesDep, owner: OwnerDep, response_id: str) -> Any:
     """Stop a running response; the answer is the response, status ``cancelled``."""
-    return await responses.cancel(response_id)
+    return await responses.cancel(response_id, owner)
 
 
 @router.delete("/v1/responses/{response_id}", response_model=None)
-async def delete_response(responses: ResponsesDep, response_id: str) -> Any:
+async def delete_response(responses: ResponsesDep, owner: OwnerDep, response_id: str) -> Any:
     """Forget a stored response (a running one is cancelled first); then it is a 404."""
-    return await responses.delete(response_id)
+    return await responses.delete(response_id, owner)
+
+
+@router.get("/v1/responses/{response_id}/input_items", response_model=None)
+async def list_input_items(
+    responses: ResponsesDep,
+    owner: OwnerDep,
+    response_id: str,
+    after: str | None = Query(default=None, max_length=256),
+    limit: int = Query(default=20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    include: list[str] | None = Query(default=None, alias="include[]"),
+) -> Any:
+    """The input the response answered (the earlier turns of ``previous_response_id``
+    included), as OpenAI's list of message items, newest first (``order=asc``: oldest)."""
+    del include  # image URLs are always included; no other includable applies here
+    return await responses.input_items(response_id, owner, after=after, limit=limit,
+                                       order=order)  # fmt: skip

@@ -1,6 +1,10 @@
 """OpenAI's Batch API: JSONL files of chat, responses or embeddings requests, run in the
 background below interactive traffic (``batches_run``), each batch owned by its API key.
 
+A batch must finish within its completion window (``24h``, the only one OpenAI offers; its
+``expires_at``); what has not run by then is ``batch_expired`` and the batch ``expired``
+(``batches_run``), also when the server was down at that time.
+
 The batch object is stored (``FilesStore``) at every change of state; ``request_counts`` are
 read from the stored line results, so they are right while it runs and after a restart.
 ``start`` (the app's start-up) resumes every unfinished batch; ``stop`` cancels the runs and
@@ -24,11 +28,11 @@ from vlmserve.api.serving.files import FilesService
 from vlmserve.errors import InvalidRequest, NotFound
 from vlmserve.registry.manager import ModelManager
 
-__all__ = ["BatchesService"]
+__all__ = ["WINDOW_SECONDS", "BatchesService"]
 
 log = logging.getLogger(__name__)
 
-_WINDOW_SECONDS = 24 * 3600
+WINDOW_SECONDS = {"24h": 24 * 3600.0}  # completion_window -> seconds
 _SWEEP_SECONDS = 300.0
 
 
@@ -49,6 +53,11 @@ class BatchesService:
         self.files = files
         self.store = files.store
         self.endpoints = endpoints
+        # Until Services.build hands FilesService to ResponsesService itself: the one place
+        # where both are at hand (input_image file_id in /v1/responses and responses lines).
+        if endpoints.responses.files is None:
+            endpoints.responses.files = files
+        self.window_seconds = dict(WINDOW_SECONDS)  # shorter in tests of expiry
         self._max_concurrency = max_concurrency
         self._models = models
         self._priority: Priority | None = None  # made on the app's event loop
@@ -111,12 +120,13 @@ class BatchesService:
                 "uploaded with purpose 'batch'", param="input_file_id",
             )  # fmt: skip
         now = int(time.time())
+        window = self.window_seconds[body.completion_window]
         batch = {
             "id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": body.endpoint,
             "errors": None, "input_file_id": source.id,
             "completion_window": body.completion_window, "status": "validating",
             "output_file_id": None, "error_file_id": None, "created_at": now,
-            "in_progress_at": None, "expires_at": now + _WINDOW_SECONDS, "finalizing_at": None,
+            "in_progress_at": None, "expires_at": now + int(window), "finalizing_at": None,
             "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
             "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": body.metadata,

@@ -34,7 +34,15 @@ from vlmserve.api.serving.responses import ResponsesService
 from vlmserve.api.serving.worker import WorkerService
 from vlmserve.errors import InvalidRequest, VlmserveError
 
-__all__ = ["ENDPOINTS", "BatchLine", "Endpoints", "error_result", "ok_result", "parse_lines"]
+__all__ = [
+    "ENDPOINTS",
+    "BatchLine",
+    "Endpoints",
+    "error_result",
+    "expired_result",
+    "ok_result",
+    "parse_lines",
+]
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 MAX_LINES = 50_000  # OpenAI's limit per batch
@@ -117,6 +125,15 @@ def error_result(line: BatchLine, request_id: str, exc: VlmserveError) -> LineRe
     return LineResult(line.line, False, result)
 
 
+def expired_result(line: BatchLine) -> LineResult:
+    """A line the completion window ended before it ran (OpenAI's ``batch_expired`` entry)."""
+    error = {"code": "batch_expired", "message": "This request could not be executed before "
+             "the completion window expired."}  # fmt: skip
+    result = {"id": _request_id(), "custom_id": line.custom_id, "response": None,
+              "error": error}  # fmt: skip
+    return LineResult(line.line, False, result)
+
+
 def _invalid(exc: ValidationError) -> InvalidRequest:
     """A body the endpoint's wire model refuses: the first problem, as the routes' 400 says."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
@@ -144,21 +161,23 @@ class Endpoints:
     """Runs a line's body through the service of its endpoint (never a second implementation)."""
 
     def __init__(self, chat: ChatService, responses: ResponsesService, worker: WorkerService):
-        self._run: dict[str, Callable[[Any, str], Awaitable[dict[str, Any]]]] = {
+        self._run: dict[str, Callable[[Any, str, str], Awaitable[dict[str, Any]]]] = {
             "/v1/chat/completions": self._chat, "/v1/responses": self._responses,
             "/v1/embeddings": self._embeddings,
         }  # fmt: skip
         self.chat, self.responses, self.worker = chat, responses, worker
 
-    async def run(self, endpoint: str, body: Any, request_id: str) -> dict[str, Any]:
-        return await self._run[endpoint](body, request_id)
+    async def run(self, endpoint: str, body: Any, request_id: str, owner: str
+                  ) -> dict[str, Any]:  # fmt: skip
+        """The line's answer, as the batch's owner (their files, their stored responses)."""
+        return await self._run[endpoint](body, request_id, owner)
 
-    async def _chat(self, body: Any, request_id: str) -> dict[str, Any]:
+    async def _chat(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
         return await self.chat.complete(_validate(ChatCompletionRequest, body), request_id)
 
-    async def _responses(self, body: Any, request_id: str) -> dict[str, Any]:
+    async def _responses(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
         parsed = _validate(ResponsesRequest, body)
-        return await self.responses.complete_unstored(parsed, request_id)
+        return await self.responses.complete_unstored(parsed, request_id, owner)
 
-    async def _embeddings(self, body: Any, request_id: str) -> dict[str, Any]:
+    async def _embeddings(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
         return await self.worker.embeddings(_validate(EmbeddingsRequest, body))

@@ -4,7 +4,10 @@
     in_progress  the lines without a stored result run, at most ``batch_max_concurrency`` in
                  flight across all batches; each result is stored as its line finishes
     finalizing   the output and error files are written from the stored results
-    completed    (or cancelled, after cancelling; failed for a bad input file)
+    completed    (or cancelled, after cancelling; failed for a bad input file; expired when
+                 ``expires_at``, the end of the 24h completion window, passes first: the lines
+                 in flight are stopped, and every line without a result is a ``batch_expired``
+                 entry of the error file, as OpenAI writes them)
 
 Started again from the stored state when the server starts: the lines already done are not
 run again, and the output files have ids derived from the batch's, so writing them twice is
@@ -26,6 +29,7 @@ from vlmserve.api.serving.batches_lines import (
     BatchLine,
     Endpoints,
     error_result,
+    expired_result,
     ok_result,
     parse_lines,
 )
@@ -103,8 +107,15 @@ class BatchRun:
             lines = self._validate(batch)
             if lines is None:
                 return
-            await self._run_lines(batch["endpoint"], lines)
-            await self._finalize("cancelled" if self.cancelling.is_set() else "completed")
+            deadline = float(batch.get("expires_at") or "inf")
+            expired = await self._run_lines(batch["endpoint"], lines, deadline)
+            if self.cancelling.is_set():
+                await self._finalize("cancelled")
+            elif expired:
+                self._expire(lines)
+                await self._finalize("expired")
+            else:
+                await self._finalize("completed")
         except asyncio.CancelledError:  # the server stops: the stored state is resumed later
             raise
         except Exception as exc:  # a bug must not leave a batch in_progress for ever
@@ -132,7 +143,23 @@ class BatchRun:
                         request_counts=counts)  # fmt: skip
         return lines
 
-    async def _run_lines(self, endpoint: str, lines: list[BatchLine]) -> None:
+    async def _admit(self, deadline: float) -> bool:
+        """A slot for the next line; False (no slot held) once ``deadline`` has passed."""
+        left = deadline - time.time()
+        if left <= 0:
+            return False
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (stop)
+            async with asyncio.timeout(min(left, 1e9)):
+                await self.priority.admit()
+        except TimeoutError:
+            return False
+        if time.time() >= deadline:
+            self.priority.release()
+            return False
+        return True
+
+    async def _run_lines(self, endpoint: str, lines: list[BatchLine], deadline: float) -> bool:
+        """Run the lines without a stored result; True when ``deadline`` came first."""
         done = self.store.done_lines(self.batch_id)
         running: set[asyncio.Task[None]] = set()
         cancelled = asyncio.create_task(self.cancelling.wait())
@@ -140,7 +167,8 @@ class BatchRun:
             for line in lines:
                 if line.line in done:
                     continue
-                await self.priority.admit()
+                if not await self._admit(deadline):
+                    return True
                 if self.cancelling.is_set():
                     self.priority.release()
                     break
@@ -148,7 +176,12 @@ class BatchRun:
                 running.add(task)
                 task.add_done_callback(running.discard)
             while running and not self.cancelling.is_set():
-                await asyncio.wait({*running, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+                left = deadline - time.time()
+                if left <= 0:
+                    return True
+                await asyncio.wait({*running, cancelled}, timeout=min(left, 1e9),
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            return False
         finally:
             cancelled.cancel()
             for task in running:
@@ -161,7 +194,7 @@ class BatchRun:
             request_id = f"{self.batch_id}-{line.line}"
             for attempt in range(_RETRIES):
                 try:
-                    body = await self.endpoints.run(endpoint, line.body, request_id)
+                    body = await self.endpoints.run(endpoint, line.body, request_id, self.owner)
                     result = ok_result(line, request_id, body)
                     break
                 except (ServiceUnavailable, Overloaded) as exc:
@@ -184,6 +217,14 @@ class BatchRun:
         finally:
             self.priority.release()
 
+    def _expire(self, lines: list[BatchLine]) -> None:
+        """Every line without a result becomes a ``batch_expired`` error line."""
+        done = self.store.done_lines(self.batch_id)
+        for line in lines:
+            if line.line not in done:
+                self.store.add_line(self.batch_id, expired_result(line))
+        log.info("batch %s expired: its completion window ended", self.batch_id)
+
     async def _finalize(self, status: str) -> None:
         batch = self.update(status="finalizing", finalizing_at=int(time.time()))
         ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
@@ -197,7 +238,7 @@ class BatchRun:
                 ids[key] = file_id
         completed, failed = self.store.line_counts(self.batch_id)
         counts = {**batch["request_counts"], "completed": completed, "failed": failed}
-        when = "cancelled_at" if status == "cancelled" else "completed_at"
+        when = {"cancelled": "cancelled_at", "expired": "expired_at"}.get(status, "completed_at")
         self.update(status=status, request_counts=counts, **ids, **{when: int(time.time())})
 
     def cancel(self) -> None:

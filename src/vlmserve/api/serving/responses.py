@@ -11,17 +11,26 @@ sessions go on to ``ChatService.resume``).
 ``store: false`` responses are not retrievable; a non-streamed one runs through
 ``ChatService.complete`` and never touches the store. ``DELETE`` leaves a tombstone session
 (``<id>.deleted``): the store has no delete yet, and both expire with the sessions' TTL.
+
+A stored response belongs to the API key that made it (``api_owner`` in its record: the auth
+digest, never the key): for any other key every call on it, ``previous_response_id`` included,
+is the same 404 as for an unknown id. It is kept ``sessions_ttl_seconds`` after its last event
+(the store's retention, enforced here too so that an expired one is a 404 before the store's
+sweep has run).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.protocol.responses_api import ResponsesRequest
 from vlmserve.api.serving.chat import ChatService
+from vlmserve.api.serving.files import FilesService
 from vlmserve.api.serving.responses_convert import (
     assistant_message,
     check_supported,
@@ -29,6 +38,8 @@ from vlmserve.api.serving.responses_convert import (
     remap,
     to_chat_request,
 )
+from vlmserve.api.serving.responses_files import attach_files
+from vlmserve.api.serving.responses_items import input_items, list_page
 from vlmserve.api.serving.responses_objects import (
     ResponseLog,
     base_response,
@@ -38,7 +49,15 @@ from vlmserve.api.serving.responses_objects import (
 )
 from vlmserve.api.serving.responses_stream import produce, resumption
 from vlmserve.errors import InvalidRequest, NotFound, VlmserveError
-from vlmserve.streaming import Emit, Event, Resumer, Resumption, SessionRecord, SessionState
+from vlmserve.streaming import (
+    FINAL_STATES,
+    Emit,
+    Event,
+    Resumer,
+    Resumption,
+    SessionRecord,
+    SessionState,
+)
 
 __all__ = ["KIND", "ResponsesService"]
 
@@ -68,20 +87,26 @@ def output_text(response: dict[str, Any]) -> str:
 
 
 class ResponsesService:
-    def __init__(self, chat: ChatService, chat_resumer: Resumer | None = None) -> None:
+    def __init__(self, chat: ChatService, chat_resumer: Resumer | None = None,
+                 files: FilesService | None = None) -> None:  # fmt: skip
         self.chat = chat
         self.sessions = chat.sessions
+        self.files = files  # for input_image file_id; None: only URLs
         # One resumer per SessionManager: ours continues responses, the chat one the rest.
         self._chat_resumer = chat_resumer
         self.sessions.set_resumer(self._resume)
 
     # -- create ---------------------------------------------------------------------------
 
-    async def _conversation(self, body: ResponsesRequest) -> list[dict[str, Any]]:
-        """Earlier turns (``previous_response_id``: its input and its answer) + this input."""
+    async def _conversation(self, body: ResponsesRequest, owner: str
+                            ) -> tuple[list[dict[str, Any]], list[list[int | str]]]:  # fmt: skip
+        """Earlier turns (``previous_response_id``: its input and its answer) + this input, and
+        where in it images came from files (``[message, part, file_id]``)."""
         history: list[dict[str, Any]] = []
+        files: list[list[int | str]] = []
         if body.previous_response_id:
-            record, rlog = await self._load(body.previous_response_id, "previous_response_id")
+            record, rlog = await self._load(body.previous_response_id, owner,
+                                            "previous_response_id")  # fmt: skip
             previous = rlog.snapshot(record.state)
             if previous["status"] in ("queued", "in_progress"):
                 raise InvalidRequest(
@@ -91,12 +116,16 @@ class ResponsesService:
                 )
             turns = record.request["body"]["messages"][record.request["turns_from"] :]
             history = [*turns, assistant_message(output_text(previous))]
-        return [*history, *input_messages(body)]
+            files = list(record.request.get("input_files", []))
+        attached = await attach_files(body, owner, self.files)
+        files += [[len(history) + int(i), j, f] for i, j, f in attached]
+        return [*history, *input_messages(body)], files
 
-    async def start(self, body: ResponsesRequest, request_id: str) -> str:
+    async def start(self, body: ResponsesRequest, request_id: str, owner: str = ANONYMOUS
+                    ) -> str:  # fmt: skip
         """Validate, prepare (every 4xx before a byte is sent), then run it as a session."""
         check_supported(body)
-        conversation = await self._conversation(body)
+        conversation, files = await self._conversation(body, owner)
         chat_body = to_chat_request(body, conversation)
         try:
             generation = await self.chat.open_generation(chat_body, request_id)
@@ -105,8 +134,8 @@ class ResponsesService:
         response_id = new_response_id()
         request = {
             "kind": KIND, "store": body.store, "background": body.background,
-            "message_id": new_message_id(),
-            "turns_from": len(chat_body.messages) - len(conversation),
+            "api_owner": owner, "message_id": new_message_id(),
+            "turns_from": len(chat_body.messages) - len(conversation), "input_files": files,
             "body": chat_body.model_dump(mode="json"),
             "response": base_response(body, response_id, generation.model_id),
         }  # fmt: skip
@@ -124,33 +153,39 @@ class ResponsesService:
             session.attach()
         return response_id
 
-    async def finished(self, response_id: str) -> dict[str, Any]:
+    async def finished(self, response_id: str, owner: str = ANONYMOUS) -> dict[str, Any]:
         """The response once its generation has ended (a stored, non-streamed create)."""
         session = self.sessions.get(response_id)
         if session is not None:
             await session.wait()
-        return await self.retrieve(response_id)
+        return await self.retrieve(response_id, owner)
 
-    async def complete_unstored(self, body: ResponsesRequest, request_id: str) -> dict[str, Any]:
+    async def complete_unstored(self, body: ResponsesRequest, request_id: str,
+                                owner: str = ANONYMOUS) -> dict[str, Any]:  # fmt: skip
         """``store: false``, not streamed: ChatService's JSON answer, as a Response."""
         check_supported(body)
-        chat_body = to_chat_request(body, await self._conversation(body))
+        conversation, _ = await self._conversation(body, owner)
+        chat_body = to_chat_request(body, conversation)
         try:
             answer = await self.chat.complete(chat_body, request_id)
         except VlmserveError as exc:
             raise remap(exc) from None
         rlog = ResponseLog(base_response(body, new_response_id(), answer["model"]),
                            new_message_id())  # fmt: skip
-        rlog.sent.add("response.output_item.added")
         choice = answer["choices"][0]
-        rlog.text = choice["message"]["content"] or ""
+        rlog.answered(choice["message"]["content"] or "", choice["message"].get("reasoning"))
         counts = answer["usage"]
         status = _FINISH_STATUS.get(choice["finish_reason"], "failed")
         return rlog.response(status, usage(counts["prompt_tokens"], counts["completion_tokens"]))
 
     # -- stored responses -----------------------------------------------------------------
 
-    async def _record(self, response_id: str, param: str | None = None) -> SessionRecord:
+    def _expired(self, record: SessionRecord) -> bool:
+        ttl = self.sessions.ttl
+        return bool(ttl) and record.state in FINAL_STATES and record.updated_at < time.time() - ttl
+
+    async def _record(self, response_id: str, owner: str, param: str | None = None
+                      ) -> SessionRecord:  # fmt: skip
         store = self.sessions.store
         record = None
         if response_id.startswith("resp_") and len(response_id) <= 64:
@@ -159,11 +194,14 @@ class ResponsesService:
             record is None
             or record.request.get("kind") != KIND
             or not record.request.get("store")
+            or record.request.get("api_owner", ANONYMOUS) != owner
+            or self._expired(record)
             or await store.get(_tombstone(response_id)) is not None
         ):
             raise NotFound(
                 f"no stored response {response_id!r} (unknown, deleted, created with "
-                f"store: false, or expired: responses are kept {self.sessions.ttl:g}s)",
+                f"store: false, another API key's, or expired: responses are kept "
+                f"{self.sessions.ttl:g}s after they end, VLMSERVE_SESSIONS_TTL_SECONDS)",
                 param=param,
                 code="response_not_found",
             )
@@ -176,17 +214,18 @@ class ResponsesService:
             events = list(session.ring)
         return events
 
-    async def _current(self, response_id: str, param: str | None = None) -> SessionRecord:
+    async def _current(self, response_id: str, owner: str, param: str | None = None
+                       ) -> SessionRecord:  # fmt: skip
         """The stored record, after continuing the response here if it was orphaned."""
-        record = await self._record(response_id, param)
+        record = await self._record(response_id, owner, param)
         if record.state is SessionState.RUNNING and self.sessions.get(response_id) is None:
             await self._take_over(record)
-            record = await self._record(response_id, param)
+            record = await self._record(response_id, owner, param)
         return record
 
-    async def _load(self, response_id: str, param: str | None = None
+    async def _load(self, response_id: str, owner: str, param: str | None = None
                     ) -> tuple[SessionRecord, ResponseLog]:  # fmt: skip
-        record = await self._current(response_id, param)
+        record = await self._current(response_id, owner, param)
         return record, ResponseLog.restore(record.request, await self._events(record))
 
     async def _take_over(self, record: SessionRecord) -> None:
@@ -203,22 +242,28 @@ class ResponsesService:
         if session is not None and record.request.get("background"):
             session.attach()  # runs without a client, as before the restart
 
-    async def retrieve(self, response_id: str) -> dict[str, Any]:
-        record, rlog = await self._load(response_id)
+    async def retrieve(self, response_id: str, owner: str = ANONYMOUS) -> dict[str, Any]:
+        record, rlog = await self._load(response_id, owner)
         return rlog.snapshot(record.state)
 
-    async def check_stored(self, response_id: str) -> None:
-        """404 unless stored; an orphaned one (a restart) continues here first."""
-        await self._current(response_id)
+    async def check_stored(self, response_id: str, owner: str = ANONYMOUS) -> None:
+        """404 unless stored (and the caller's); an orphaned one (a restart) continues here."""
+        await self._current(response_id, owner)
 
-    async def cancel(self, response_id: str) -> dict[str, Any]:
+    async def input_items(self, response_id: str, owner: str, *, after: str | None = None,
+                          limit: int = 20, order: str = "desc") -> dict[str, Any]:  # fmt: skip
+        """The conversation the response answered (earlier turns included), OpenAI's page."""
+        record = await self._record(response_id, owner)
+        return list_page(input_items(response_id, record.request), after, limit, order)
+
+    async def cancel(self, response_id: str, owner: str = ANONYMOUS) -> dict[str, Any]:
         """Stop a running response (within an engine step); a finished one is returned as is."""
-        await self._record(response_id)
+        await self._record(response_id, owner)
         await self.sessions.cancel(response_id)
-        return await self.retrieve(response_id)
+        return await self.retrieve(response_id, owner)
 
-    async def delete(self, response_id: str) -> dict[str, Any]:
-        await self._record(response_id)
+    async def delete(self, response_id: str, owner: str = ANONYMOUS) -> dict[str, Any]:
+        await self._record(response_id, owner)
         await self.sessions.cancel(response_id)
         with contextlib.suppress(InvalidRequest):  # InvalidRequest: deleted meanwhile
             await self.sessions.start(_tombstone(response_id), {"kind": "deleted"}, _no_events(),

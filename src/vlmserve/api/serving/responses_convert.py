@@ -70,8 +70,8 @@ def _part(where: str, part: BaseModel) -> dict[str, Any]:
     if isinstance(part, InputImagePart):
         if part.image_url:
             return {"type": "image_url", "image_url": {"url": part.image_url}}
-        message = ("input_image needs image_url (a URL or a data URL); file_id needs /v1/files, "
-                   "which this server does not offer yet")  # fmt: skip
+        message = ("input_image needs image_url (a URL or a data URL) or file_id (a file "
+                   "uploaded to /v1/files with purpose 'vision' or 'user_data')")  # fmt: skip
         raise InvalidRequest(message, param=where)
     if isinstance(part, InputFilePart):
         raise UnsupportedFeature("input_file parts are not supported; send text, input_image "

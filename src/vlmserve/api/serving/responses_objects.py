@@ -39,8 +39,7 @@ FINAL_EVENTS = {
     "cancelled": "response.cancelled",
 }
 _FINAL_TYPES = frozenset(FINAL_EVENTS.values())
-_PREAMBLE = ("response.created", "response.in_progress", "response.output_item.added",
-             "response.content_part.added")  # fmt: skip
+_PREAMBLE = ("response.created", "response.in_progress")
 _STATUS = {FinishReason.STOP: "completed", FinishReason.LENGTH: "incomplete",
            FinishReason.CANCELLED: "cancelled", FinishReason.ERROR: "failed"}  # fmt: skip
 
@@ -97,12 +96,17 @@ def _error(exc: BaseException) -> dict[str, str]:
 
 @dataclass(slots=True)
 class ResponseLog:
-    """One response's event log: makes its numbered events, or folds stored ones back."""
+    """One response's event log: makes its numbered events, or folds stored ones back.
+
+    Output items open as their text arrives: a thinking model's ``reasoning`` item (output 0)
+    with ``response.reasoning_text.delta`` events, then the ``message`` (output 0, or 1 after
+    a reasoning item). ``sent`` records event kinds, and ``<kind>:<item type>`` for items."""
 
     base: dict[str, Any]
     message_id: str
     next_seq: int = 0
     text: str = ""
+    reasoning: str = ""
     sent: set[str] = field(default_factory=set)
     final: dict[str, Any] | None = None  # the response object of the terminal event
     foreign_error: dict[str, Any] | None = None  # a session error event (server_restart, gap)
@@ -114,15 +118,26 @@ class ResponseLog:
             log._fold(event)
         return log
 
+    @property
+    def reasoning_id(self) -> str:
+        return "rs_" + self.message_id.removeprefix("msg_")
+
+    def _mark(self, kind: str, data: dict[str, Any]) -> None:
+        self.sent.add(kind)
+        if isinstance(data.get("item"), dict):
+            self.sent.add(f"{kind}:{data['item'].get('type')}")
+
     def _fold(self, event: Event) -> None:
         self.next_seq = event.index + 1
         if event.terminal:
             return
         data = json.loads(event.data)
         kind = event.event or ""
-        self.sent.add(kind)
+        self._mark(kind, data)
         if kind == "response.output_text.delta":
             self.text += data["delta"]
+        elif kind == "response.reasoning_text.delta":
+            self.reasoning += data["delta"]
         elif kind in _FINAL_TYPES:
             self.final = data["response"]
         elif kind == "error" and isinstance(data.get("error"), dict):
@@ -131,16 +146,34 @@ class ResponseLog:
     def _emit(self, kind: str, meta: dict[str, Any] | None = None, **fields: Any) -> Emit:
         data = {"type": kind, "sequence_number": self.next_seq, **fields}
         self.next_seq += 1
-        self.sent.add(kind)
+        self._mark(kind, data)
         return Emit(sse_json(data), event=kind, meta=meta)
+
+    def _opened(self, item: str) -> bool:
+        return f"response.output_item.added:{item}" in self.sent
+
+    def _closed(self, item: str) -> bool:
+        return f"response.output_item.done:{item}" in self.sent
+
+    def _message_index(self) -> int:
+        return 1 if self._opened("reasoning") else 0
 
     def _item(self, status: str, text: str | None = None) -> dict[str, Any]:
         content = [] if text is None else [_part(text)]
         return {"id": self.message_id, "type": "message", "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
 
+    def _reasoning_item(self, status: str, text: str | None = None) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"id": self.reasoning_id, "type": "reasoning", "status": status, "summary": [],
+                "content": content}  # fmt: skip
+
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.message_id, "output_index": self._message_index(),
+                "content_index": 0}  # fmt: skip
+
+    def _reasoning_where(self) -> dict[str, Any]:
+        return {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
 
     def preamble(self) -> list[Emit]:
         """The opening events not sent yet (all of them, unless continued after a restart)."""
@@ -148,24 +181,67 @@ class ResponseLog:
         make = {
             "response.created": lambda: {"response": self.base},
             "response.in_progress": lambda: {"response": running},
-            "response.output_item.added": lambda: {"output_index": 0,
-                                                   "item": self._item("in_progress")},
-            "response.content_part.added": lambda: {**self._where(), "part": _part("")},
-        }  # fmt: skip
+        }
         return [self._emit(kind, **make[kind]()) for kind in _PREAMBLE if kind not in self.sent]
 
-    def delta(self, text: str, token_ids: list[int]) -> Emit:
+    def _close_reasoning(self) -> list[Emit]:
+        if not self._opened("reasoning") or self._closed("reasoning"):
+            return []
+        where = self._reasoning_where()
+        return [
+            self._emit("response.reasoning_text.done", **where, text=self.reasoning),
+            self._emit("response.output_item.done", output_index=0,
+                       item=self._reasoning_item("completed", self.reasoning)),
+        ]  # fmt: skip
+
+    def _open_message(self) -> list[Emit]:
+        if self._opened("message"):
+            return []
+        emits = self._close_reasoning()
+        emits.append(self._emit("response.output_item.added", output_index=self._message_index(),
+                                item=self._item("in_progress")))  # fmt: skip
+        emits.append(self._emit("response.content_part.added", **self._where(), part=_part("")))
+        return emits
+
+    def think(self, text: str, token_ids: list[int]) -> list[Emit]:
+        """Reasoning text: the reasoning item's delta (the item opens with the first)."""
+        emits = []
+        if not self._opened("reasoning"):
+            emits.append(self._emit("response.output_item.added", output_index=0,
+                                    item=self._reasoning_item("in_progress")))  # fmt: skip
+        self.reasoning += text
+        emits.append(self._emit("response.reasoning_text.delta", {"token_ids": token_ids},
+                                **self._reasoning_where(), delta=text))  # fmt: skip
+        return emits
+
+    def delta(self, text: str, token_ids: list[int]) -> list[Emit]:
+        """Answer text: the message's delta (the message opens with the first)."""
+        emits = self._open_message()
         self.text += text
-        return self._emit("response.output_text.delta", {"token_ids": token_ids},
-                          **self._where(), delta=text, logprobs=[])  # fmt: skip
+        emits.append(self._emit("response.output_text.delta", {"token_ids": token_ids},
+                                **self._where(), delta=text, logprobs=[]))  # fmt: skip
+        return emits
+
+    def answered(self, text: str, reasoning: str | None) -> None:
+        """The items of a whole answer (not streamed): its reasoning, if any, and a message
+        unless the answer was cut off while thinking."""
+        if reasoning:
+            self.reasoning = reasoning
+            self.sent.add("response.output_item.added:reasoning")
+        if text or not reasoning:
+            self.text = text
+            self.sent.add("response.output_item.added:message")
 
     def _close(self, item_status: str) -> list[Emit]:
-        if "response.output_item.added" not in self.sent:
-            return []
-        return [
+        if "response.in_progress" not in self.sent:
+            return []  # ended before it started (cancelled while queued): no items
+        if self._opened("reasoning") and not self._opened("message"):
+            return self._close_reasoning()  # cut off while thinking: no message
+        emits = self._open_message()  # an empty answer is still a message
+        return [*emits,
             self._emit("response.output_text.done", **self._where(), text=self.text, logprobs=[]),
             self._emit("response.content_part.done", **self._where(), part=_part(self.text)),
-            self._emit("response.output_item.done", output_index=0,
+            self._emit("response.output_item.done", output_index=self._message_index(),
                        item=self._item(item_status, self.text)),
         ]  # fmt: skip
 
@@ -175,9 +251,14 @@ class ResponseLog:
         if self.final is not None:
             return self.final
         done = status not in ("queued", "in_progress")
-        started = "response.output_item.added" in self.sent
         item_status = "completed" if status == "completed" else "incomplete"
-        output = [self._item(item_status if done else "in_progress", self.text)] if started else []
+        output = []
+        if self._opened("reasoning"):
+            closed = done or self._closed("reasoning")
+            output.append(self._reasoning_item("completed" if closed else "in_progress",
+                                               self.reasoning))  # fmt: skip
+        if self._opened("message"):
+            output.append(self._item(item_status if done else "in_progress", self.text))
         details = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {**self.base, "status": status, "output": output, "usage": usage_,
                 "error": error, "incomplete_details": details,

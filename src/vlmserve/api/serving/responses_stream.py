@@ -23,9 +23,13 @@ async def produce(log: ResponseLog, generation: Generation) -> AsyncIterator[Emi
         pending: list[int] = []  # ids of text the detokenizer still holds
         async for chunk in generation.chunks:
             pending.extend(chunk.token_ids)
+            emits = log.think(chunk.reasoning, pending) if chunk.reasoning else []
             if chunk.text:
-                yield log.delta(chunk.text, pending)
+                emits += log.delta(chunk.text, [] if emits else pending)
+            if emits:
                 pending = []
+            for emit in emits:
+                yield emit
             if chunk.finish_reason is not None:
                 for emit in log.finish(chunk):
                     yield emit
