@@ -147,3 +147,15 @@ async def test_the_new_routes_are_in_the_openapi_document(make_client: Callable[
                          ("/v1/files/{file_id}/content", "get"), ("/v1/batches", "post"),
                          ("/v1/batches/{batch_id}/cancel", "post")):  # fmt: skip
         assert method in paths[path], path
+
+
+async def test_the_key_blind_stream_routes_do_not_open_a_response(
+    make_client: Callable[..., Any],
+) -> None:
+    http = await make_client(api_keys=["k1", "k2"])
+    made = await client(http, "k1").responses.create(model=MODEL, input="Hi", **GREEDY)
+    other = {"Authorization": "Bearer k2"}
+    for call in (http.get(f"/v1/streams/{made.id}", headers=other),
+                 http.post(f"/v1/cancel/{made.id}", headers=other)):  # fmt: skip
+        r = await call
+        assert r.status_code == 404 and "GET /v1/responses/" in r.json()["error"]["message"]

@@ -62,8 +62,9 @@ class Services:
         converter = Converter.from_settings(settings, metrics)
         chat = ChatService(models, converter, sessions, metrics)
         worker = WorkerService(models, converter)
-        responses = ResponsesService(chat, chat_resumer=chat.resume)  # one resumer per manager
         files = FilesService.from_settings(settings)
+        # one resumer per manager; files: input_image file_id
+        responses = ResponsesService(chat, chat_resumer=chat.resume, files=files)
         batches = BatchesService(files, Endpoints(chat, responses, worker), models=models,
                                  max_concurrency=settings.batch_max_concurrency)  # fmt: skip
         return cls(settings, models, sessions, metrics, chat, worker, TaskService(chat),

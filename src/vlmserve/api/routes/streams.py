@@ -13,7 +13,18 @@ from vlmserve.streaming import SessionManager, parse_event_id
 router = APIRouter(route_class=StrictJSONRoute)
 
 
+async def _not_a_response(sessions: SessionManager, key: str) -> None:
+    """A stored response's session is its API key's (``/v1/responses/{id}`` checks the owner):
+    these key-blind routes answer for it as for an unknown id."""
+    record = await sessions.store.get(key) if key.startswith("resp_") else None
+    if record is not None and record.request.get("kind") == "response":
+        raise NotFound(f"no stream {key!r}; a response is read with GET /v1/responses/{{id}} "
+                       "and cancelled with POST /v1/responses/{id}/cancel",
+                       code="session_not_found")  # fmt: skip
+
+
 async def _cancel(sessions: SessionManager, key: str) -> dict[str, object]:
+    await _not_a_response(sessions, key)
     if not await sessions.cancel(key):
         raise NotFound(
             f"no running stream {key!r} (unknown, finished or already cancelled)",
@@ -50,4 +61,5 @@ async def resume_stream(
         named, after = parse_event_id(given)
         if named != session_id:
             raise NotFound(f"Last-Event-ID is for session {named!r}, not {session_id!r}")
+    await _not_a_response(sessions, session_id)
     return await sse_response(sessions, session_id, after, resumable=True)

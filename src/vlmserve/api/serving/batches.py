@@ -53,10 +53,6 @@ class BatchesService:
         self.files = files
         self.store = files.store
         self.endpoints = endpoints
-        # Until Services.build hands FilesService to ResponsesService itself: the one place
-        # where both are at hand (input_image file_id in /v1/responses and responses lines).
-        if endpoints.responses.files is None:
-            endpoints.responses.files = files
         self.window_seconds = dict(WINDOW_SECONDS)  # shorter in tests of expiry
         self._max_concurrency = max_concurrency
         self._models = models
