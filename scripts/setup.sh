@@ -6,7 +6,7 @@
 # 1. Debian's redis-server (Redis stream-store tests), chromium and chromium-driver (the
 #    browser test) with apt-get, when they are missing and apt-get is there. No PyPI package
 #    ships these binaries in a form the tests can use, so they come from the distribution.
-# 2. `python -m pip install -e ".[dev]"` into the Python on PATH (a virtualenv if active).
+# 2. `python -m pip install -e ".[dev,ray]"` into the Python on PATH (a virtualenv if active).
 #
 # Idempotent: what is installed already is left alone. When the system packages cannot be
 # installed (no apt-get, no root or sudo, no network) it says so and goes on; the tests that
@@ -42,4 +42,4 @@ if [ "${#missing[@]}" -gt 0 ] && [ "${VLMSERVE_SETUP_SKIP_APT:-0}" != 1 ]; then
   fi
 fi
 
-python -m pip install -q -e ".[dev]"
+python -m pip install -q -e ".[dev,ray]"

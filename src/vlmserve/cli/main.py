@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from vlmserve.cli import loadtest, preflight, serve, tag
+from vlmserve.cli.ray import ray_app
 from vlmserve.cli.registry import registry_app
 from vlmserve.config import load_settings
 from vlmserve.errors import ConfigError
@@ -25,6 +26,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(registry_app, name="registry")
+app.add_typer(ray_app, name="ray")
 app.command("preflight")(preflight.command)
 app.command("loadtest")(loadtest.command)
 app.command("tag")(tag.command)

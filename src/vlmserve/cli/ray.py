@@ -1,0 +1,69 @@
+"""``vlmserve ray serve``: run vlmserve as a Ray Serve application (``deploy/ray.py``).
+
+Ray is imported only when the command runs: vlmserve works without the ``ray`` extra.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from vlmserve.errors import ConfigError
+
+__all__ = ["ray_app"]
+
+console = Console(stderr=True)
+ray_app = typer.Typer(
+    help="Scale out on Ray Serve: one deployment per model, the OpenAI API in front "
+    "(the ray extra: pip install 'vlmserve\\[ray]').",
+    no_args_is_help=True,
+)
+
+
+@ray_app.command("serve")
+def serve_command(
+    config: Annotated[
+        Path,
+        typer.Option("--config", "-c", help="vlmserve.toml with [[models]] and a [ray] table."),
+    ],
+    address: Annotated[
+        Optional[str],  # noqa: UP045 - typer needs Optional on py3.10
+        typer.Option(
+            help="Ray cluster to join (auto, ray://HOST:10001); default: "
+            "RAY_ADDRESS, else a new local cluster."
+        ),
+    ] = None,
+    host: Annotated[Optional[str], typer.Option(help="HTTP address.")] = None,  # noqa: UP045
+    port: Annotated[Optional[int], typer.Option(help="HTTP port.")] = None,  # noqa: UP045
+) -> None:
+    """Deploy the models of --config on Ray Serve and serve the API until stopped."""
+    from vlmserve.deploy.config import load_ray_setup
+
+    try:
+        setup = load_ray_setup(config, host=host, port=port)
+    except (ConfigError, ValueError) as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(code=2) from None
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        console.print("[bold red]error:[/] Ray is not installed: pip install 'vlmserve\\[ray]'")
+        raise typer.Exit(code=2) from None
+    from vlmserve.deploy.ray import build_application
+
+    ray.init(address=address)
+    settings = setup.settings
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    console.print(
+        f"vlmserve on Ray Serve: http://{settings.host}:{settings.port}{setup.ray.route_prefix}"
+    )
+    serve.run(
+        build_application(setup),
+        name=setup.ray.app_name,
+        route_prefix=setup.ray.route_prefix,
+        blocking=True,
+    )

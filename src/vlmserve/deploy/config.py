@@ -1,0 +1,170 @@
+"""The ``[ray]`` table of ``vlmserve.toml``: how many replicas of what, on which resources.
+
+The rest of the file is vlmserve's usual settings (``config.Settings``, which forbids unknown
+keys), so the table is taken out before the settings are read and validated here on its own::
+
+    [ray]
+    ingress_replicas = 2            # HTTP replicas: the OpenAI API, sessions, media decoding
+    ingress_num_cpus = 0.5
+
+    [ray.models.tiny-qwen2-vl]      # one deployment per [[models]] entry, by served name
+    num_replicas = 2                # or autoscaling below
+    num_cpus = 1
+    num_gpus = 0
+    max_ongoing_requests = 64       # Ray routes no more to a replica; then it queues
+    autoscaling = { min_replicas = 1, max_replicas = 4, target_ongoing_requests = 16 }
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
+
+from vlmserve.config import Settings, load_settings
+from vlmserve.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["DeploymentConfig", "RayConfig", "RaySetup", "load_ray_setup"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Autoscaling(_Strict):
+    """Ray Serve's ``autoscaling_config`` (the common keys; Ray checks the values)."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    initial_replicas: int | None = None
+    target_ongoing_requests: float = Field(default=8.0, gt=0)
+    upscale_delay_s: float | None = None
+    downscale_delay_s: float | None = None  # default: the model's keep_alive when it has one
+
+
+class DeploymentConfig(_Strict):
+    """Replicas and resources of one deployment (a model, or the ingress)."""
+
+    num_replicas: int = Field(default=1, ge=1)
+    autoscaling: Autoscaling | None = None
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    memory: int | None = None  # bytes Ray reserves for each replica
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    # requests waiting for a replica (per caller) before a 429; -1 = no bound
+    max_queued_requests: int = -1
+
+    def options(self, drain_seconds: float, keep_alive: float | None = None) -> dict[str, Any]:
+        """Keyword arguments of ``serve.deployment(...).options``: Ray waits up to
+        ``drain_seconds`` for a replica's running requests (streams) on scale-down."""
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory:
+            actor["memory"] = self.memory
+        opts: dict[str, Any] = {
+            "ray_actor_options": actor,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "graceful_shutdown_timeout_s": drain_seconds,
+            "graceful_shutdown_wait_loop_s": 1.0,
+            "health_check_period_s": 5.0,
+            "health_check_timeout_s": 30.0,
+        }
+        if self.autoscaling is None:
+            opts["num_replicas"] = self.num_replicas
+            return opts
+        scaling = self.autoscaling.model_dump(exclude_none=True)
+        if "downscale_delay_s" not in scaling and keep_alive is not None and keep_alive > 0:
+            scaling["downscale_delay_s"] = keep_alive  # the registry's idle unload, per replica
+        opts["autoscaling_config"] = scaling
+        return opts
+
+
+class RayConfig(_Strict):
+    ingress_replicas: int = Field(default=1, ge=1)
+    ingress_num_cpus: float = Field(default=1.0, ge=0)
+    ingress_max_ongoing_requests: int = Field(default=256, ge=1)
+    route_prefix: str = "/"
+    app_name: str = "vlmserve"
+    models: dict[str, DeploymentConfig] = Field(default_factory=dict)
+
+    def ingress(self) -> DeploymentConfig:
+        return DeploymentConfig(
+            num_replicas=self.ingress_replicas,
+            num_cpus=self.ingress_num_cpus,
+            max_ongoing_requests=self.ingress_max_ongoing_requests,
+        )
+
+    def model(self, name: str) -> DeploymentConfig:
+        return self.models.get(name) or DeploymentConfig()
+
+
+@dataclass(slots=True)
+class RaySetup:
+    """What a Ray application is built from: vlmserve's settings and the ``[ray]`` table."""
+
+    settings: Settings
+    ray: RayConfig
+
+
+def load_ray_setup(config_file: Path | None, **overrides: Any) -> RaySetup:
+    """Read ``config_file`` (settings + ``[ray]``); flags in ``overrides`` win as usual."""
+    table: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    if config_file is not None:
+        if not config_file.is_file():
+            raise ConfigError(f"config file {config_file} does not exist")
+        try:
+            rest = tomllib.loads(config_file.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{config_file} is not valid TOML: {exc}") from exc
+        table = rest.pop("ray", {})
+    try:
+        ray = RayConfig.model_validate(table)
+    except ValidationError as exc:
+        raise ConfigError(f"[ray] in {config_file}: {exc}") from exc
+    if config_file is not None:
+        settings = _settings(rest, overrides)
+    else:
+        settings = load_settings(None, **overrides)
+    names = {m.served_name for m in settings.model_configs()}
+    unknown = sorted(set(ray.models) - names)
+    if unknown:
+        raise ConfigError(
+            f"[ray.models] names {unknown} that are not served models "
+            f"(the [[models]] names are {sorted(names)})"
+        )
+    if not names:
+        raise ConfigError("no model to deploy: give [[models]] (or model = ...) in the config")
+    return RaySetup(settings, ray)
+
+
+def _settings(rest: dict[str, Any], overrides: dict[str, Any]) -> Settings:
+    """The settings of the file without its ``[ray]`` table: flags, then ``VLMSERVE_*``
+    variables, then the file win, exactly as ``load_settings`` orders them."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+
+    class _FileSettings(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, InitSettingsSource(settings_cls, rest))
+
+    try:
+        return Settings.model_validate(_FileSettings(**given).model_dump())
+    except ValidationError as exc:
+        raise ConfigError(str(exc)) from exc

@@ -1,0 +1,51 @@
+"""The Ray Serve application: one deployment per model, and the ingress in front of them.
+
+Run it with ``vlmserve ray serve --config vlmserve.toml``, or with Ray's own tools::
+
+    serve run vlmserve.deploy.ray:app config=vlmserve.toml
+
+(``app`` is an application builder: Ray calls it with the ``key=value`` arguments; KubeRay's
+``RayService`` passes them as ``args``). The file is vlmserve's usual settings plus a ``[ray]``
+table (``deploy/config.py``) with replica counts, autoscaling and resources per model.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ray import serve
+from ray.serve import Application
+
+from vlmserve.deploy.config import RaySetup, load_ray_setup
+from vlmserve.deploy.ingress import Ingress
+from vlmserve.deploy.replica import ModelReplica
+
+__all__ = ["app", "build_application", "deployment_name"]
+
+
+def deployment_name(model: str) -> str:
+    """The model's deployment: its served name with characters Ray refuses replaced."""
+    return "model-" + re.sub(r"[^A-Za-z0-9_.-]", "-", model)
+
+
+def build_application(setup: RaySetup) -> Application:
+    """The bound application for ``serve.run`` (the settings travel to every replica as
+    JSON, so the config file need only be readable where this runs)."""
+    settings = setup.settings
+    dump = settings.model_dump(mode="json")
+    drain = settings.drain_timeout_seconds
+    handles = {}
+    for cfg in settings.model_configs():
+        name = cfg.served_name
+        deployment = serve.deployment(ModelReplica, name=deployment_name(name))
+        options = setup.ray.model(name).options(drain, cfg.keep_alive)
+        handles[name] = deployment.options(**options).bind(dump, name)
+    ingress = serve.deployment(Ingress, name="ingress")
+    return ingress.options(**setup.ray.ingress().options(drain)).bind(dump, handles)
+
+
+def app(args: dict[str, str]) -> Application:
+    """Ray's application builder: ``serve run vlmserve.deploy.ray:app config=FILE``."""
+    config = args.get("config")
+    return build_application(load_ray_setup(Path(config) if config else None))

@@ -1,0 +1,117 @@
+"""The ``[ray]`` table, the replica wire and the import boundary: plain Python, no Ray needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vlmserve.deploy.config import load_ray_setup
+from vlmserve.deploy.wire import decode_error, encode_error
+from vlmserve.errors import ConfigError, InvalidRequest, Overloaded, ServiceUnavailable
+
+ROOT = Path(__file__).parents[2]
+MODELS = '[[models]]\nname = "tiny"\nsource = "/models/tiny"\nkeep_alive = 90\n'
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "vlmserve.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_ray_table_sets_replicas_resources_and_drain(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        'device = "cpu"\ndrain_timeout_seconds = 12\n'
+        + MODELS
+        + (
+            "[ray]\ningress_replicas = 3\n[ray.models.tiny]\nnum_gpus = 1\nnum_cpus = 4\n"
+            "autoscaling = { min_replicas = 0, max_replicas = 5 }\n"
+        ),
+    )
+    setup = load_ray_setup(path)
+    assert setup.settings.device == "cpu"
+    assert [m.served_name for m in setup.settings.model_configs()] == ["tiny"]
+    assert setup.ray.ingress().options(12)["num_replicas"] == 3
+    opts = setup.ray.model("tiny").options(12, keep_alive=90)
+    assert opts["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1}
+    assert opts["graceful_shutdown_timeout_s"] == 12  # running streams drain on scale-down
+    assert "num_replicas" not in opts  # autoscaling instead
+    # the model's keep_alive is how long an idle replica stays before scale-down
+    assert opts["autoscaling_config"]["downscale_delay_s"] == 90
+    assert opts["autoscaling_config"]["min_replicas"] == 0
+
+
+def test_flags_and_environment_win_over_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, "port = 7000\nmax_tokens = 5\n" + MODELS)
+    monkeypatch.setenv("VLMSERVE_MAX_TOKENS", "9")
+    setup = load_ray_setup(path, port=7100)
+    assert (setup.settings.port, setup.settings.max_tokens) == (7100, 9)
+    assert setup.ray.model("tiny").num_replicas == 1  # no [ray] table: one of each
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (MODELS + "[ray.models.other]\nnum_replicas = 2\n", "other"),
+        (MODELS + "[ray]\ningress_replica = 2\n", "ingress_replica"),
+        (MODELS + "[ray.models.tiny]\nnum_replicas = 0\n", "num_replicas"),
+        (MODELS + "[ray]\nbogus_setting = 1\n", "bogus_setting"),
+        ("[ray]\ningress_replicas = 2\n", "no model"),
+    ],
+)
+def test_a_bad_ray_table_is_a_config_error_naming_it(tmp_path: Path, text: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        load_ray_setup(write(tmp_path, text))
+
+
+def test_the_kuberay_example_config_is_valid(tmp_path: Path) -> None:
+    docs = list(yaml.safe_load_all((ROOT / "deploy/ray/rayservice.yaml").read_text()))
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["vlmserve.toml"]
+    setup = load_ray_setup(write(tmp_path, config))
+    service = next(d for d in docs if d["kind"] == "RayService")
+    app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+    assert app["import_path"] == "vlmserve.deploy.ray:app"
+    assert set(setup.ray.models) == {m.served_name for m in setup.settings.model_configs()}
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        InvalidRequest("prompt too long", param="messages", code="context_length_exceeded"),
+        Overloaded("queue full", retry_after=3.0),
+        ServiceUnavailable("loading", retry_after=7.0),
+    ],
+)
+def test_replica_errors_reach_the_client_with_their_status_and_fields(error: Exception) -> None:
+    back = decode_error(encode_error(error))  # type: ignore[arg-type]
+    assert type(back) is type(error)
+    assert (back.status_code, back.message, back.param, back.code) == (
+        error.status_code,
+        error.message,
+        error.param,
+        error.code,
+    )  # type: ignore[attr-defined]
+    assert getattr(back, "retry_after", None) == getattr(error, "retry_after", None)
+
+
+def test_vlmserve_imports_and_says_what_to_install_without_ray(tmp_path: Path) -> None:
+    config = write(tmp_path, MODELS)
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import vlmserve.api.app, vlmserve.cli.main, vlmserve.deploy.config\n"
+        "from typer.testing import CliRunner\n"
+        f"r = CliRunner().invoke(vlmserve.cli.main.app, ['ray', 'serve', '-c', {str(config)!r}])\n"
+        "print(r.exit_code); print(r.output)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    exit_code, output = done.stdout.split("\n", 1)
+    assert exit_code == "2"
+    assert "pip install 'vlmserve[ray]'" in " ".join(output.split())
