@@ -1,8 +1,16 @@
-"""Qwen2-VL multimodal rotary positions (M-RoPE) from lookup tables.
+"""Rotary positions from lookup tables: 1-D RoPE, Qwen2-VL M-RoPE, Qwen3-VL interleaved M-RoPE.
 
-M-RoPE splits the rotary half-dimensions into sections (``mrope_section``, e.g. [16, 24, 24]);
-section ``i`` rotates by the token's temporal (i % 3 == 0), height (1) or width (2) position.
-Text tokens have the same position on all three axes, which is ordinary RoPE. Both cases are
+Every rotary half-dimension takes its angle from one of three position axes (temporal 0,
+height 1, width 2); ``rotary_axes`` says which:
+
+- 1-D RoPE (Llama, Qwen2, ...): all from axis 0 (``sections=[D/2]``);
+- Qwen2-VL / Qwen2.5-VL M-RoPE: contiguous sections (``mrope_section``, e.g. [16, 24, 24]),
+  section ``i`` from axis ``i % 3`` (``Qwen2VLRotaryEmbedding`` 's ``split`` + ``cat``);
+- Qwen3-VL interleaved M-RoPE: dims 1, 4, 7, ... (below ``3 * sections[1]``) from the height,
+  2, 5, 8, ... (below ``3 * sections[2]``) from the width, the rest from the temporal axis
+  (``Qwen3VLTextRotaryEmbedding.recomposition_frequencies``).
+
+Text tokens have the same position on all three axes, which is ordinary RoPE. All cases are
 served by gathering from one table of ``cos(p * inv_freq)`` so the angle of a position is
 bit-identical whichever batch the token sits in (an elementwise ``cos`` over a packed batch
 takes a scalar path for the last elements, whose rounding can differ from the vector path).
@@ -12,7 +20,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RotaryTables"]
+__all__ = ["RotaryTables", "rotary_axes"]
+
+
+def rotary_axes(sections: list[int], half: int, *, interleaved: bool = False) -> list[int]:
+    """The position axis (0 = t, 1 = h, 2 = w) each of the ``half`` rotary dims rotates by."""
+    if interleaved:
+        axes = [0] * half
+        for axis in (1, 2):
+            for i in range(axis, min(3 * sections[axis], half), 3):
+                axes[i] = axis
+        return axes
+    axes = [i % 3 for i, n in enumerate(sections) for _ in range(n)]
+    if len(axes) != half:
+        raise ValueError(f"mrope_section {sections} does not cover {half} rotary dims")
+    return axes
 
 
 class RotaryTables:
@@ -23,15 +45,16 @@ class RotaryTables:
         scaling: float,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        interleaved: bool = False,
     ):
+        """``sections``: M-RoPE sections ([D/2] for 1-D RoPE); ``interleaved``: Qwen3-VL's
+        layout of them (see ``rotary_axes``)."""
         self.inv_freq = inv_freq.float().to(device)  # [D/2]
         self.scaling = scaling
         self.dtype, self.device = dtype, device
         half = int(self.inv_freq.numel())
-        # axis (0 = t, 1 = h, 2 = w) that each rotary half-dimension takes its position from
-        axis = [i % 3 for i, n in enumerate(sections) for _ in range(n)]
-        if len(axis) != half:
-            raise ValueError(f"mrope_section {sections} does not cover {half} rotary dims")
+        axis = rotary_axes(sections, half, interleaved=interleaved)
         self.axis = torch.tensor(axis, device=device)  # [D/2]
         self.cos_half = torch.empty(0, half, device=device)  # [P, D/2] float32
         self.sin_half = torch.empty(0, half, device=device)

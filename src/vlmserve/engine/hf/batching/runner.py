@@ -1,6 +1,16 @@
-"""The Qwen2-VL language model as two batched steps: prefill (packed prompts) and decode.
+"""A Llama-like decoder as two batched steps: prefill (packed prompts) and decode.
 
-Calling ``model.model.language_model`` per step costs milliseconds of mask building, output
+One runner serves the decoders of every batched family (``families/``): Qwen2 (q/k/v bias:
+Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision), Qwen3 (RMSNorm on q and k per head: Qwen3-VL) and
+Llama (LLaVA-1.5, Idefics3, SmolVLM). What differs is read off the checkpoint's modules
+(biases, ``q_norm``/``k_norm``) or given by the family adapter: the rotary layout (1-D,
+M-RoPE, interleaved M-RoPE; ``rope.py``) and DeepStack features added to the visual tokens
+after the first layers (Qwen3-VL; ``PrefillRow.deepstack``). Gemma 3 subclasses it
+(``families/gemma3.py``) through the hooks ``_layer``, ``_rotary``, ``embed``, ``_norm``,
+``_mlp``, ``_prefill_masks`` and ``_decode_masks``: a layer's ``kind`` picks its rotary table
+and mask (sliding or global).
+
+Calling the HF language model per step costs milliseconds of mask building, output
 capturing and cache bookkeeping for a few microseconds of maths, so the runner walks the
 same weights itself (nano-vllm's ``model_runner``), with:
 
@@ -30,21 +40,7 @@ from vlmserve.engine.hf.batching.kv_cache import PagedKVCache, block_bytes
 from vlmserve.engine.hf.batching.linear import Linear, fuse
 from vlmserve.engine.hf.batching.rope import RotaryTables
 
-__all__ = ["PrefillRow", "Qwen2VLRunner", "supports"]
-
-
-def supports(model: Any) -> bool:
-    """Whether the batched runner can serve this model (else one request at a time)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) != "qwen2_vl":
-        return False
-    text = config.get_text_config()
-    rope = getattr(text, "rope_parameters", None) or {}
-    return (
-        rope.get("rope_type", "default") == "default"
-        and not getattr(text, "use_sliding_window", False)
-        and text.hidden_act == "silu"
-    )
+__all__ = ["DecoderRunner", "PrefillRow", "Qwen2VLRunner"]
 
 
 @dataclass(slots=True)
@@ -52,16 +48,22 @@ class PrefillRow:
     embeds: torch.Tensor  # [T, hidden]: token embeddings, vision features scattered in
     positions: torch.Tensor | None  # [3, T] M-RoPE positions; None: text only (0..T-1)
     slots: list[int] = field(default_factory=list)  # [T] cache slot of each token
+    visual: torch.Tensor | None = None  # [M] indices of the visual tokens (DeepStack only)
+    deepstack: torch.Tensor | None = None  # [layers k, M, hidden]: added after layers 0..k-1
+    blocks: torch.Tensor | None = None  # [T] image block of each token, -1 text (Gemma 3)
 
 
 @dataclass(slots=True)
 class _Layer:
     ln1: torch.Tensor  # [hidden]
-    qkv: Linear  # hidden -> (H + 2 * KVH) * D, with bias
+    qkv: Linear  # hidden -> (H + 2 * KVH) * D (with bias where the checkpoint has one)
     o: Linear  # H * D -> hidden
     ln2: torch.Tensor  # [hidden]
     gate_up: Linear  # hidden -> 2 * intermediate
     down: Linear  # intermediate -> hidden
+    q_norm: torch.Tensor | None = None  # [D] Qwen3: RMSNorm of each query head
+    k_norm: torch.Tensor | None = None  # [D] and of each key head
+    kind: str = ""  # its rotary table and attention mask (Gemma 3: sliding or full)
 
 
 def _lm_head(model: Any) -> Linear:
@@ -73,12 +75,23 @@ def _lm_head(model: Any) -> Linear:
     return fuse(model, ["lm_head"])
 
 
-class Qwen2VLRunner:
-    def __init__(self, model: Any):
-        lm = model.model.language_model
+class DecoderRunner:
+    def __init__(
+        self,
+        model: Any,
+        lm: Any = None,
+        *,
+        sections: list[int] | None = None,
+        interleaved: bool = False,
+    ):
+        """``lm``: the decoder stack (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``;
+        default ``model.model.language_model``), ``model.lm_head`` the output projection.
+        ``sections``: M-RoPE sections (default the rotary module's ``mrope_section``; none:
+        1-D RoPE); ``interleaved``: Qwen3-VL's layout of them."""
+        lm = model.model.language_model if lm is None else lm
         cfg = lm.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = lm.layers[0].self_attn.q_proj.weight.shape[0] // self.heads
         self.hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
@@ -88,15 +101,23 @@ class Qwen2VLRunner:
         self.norm = lm.norm.weight
         self.lm_head = _lm_head(model)
         self.layers = [self._layer(layer) for layer in lm.layers]
-        rotary = lm.rotary_emb
-        self.rope = RotaryTables(
+        self.ropes = self._rotary(lm.rotary_emb, sections, interleaved)  # by layer kind
+        self.cache: PagedKVCache | None = None  # allocate_cache(), once the budget is known
+
+    def _rotary(
+        self, rotary: Any, sections: list[int] | None, interleaved: bool
+    ) -> dict[str, RotaryTables]:
+        if sections is None:
+            sections = getattr(rotary, "mrope_section", None) or [rotary.inv_freq.numel()]
+        tables = RotaryTables(
             rotary.inv_freq,
-            list(rotary.mrope_section),
+            list(sections),
             float(rotary.attention_scaling),
             self.dtype,
             self.device,
+            interleaved=interleaved,
         )
-        self.cache: PagedKVCache | None = None  # allocate_cache(), once the budget is known
+        return {"": tables}
 
     def block_bytes(self, block_size: int) -> int:
         return block_bytes(len(self.layers), self.kv_heads, self.head_dim, block_size, self.dtype)
@@ -115,6 +136,7 @@ class Qwen2VLRunner:
 
     def _layer(self, layer: Any) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return _Layer(
             layer.input_layernorm.weight,
             fuse(attn, ["q_proj", "k_proj", "v_proj"]),
@@ -122,6 +144,8 @@ class Qwen2VLRunner:
             layer.post_attention_layernorm.weight,
             fuse(mlp, ["gate_proj", "up_proj"]),
             fuse(mlp, ["down_proj"]),
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
         )
 
     # --- pieces ---------------------------------------------------------------------------
@@ -129,10 +153,11 @@ class Qwen2VLRunner:
         return F.embedding(ids, self.embed_weight)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # as Qwen2VLRMSNorm: statistics in float32, scale in the model dtype
+        # as Qwen2/Qwen3/Llama RMSNorm over the last dim: statistics in float32, scale in
+        # the model dtype
         if self.dtype == torch.float32:
-            return weight * F.rms_norm(x, (self.hidden,), None, self.eps)
-        y = F.rms_norm(x.float(), (self.hidden,), None, self.eps)
+            return weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return weight * y.to(self.dtype)
 
     def _qkv(
@@ -141,7 +166,12 @@ class Qwen2VLRunner:
         """x: [N, hidden] -> q [N, H, D], k [N, KVH, D] (both rotated), v [N, KVH, D]."""
         n, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = layer.qkv(self._norm(x, layer.ln1))
-        qk = RotaryTables.apply(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)
+        qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
+        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: per head, pre-RoPE
+            qk = torch.cat(
+                [self._norm(qk[:, :h], layer.q_norm), self._norm(qk[:, h:], layer.k_norm)], 1
+            )
+        qk = RotaryTables.apply(qk, cos, sin)
         return qk[:, :h], qk[:, h:], qkv[:, (h + kvh) * d :].view(n, kvh, d)
 
     def _mlp(self, x: torch.Tensor, attn: torch.Tensor, layer: _Layer) -> torch.Tensor:
@@ -172,29 +202,52 @@ class Qwen2VLRunner:
         lengths = [row.embeds.shape[0] for row in rows]
         (slots,) = self._host([s for row in rows for s in row.slots])  # [N]
         x = torch.cat([row.embeds for row in rows])  # [N, hidden], rows packed
-        cos, sin = self._prefill_rope(rows)
+        ropes = self._prefill_rope(rows)
         starts = [sum(lengths[:i]) for i in range(len(rows))]
+        visual, deep = self._deepstack(rows, starts)
+        masks = [self._prefill_masks(row) for row in rows]
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, cos, sin)  # q [N, H, D], k/v [N, KVH, D]
+            q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [N, H, D], k/v [N, KVH, D]
             cache.write(li, slots, k, v)
             outs = []
-            for start, t in zip(starts, lengths, strict=True):
+            for start, t, row_masks in zip(starts, lengths, masks, strict=True):
+                mask = row_masks.get(layer.kind)  # None: plain causal
                 o = F.scaled_dot_product_attention(
                     q[start : start + t].transpose(0, 1)[None],
                     k[start : start + t].transpose(0, 1)[None],
                     v[start : start + t].transpose(0, 1)[None],
-                    is_causal=True,
+                    attn_mask=mask,
+                    is_causal=mask is None,
                     scale=self.scale,
                     enable_gqa=True,
                 )  # [1, H, T, D]: each row over exactly its own keys
                 outs.append(o[0].transpose(0, 1).reshape(t, -1))
             x = self._mlp(x, torch.cat(outs), layer)
+            if deep is not None and li < deep.shape[0]:  # as Qwen3VLTextModel._deepstack_process
+                x[visual] = x[visual] + deep[li]
         last = torch.tensor(
             [s + t - 1 for s, t in zip(starts, lengths, strict=True)], device=self.device
         )
         return self._logits(x[last])
 
-    def _prefill_rope(self, rows: list[PrefillRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _deepstack(
+        self, rows: list[PrefillRow], starts: list[int]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Packed visual token indices [M] and DeepStack features [k, M, hidden] of the rows
+        that have them (None, None: no row has)."""
+        have = [(row, s) for row, s in zip(rows, starts, strict=True) if row.deepstack is not None]
+        if not have:
+            return None, None
+        index = torch.cat([row.visual.to(self.device) + s for row, s in have])  # type: ignore[union-attr]
+        deep = torch.cat([row.deepstack.to(self.device) for row, _ in have], dim=1)  # type: ignore[union-attr]
+        return index, deep
+
+    def _prefill_masks(self, row: PrefillRow) -> dict[str, torch.Tensor]:
+        """A row's prefill attention masks ([T, T] boolean) by layer kind; a kind without
+        one is plain causal."""
+        return {}
+
+    def _prefill_rope(self, rows: list[PrefillRow]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         parts = []
         for row in rows:
             t = row.embeds.shape[0]
@@ -202,7 +255,8 @@ class Qwen2VLRunner:
                 parts.append(torch.arange(t, device=self.device).expand(3, t))
             else:
                 parts.append(row.positions.to(self.device))
-        return self.rope.multimodal(torch.cat(parts, dim=1))
+        positions = torch.cat(parts, dim=1)
+        return {kind: tables.multimodal(positions) for kind, tables in self.ropes.items()}
 
     def decode(
         self,
@@ -221,18 +275,27 @@ class Qwen2VLRunner:
         ids, pos, slot_t, len_t = self._host(tokens, positions, slots, lengths)
         table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, MB]
         table_t = table_t.to(self.device)
-        # [B, 1, 1, L] additive mask: row b sees its tokens 0..lengths[b], not the padding
-        seen = torch.arange(width * bs, device=self.device)[None] <= len_t[:, None]
-        mask = torch.zeros(seen.shape, dtype=self.dtype, device=self.device)
-        mask = mask.masked_fill_(~seen, float("-inf"))[:, None, None]
+        masks = self._decode_masks(len_t, width * bs)
         x = self.embed(ids)  # [B, hidden]
-        cos, sin = self.rope.text(pos, max(positions))
+        ropes = {kind: t.text(pos, max(positions)) for kind, t in self.ropes.items()}
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, cos, sin)  # q [B, H, D], k/v [B, KVH, D]
+            q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [B, H, D], k/v [B, KVH, D]
             cache.write(li, slot_t, k, v)
             keys, values = cache.gather(li, table_t)  # [B, KVH, L, D]
-            x = self._mlp(x, self._decode_attention(q, keys, values, mask), layer)
+            x = self._mlp(x, self._decode_attention(q, keys, values, masks[layer.kind]), layer)
         return self._logits(x)
+
+    def _decode_masks(self, lengths: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
+        """[B, 1, 1, L] additive masks by layer kind: row b sees its tokens 0..lengths[b],
+        not the padding."""
+        return {
+            "": self._additive(torch.arange(width, device=self.device)[None] <= lengths[:, None])
+        }
+
+    def _additive(self, seen: torch.Tensor) -> torch.Tensor:
+        """[B, L] boolean -> [B, 1, 1, L] additive mask (0 seen, -inf not)."""
+        mask = torch.zeros(seen.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~seen, float("-inf"))[:, None, None]
 
     def _decode_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
@@ -249,3 +312,6 @@ class Qwen2VLRunner:
             q[:, :, None], keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
         )  # [B, H, 1, D]
         return o.reshape(b, -1)
+
+
+Qwen2VLRunner = DecoderRunner  # the name callers used before the families

@@ -1,0 +1,154 @@
+"""Gemma 3: sliding and global layers, ``(1 + w)`` RMSNorms, bidirectional image attention.
+
+The decoder differs from the Llama shape in ways ``Gemma3Runner`` overrides, each as
+``modeling_gemma3`` does it: embeddings scaled by ``sqrt(hidden)`` (an image placeholder
+outside the vocabulary embeds as id 0); RMSNorm in float32 times ``1 + w`` (q/k norms
+included); norms after attention and after the MLP as well as before; GELU (tanh); scores
+scaled by ``query_pre_attn_scalar``; per layer type its own rotary base and mask -- sliding
+layers see the last ``sliding_window`` positions; at prefill the tokens of one image attend
+to each other both ways (``token_type_ids`` blocks, ``get_block_sequence_ids_for_mask``).
+Each image is encoded alone by ``get_image_features`` (SigLIP + pooling projector).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vlmserve.engine.hf.batching.linear import fuse
+from vlmserve.engine.hf.batching.rope import RotaryTables
+from vlmserve.engine.hf.batching.runner import DecoderRunner, PrefillRow, _Layer
+from vlmserve.engine.hf.batching.vision import MediaItem, PromptEmbedder, RowInputs
+from vlmserve.engine.hf.batching.vision_cache import VisionCache
+
+__all__ = ["MODEL_TYPES", "Gemma3Embedder", "Gemma3Runner", "build", "supports"]
+
+MODEL_TYPES = ("gemma3",)
+_SLIDING = "sliding_attention"
+_STATIC_ROPE = ("default", "linear")  # frequencies fixed at load (Gemma 3 4B+: linear, x8)
+
+
+def supports(model: Any) -> bool:
+    text = model.config.get_text_config()
+    ropes = getattr(text, "rope_parameters", None) or {}
+    kinds = set(text.layer_types)
+    return (
+        getattr(text, "hidden_activation", None) == "gelu_pytorch_tanh"
+        and all((ropes.get(kind) or {}).get("rope_type") in _STATIC_ROPE for kind in kinds)
+        and text.final_logit_softcapping is None
+        and text.attn_logit_softcapping is None
+        and not getattr(text, "use_bidirectional_attention", False)
+    )
+
+
+def build(model: Any, cache: VisionCache) -> tuple[Any, PromptEmbedder]:
+    runner = Gemma3Runner(model)
+    return runner, Gemma3Embedder(model, runner, cache)
+
+
+@dataclass(slots=True)
+class _GemmaLayer(_Layer):
+    post_attn: torch.Tensor | None = None  # [hidden] 1 + w, after attention
+    post_mlp: torch.Tensor | None = None  # [hidden] 1 + w, after the MLP
+
+
+def _scale(norm: Any) -> torch.Tensor:
+    return 1.0 + norm.weight.float()  # Gemma3RMSNorm multiplies by (1 + w) in float32
+
+
+class Gemma3Runner(DecoderRunner):
+    def __init__(self, model: Any):
+        lm = model.model.language_model
+        super().__init__(model, lm)
+        cfg = lm.config
+        self.scale = cfg.query_pre_attn_scalar**-0.5
+        self.window = int(cfg.sliding_window)
+        self.vocab = int(cfg.vocab_size)
+        self.embed_scale = lm.embed_tokens.embed_scale.to(self.dtype)
+        self.norm = _scale(lm.norm)
+
+    def _rotary(self, rotary: Any, sections: Any, interleaved: bool) -> dict[str, RotaryTables]:
+        tables = {}
+        for kind in rotary.layer_types:
+            inv_freq = getattr(rotary, f"{kind}_inv_freq")
+            scaling = float(getattr(rotary, f"{kind}_attention_scaling"))
+            tables[kind] = RotaryTables(
+                inv_freq, [inv_freq.numel()], scaling, self.dtype, self.device
+            )
+        return tables
+
+    def _layer(self, layer: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return _GemmaLayer(
+            _scale(layer.input_layernorm),
+            fuse(attn, ["q_proj", "k_proj", "v_proj"]),
+            fuse(attn, ["o_proj"]),
+            _scale(layer.pre_feedforward_layernorm),
+            fuse(mlp, ["gate_proj", "up_proj"]),
+            fuse(mlp, ["down_proj"]),
+            _scale(attn.q_norm),
+            _scale(attn.k_norm),
+            attn.layer_type,
+            _scale(layer.post_attention_layernorm),
+            _scale(layer.post_feedforward_layernorm),
+        )
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        known = torch.where(ids < self.vocab, ids, torch.zeros_like(ids))
+        return F.embedding(known, self.embed_weight) * self.embed_scale
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (y * weight).to(self.dtype)
+
+    def _mlp(self, x: torch.Tensor, attn: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        assert isinstance(layer, _GemmaLayer)
+        x = x + self._norm(layer.o(attn), layer.post_attn)  # type: ignore[arg-type]
+        gate, up = layer.gate_up(self._norm(x, layer.ln2)).chunk(2, dim=-1)
+        h = layer.down(F.gelu(gate, approximate="tanh") * up)
+        return x + self._norm(h, layer.post_mlp)  # type: ignore[arg-type]
+
+    def _prefill_masks(self, row: PrefillRow) -> dict[str, torch.Tensor]:
+        """Global layers: causal OR same image block; sliding layers: that AND within the
+        window (``create_masks_for_vision_model``). [T, T] boolean, True = attend."""
+        t = row.embeds.shape[0]
+        i = torch.arange(t, device=self.device)
+        allowed = i[None, :] <= i[:, None]  # [query, key]
+        masks = {}
+        if row.blocks is not None:
+            b = row.blocks.to(self.device)
+            allowed = allowed | ((b[:, None] == b[None, :]) & (b[:, None] >= 0))
+            masks["full_attention"] = allowed
+        if row.blocks is not None or t > self.window:
+            masks[_SLIDING] = allowed & (i[None, :] > i[:, None] - self.window)
+        return masks
+
+    def _decode_masks(self, lengths: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
+        j = torch.arange(width, device=self.device)[None]
+        seen = j <= lengths[:, None]
+        recent = seen & (j > lengths[:, None] - self.window)
+        return {"full_attention": self._additive(seen), _SLIDING: self._additive(recent)}
+
+
+class Gemma3Embedder(PromptEmbedder):
+    def items(self, inputs: dict[str, Any], kind: str) -> list[MediaItem]:
+        pixels = inputs.get("pixel_values")  # [images, 3, H, W]
+        if pixels is None:
+            return []
+        return [MediaItem(pixels[i : i + 1]) for i in range(pixels.shape[0])]
+
+    def encode(self, kind: str, item: MediaItem) -> torch.Tensor:
+        out = self.model.model.get_image_features(pixel_values=item.pixels, return_dict=True)
+        return out.pooler_output[0]  # [mm_tokens_per_image, hidden]
+
+    def build(self, inputs: dict[str, Any], slot: int = -1) -> RowInputs:
+        from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+        built = super().build(inputs, slot)
+        types = inputs.get("token_type_ids")
+        if types is not None and bool((types == 1).any()):
+            built.row.blocks = get_block_sequence_ids_for_mask(types)[0]
+        return built

@@ -1,0 +1,47 @@
+"""InternVL: a Qwen2 (or Llama) decoder with 1-D RoPE; InternViT tiles + pixel shuffle.
+
+An image is its dynamic tiles (plus a thumbnail), a video its frames, all rows of
+``pixel_values [tiles, 3, H, W]`` and each a fixed number of ``<IMG_CONTEXT>`` tokens; the
+model's own ``get_image_features`` encodes tiles independently, so each tile is one
+``MediaItem``, encoded alone. Positions are 0..T-1 as for text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vlmserve.engine.hf.batching.families._common import decoder_ok, new_runner
+from vlmserve.engine.hf.batching.vision import MediaItem, PromptEmbedder
+from vlmserve.engine.hf.batching.vision_cache import VisionCache
+
+__all__ = ["MODEL_TYPES", "InternVLEmbedder", "build", "supports"]
+
+MODEL_TYPES = ("internvl",)
+
+
+def supports(model: Any) -> bool:
+    text = model.config.get_text_config()
+    return (
+        text.model_type in ("qwen2", "llama")
+        and decoder_ok(text, rope_types=("default",))
+        and not getattr(text, "use_sliding_window", False)
+    )
+
+
+def build(model: Any, cache: VisionCache) -> tuple[Any, PromptEmbedder]:
+    runner = new_runner(model, model.model.language_model, None)
+    return runner, InternVLEmbedder(model, runner, cache)
+
+
+class InternVLEmbedder(PromptEmbedder):
+    def items(self, inputs: dict[str, Any], kind: str) -> list[MediaItem]:
+        pixels = inputs.get("pixel_values")  # [tiles, 3, H, W]: images' tiles, videos' frames
+        if pixels is None:
+            return []
+        return [MediaItem(pixels[i : i + 1]) for i in range(pixels.shape[0])]
+
+    def encode(self, kind: str, item: MediaItem) -> torch.Tensor:
+        out = self.model.model.get_image_features(pixel_values=item.pixels, return_dict=True)
+        return out.pooler_output[0]  # [tokens per tile, hidden]
