@@ -105,6 +105,9 @@ class Settings(BaseSettings):
     # --- hf engine: continuous batching, caches ---------------------------------------
     max_num_seqs: int = Field(default=32, ge=1)  # decoded together; 1 = one at a time
     max_num_batched_tokens: int = Field(default=8192, ge=1)  # prompt tokens per prefill step
+    # logprobs from the raw logits (vLLM's default raw_logprobs) or after grammar masks,
+    # penalties and temperature (processed; the generate fallback always reports raw)
+    logprobs_mode: Literal["raw", "processed"] = "raw"
     vision_cache_bytes: int = Field(default=256 * MiB, ge=0)  # vision-tower outputs; 0 = off
     # preprocessed images by content (vLLM's --mm-processor-cache-gb); 0 = off
     processor_cache_bytes: int = Field(default=256 * MiB, ge=0)
@@ -145,7 +148,9 @@ class Settings(BaseSettings):
     media_max_redirects: int = 3
     allowed_local_media_path: list[str] = Field(default_factory=list)
     media_allow_private_networks: bool = False
-    max_n: int = 1
+    # choices (`n`) one chat completion may ask for; above it a 400. On the batched engine
+    # the n choices share one prefill; choice i samples with seed + i
+    max_n: int = Field(default=8, ge=1)
 
     # --- auth and metrics ----------------------------------------------------------------
     api_keys: list[str] = Field(default_factory=list)  # Bearer keys for /v1/*; empty: open

@@ -166,3 +166,50 @@ def test_openai_sdk_and_litellm_do_not_ask_for_the_resumable_wire(litellm: Any) 
         httpd.server_close()
     accepts = [h.get("accept") for h in _Recorder.seen]
     assert accepts == ["application/json", "*/*"], accepts
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tools_server() -> Iterator[ServerProcess]:
+    """A real server on a scripted checkpoint whose greedy answer is one hermes tool call."""
+    from vlmserve.testing.scripted import TOOLS_CHAT_TEMPLATE, build_scripted
+
+    model = build_scripted(CALL, template=TOOLS_CHAT_TEMPLATE)
+    process = ServerProcess(
+        ["serve", "--model", str(model), "--served-model-name", "tiny", "--device", "cpu"]
+    )
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+def test_langchain_bind_tools_gets_the_tool_call_back(tools_server: ServerProcess) -> None:
+    """LangChain's ``ChatOpenAI(...).bind_tools([...])``, invoked and streamed: the answer is
+    an AIMessage whose ``tool_calls`` name the function with parsed arguments."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        return f"sunny in {city}"
+
+    llm = langchain_openai.ChatOpenAI(
+        model="tiny", base_url=f"{tools_server.url}/v1", api_key="x", temperature=0,
+        max_tokens=60,
+    )  # fmt: skip
+    bound = llm.bind_tools([get_weather])
+    message = bound.invoke("What is the weather in Paris?")
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert message.response_metadata["finish_reason"] == "tool_calls"
+    merged = None
+    for piece in bound.stream("What is the weather in Paris?"):
+        merged = piece if merged is None else merged + piece
+    assert merged is not None
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]

@@ -40,6 +40,7 @@ class ChatEngineConfig:
     gpu_memory_utilization: float  # share of the GPU the model may use (weights + KV)
     reasoning_parser: str | None  # qwen3 | deepseek_r1; None: detected from the template
     tool_call_parser: str | None  # hermes; None: hermes when a request has tools
+    logprobs_mode: str  # raw | processed
 
     _SETTINGS: ClassVar[dict[str, str]] = {
         "max_model_len": "max_model_len",
@@ -53,6 +54,7 @@ class ChatEngineConfig:
         "gpu_memory_utilization": "gpu_memory_utilization",
         "reasoning_parser": "reasoning_parser",
         "tool_call_parser": "tool_call_parser",
+        "logprobs_mode": "logprobs_mode",
     }
 
     @classmethod

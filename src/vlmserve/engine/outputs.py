@@ -50,6 +50,9 @@ class OutputParsers:
     tools: ToolCallStream | None
     options: OutputOptions
     called: int = 0  # tool calls sent so far
+    # the tag that ends a reasoning the prompt opened (None: the answer starts at once);
+    # a response-format grammar applies only after it
+    reasoning_end: str | None = None
 
     @classmethod
     def build(cls, options: OutputOptions, reasoning: str | None, tools: str | None,
@@ -58,7 +61,8 @@ class OutputParsers:
         calls = None
         if options.parse_tools and not options.enforced_tool_calls:
             calls = TOOL_PARSERS[tools or "hermes"].stream()
-        return cls(thinking, calls, options)
+        opened = thinking.end_tag if thinking is not None and thinking.reasoning_at_start else None
+        return cls(thinking, calls, options, reasoning_end=opened)
 
     @property
     def active(self) -> bool:
@@ -69,12 +73,17 @@ class OutputParsers:
         """Text an earlier run already sent (a resumed stream): advance the state only."""
         self.feed(text)
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[dict[str, Any]] | None]:
-        """(reasoning, content, tool_call deltas) of the next piece of text."""
+    def think(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) of the next piece of text."""
         thought, content = self.reasoning.feed(text) if self.reasoning else ("", text)
         if final and self.reasoning is not None:
             more_thought, more = self.reasoning.finish()
             thought, content = thought + more_thought, content + more
+        return thought, content
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[dict[str, Any]] | None]:
+        """(reasoning, content, tool_call deltas) of the next piece of text."""
+        thought, content = self.think(text, final)
         if self.tools is None:
             return thought, content, None
         delta = self.tools.feed(content)
@@ -120,9 +129,11 @@ async def _parsed(chunks: AsyncIterator[Chunk], parsers: OutputParsers) -> Async
     enforced: list[str] = []
     async for chunk in chunks:
         final = chunk.finish_reason is not None
-        if parsers.options.enforced_tool_calls:
-            enforced.append(chunk.text)
-            out = replace(chunk, text="")
+        if parsers.options.enforced_tool_calls:  # the grammar starts after any reasoning
+            thought, content = parsers.think(chunk.text, final)
+            enforced.append(content)
+            keep = thought if parsers.options.include_reasoning else ""
+            out = replace(chunk, text="", reasoning=keep)
             if final:
                 out.tool_calls = parsers.enforced("".join(enforced)) or None
         else:

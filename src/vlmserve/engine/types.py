@@ -75,6 +75,13 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     repetition_penalty: float = 1.0
+    # OpenAI's additive penalties over the tokens generated so far (prompt excluded):
+    # logits[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False  # each sampled token's log-probability (raw logits by default)
+    top_logprobs: int = 0  # and this many most likely alternatives (0..20)
+    n: int = 1  # choices; choice i samples with seed + i (one shared prefill when batched)
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +92,15 @@ class SamplingParams:
     def sampling_temperature(self) -> float:
         """The temperature the sampler divides by (non-greedy rows): at least 1e-2."""
         return max(self.temperature, MIN_TEMPERATURE)
+
+    @property
+    def additive_penalties(self) -> bool:
+        """Whether presence/frequency penalties apply (either is non-zero)."""
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice ``index`` (``n`` > 1): ``seed + index``, documented."""
+        return None if self.seed is None else self.seed + index
 
     @property
     def penalty(self) -> float:
@@ -179,6 +195,27 @@ class Chunk:
     completion_tokens: int = 0
     reasoning: str = ""  # new reasoning text (thinking models), kept out of ``text``
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI streaming tool_call deltas
+    # OpenAI ``logprobs.content`` items of ``token_ids`` ({token, logprob, bytes,
+    # top_logprobs}); None when the request did not ask for logprobs
+    logprobs: list[dict[str, Any]] | None = None
+    index: int = 0  # the choice this chunk belongs to (``n`` > 1)
+
+    def merged(self, then: Chunk) -> Chunk:
+        """This chunk followed by ``then`` (same choice) as one chunk."""
+        logprobs = None
+        if self.logprobs is not None or then.logprobs is not None:
+            logprobs = (self.logprobs or []) + (then.logprobs or [])
+        return Chunk(
+            text=self.text + then.text,
+            token_ids=self.token_ids + then.token_ids,
+            finish_reason=then.finish_reason,
+            prompt_tokens=then.prompt_tokens,
+            completion_tokens=then.completion_tokens,
+            reasoning=self.reasoning + then.reasoning,
+            tool_calls=(self.tool_calls or []) + (then.tool_calls or []) or None,
+            logprobs=logprobs,
+            index=self.index,
+        )
 
 
 @dataclass(slots=True)

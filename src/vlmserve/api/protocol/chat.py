@@ -152,6 +152,7 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)  # at most 20 (checked: a clear 400)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None  # auto | none | required | a function

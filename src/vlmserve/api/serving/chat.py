@@ -6,18 +6,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from vlmserve.api.metrics import Metrics
 from vlmserve.api.protocol.chat import ChatCompletionRequest, StreamOptions
-from vlmserve.api.protocol.responses import (
-    CompletionIds,
-    chunk_json,
-    completion_body,
-    delta_of,
-    usage,
-)
+from vlmserve.api.protocol.responses import CompletionIds, chunk_json, delta_of, usage
+from vlmserve.api.serving.choices import Answer, Usage, choice_chunk
 from vlmserve.api.serving.convert import Converter
 from vlmserve.api.serving.generation import Generation, open_generation, sent_token_ids
 from vlmserve.engine.types import Chunk, FinishReason
@@ -35,29 +29,34 @@ def _new_ids(model: str) -> CompletionIds:
 
 
 async def _emits(
-    chunks: AsyncIterator[Chunk], ids: CompletionIds, options: StreamOptions | None, first: bool
-) -> AsyncIterator[Emit]:
-    """Engine chunks -> OpenAI ``chat.completion.chunk`` events (token ids kept in meta).
+    chunks: AsyncIterator[Chunk], ids: CompletionIds, options: StreamOptions | None, first: bool,
+    n: int = 1,
+) -> AsyncIterator[Emit]:  # fmt: skip
+    """Engine chunks -> OpenAI ``chat.completion.chunk`` events (token ids kept in meta),
+    each under its choice's index, with its tokens' logprobs when asked for.
 
-    ``stream_options``: ``include_usage`` adds a final usage-only chunk (OpenAI);
+    ``stream_options``: ``include_usage`` adds a final usage-only chunk (OpenAI; with
+    ``n`` > 1 once, after every choice finished, completion tokens summed);
     ``continuous_usage_stats`` puts the running usage on every content chunk too (vLLM).
     """
     include_usage = bool(options and options.include_usage)
     running = bool(options and options.continuous_usage_stats)
     if first:
-        yield Emit(chunk_json(ids, {"role": "assistant", "content": ""}))
+        for index in range(n):
+            yield Emit(choice_chunk(ids, index, {"role": "assistant", "content": ""}))
+    counts, finished = Usage(), 0
     async for c in chunks:
+        counts.add(c)
         if c.text or c.token_ids or c.reasoning or c.tool_calls:
             now = usage(c.prompt_tokens, c.completion_tokens) if running else None
             delta = delta_of(c.text, c.reasoning, c.tool_calls) or {"content": ""}
-            content = chunk_json(ids, delta, usage_=now)
+            content = choice_chunk(ids, c.index, delta, usage_=now, logprobs=c.logprobs)
             yield Emit(content, meta={"token_ids": c.token_ids})
         if c.finish_reason is not None:
-            yield Emit(chunk_json(ids, {}, c.finish_reason.value))
-            if include_usage:
-                yield Emit(
-                    chunk_json(ids, None, usage_=usage(c.prompt_tokens, c.completion_tokens))
-                )
+            finished += 1
+            yield Emit(choice_chunk(ids, c.index, {}, c.finish_reason.value))
+            if include_usage and finished >= n:
+                yield Emit(choice_chunk(ids, 0, None, usage_=counts.body()))
 
 
 async def _leased(lease: Lease, emits: AsyncIterator[Emit]) -> AsyncIterator[Emit]:
@@ -82,45 +81,6 @@ def _on_error(exc: BaseException) -> list[Emit]:
         return [error_emit(exc.message, exc.code or "invalid_request", exc.error_type)]
     log.error("stream failed: %r", exc)
     return [error_emit("generation failed; the server log has the details", "internal_error")]
-
-
-@dataclass(slots=True)
-class _Answer:
-    """A non-streamed answer, gathered chunk by chunk."""
-
-    text: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    last: Chunk | None = None
-
-    def add(self, chunk: Chunk) -> None:
-        self.text.append(chunk.text)
-        self.reasoning.append(chunk.reasoning)
-        for delta in chunk.tool_calls or []:
-            self._merge(delta)
-        self.last = chunk
-
-    def _merge(self, delta: dict[str, Any]) -> None:
-        """Streaming deltas -> whole calls: the first names the call, later ones add to its
-        ``arguments``."""
-        index = delta.get("index", len(self.calls))
-        if index >= len(self.calls):
-            call = {k: v for k, v in delta.items() if k != "index"}
-            call["function"] = dict(call.get("function") or {})
-            self.calls.append(call)
-            return
-        more = (delta.get("function") or {}).get("arguments") or ""
-        function = self.calls[index]["function"]
-        function["arguments"] = (function.get("arguments") or "") + more
-
-    def body(self, ids: CompletionIds) -> dict[str, Any]:
-        last = self.last
-        if last is None or last.finish_reason is None:
-            raise VlmserveError("generation ended without a result")
-        counts = usage(last.prompt_tokens, last.completion_tokens)
-        return completion_body(ids, "".join(self.text), last.finish_reason.value, counts,
-                               reasoning="".join(self.reasoning) or None,
-                               tool_calls=self.calls or None)  # fmt: skip
 
 
 class ChatService:
@@ -149,7 +109,7 @@ class ChatService:
 
     async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         generation = await self.open_generation(body, request_id)
-        answer = _Answer()
+        answer = Answer()
         try:
             async for chunk in generation.chunks:
                 answer.add(chunk)
@@ -173,7 +133,7 @@ class ChatService:
             ids = _new_ids(generation.model_id)
             record = {"body": body.model_dump(mode="json"), "id": ids.id,
                       "created": ids.created, "model": ids.model}  # fmt: skip
-            emits = _emits(generation.chunks, ids, body.stream_options, first=True)
+            emits = _emits(generation.chunks, ids, body.stream_options, first=True, n=body.n)
             await self.sessions.start(
                 session_id, record, _leased(generation.lease, emits),
                 on_cancel=_on_cancel(ids), on_error=_on_error, aliases=[ids.id],
@@ -189,6 +149,8 @@ class ChatService:
         stored = record.request
         try:
             body = ChatCompletionRequest.model_validate(stored["body"])
+            if body.n > 1:  # the stored token ids do not say which choice they belong to
+                raise ValueError("a stream of n > 1 choices cannot be continued")
             generation = await self.open_generation(
                 body, f"resume-{record.session_id}", model=stored["model"],
                 resume_after=sent_token_ids(events),

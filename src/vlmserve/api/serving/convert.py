@@ -30,13 +30,15 @@ from vlmserve.engine.types import (
     TextPart,
     VideoPart,
 )
-from vlmserve.errors import InvalidRequest, UnsupportedFeature, VlmserveError
+from vlmserve.errors import InvalidRequest, VlmserveError
 from vlmserve.media import MediaPolicy, VideoFrames, decode_image, decode_video, read_source
 from vlmserve.media.video import source_fps
 
 __all__ = ["Converter", "media_policy", "response_format", "sample_frames"]
 
 
+DEFAULT_MAX_N = 8  # choices per request when the settings do not say (VLMSERVE_MAX_N)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 EMPTY_FRAMES = "frames is empty; send at least one base64 JPEG frame"
 
 
@@ -63,15 +65,20 @@ def media_policy(settings: Settings) -> MediaPolicy:
 
 
 def _unsupported(body: ChatCompletionRequest, max_n: int) -> None:
+    """Sampling options outside what is served: n over the limit, top_logprobs over 20 or
+    without logprobs."""
     if body.n > max_n:
-        raise UnsupportedFeature(f"n={body.n} is not supported; the limit is {max_n}", param="n")
-    if body.presence_penalty or body.frequency_penalty:
-        raise UnsupportedFeature(
-            "presence_penalty and frequency_penalty are not supported; use repetition_penalty",
-            param="presence_penalty" if body.presence_penalty else "frequency_penalty",
+        raise InvalidRequest(
+            f"n={body.n} is over the limit of {max_n} choices per request (VLMSERVE_MAX_N)",
+            param="n",
         )
-    if body.logprobs:
-        raise UnsupportedFeature("logprobs are not supported yet", param="logprobs")
+    top = body.top_logprobs
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs={top} is over the limit of {MAX_TOP_LOGPROBS}", param="top_logprobs"
+        )
+    if top and not body.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 def response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -172,7 +179,7 @@ class Converter:
 
     def check(self, body: ChatCompletionRequest) -> None:
         """Every check that needs no I/O; runs before any media is fetched."""
-        _unsupported(body, self.settings.max_n)
+        _unsupported(body, getattr(self.settings, "max_n", DEFAULT_MAX_N))
         _check_frames(body.messages)
         count = _media_count(body.messages)
         if count > self.settings.max_media_per_request:
@@ -217,6 +224,11 @@ class Converter:
             ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
             repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logprobs=body.logprobs,
+            top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+            n=body.n,
         )
 
     async def to_request(self, body: ChatCompletionRequest, request_id: str) -> GenerateRequest:

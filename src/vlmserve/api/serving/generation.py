@@ -20,6 +20,7 @@ from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.serving.convert import Converter, response_format
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import Chunk, GenerateRequest, Serves
+from vlmserve.errors import UnsupportedFeature
 from vlmserve.registry.manager import Lease, ModelManager
 
 __all__ = ["Generation", "open_generation", "sent_token_ids"]
@@ -87,6 +88,12 @@ async def _engine_request(converter: Converter, backend: Backend, body: ChatComp
     if not backend.proxied:
         return await converter.to_request(body, request_id)
     converter.check(body)
+    if body.n > 1 or body.logprobs:  # the upstream wire reads back one choice, no logprobs
+        raise UnsupportedFeature(
+            f"{'n > 1' if body.n > 1 else 'logprobs'} is not supported for the proxied model "
+            f"{backend.model_id!r} yet",
+            param="n" if body.n > 1 else "logprobs",
+        )
     return GenerateRequest(
         request_id, [], converter.sampling(body), response_format=response_format(body),
         raw=body.model_dump(mode="json", exclude_unset=True),

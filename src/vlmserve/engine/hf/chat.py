@@ -96,6 +96,7 @@ class HFChatBackend(HFModel):
             vision_cache_bytes=c.vision_cache_bytes, stream_interval=c.stream_interval,
             submit=lambda fn: self._executor.submit(fn), model_id=self.model_id,
             on_fatal=self._engine_failed, kv_cache_bytes=c.kv_cache_bytes or None,
+            logprobs_mode=c.logprobs_mode,
         )  # fmt: skip
 
     def capabilities(self) -> frozenset[str] | None:
@@ -310,21 +311,11 @@ async def _coalesced(
         merge = waiting >= _MERGE_BACKLOG or (waiting >= _MERGE_CROWDED and crowded())
         while merge and not queue.empty() and item.finish_reason is None:
             nxt = queue.get_nowait()
-            if not isinstance(nxt, Chunk):
+            if not isinstance(nxt, Chunk) or nxt.index != item.index:  # n > 1: one choice each
                 pending = nxt
                 break
-            item = _merge(item, nxt)
+            item = item.merged(nxt)
         yield item
-
-
-def _merge(first: Chunk, then: Chunk) -> Chunk:
-    return Chunk(
-        text=first.text + then.text,
-        token_ids=first.token_ids + then.token_ids,
-        finish_reason=then.finish_reason,
-        prompt_tokens=then.prompt_tokens,
-        completion_tokens=then.completion_tokens,
-    )
 
 
 def _eos_ids(model: Any) -> set[int]:

@@ -18,10 +18,12 @@ from transformers.generation.streamers import BaseStreamer
 
 from vlmserve.engine.hf.detok import IncrementalDetokenizer
 from vlmserve.engine.hf.inputs import Prepared
+from vlmserve.engine.hf.logprobs import TokenTexts
 from vlmserve.engine.hf.stops import StopMatcher
 from vlmserve.engine.types import Chunk, FinishReason, SamplingParams
+from vlmserve.errors import UnsupportedFeature
 
-__all__ = ["run_generation"]
+__all__ = ["run_generation", "tokens_after"]
 
 
 class _Stop(StoppingCriteria):
@@ -38,18 +40,32 @@ class _Guide:
     """The response_format grammar of one generation (``Prepared.grammar`` set).
 
     ``generate`` calls the stopping criteria before the streamer, so the matcher follows the
-    sampled tokens from ``input_ids`` itself: [1, prompt + resumed prefix + generated].
+    sampled tokens from ``input_ids`` itself: [1, prompt + resumed prefix + generated]. For
+    a thinking model whose prompt opened the reasoning (``think_end``: the ids of
+    ``</think>``) the grammar starts after that tag; until then nothing is masked.
     """
 
-    def __init__(self, grammar: Any, prefix: list[int], start: int):
-        self.matcher = grammar.matcher(prefix)  # replays a resumed prefix
-        self._seen = start  # input_ids positions the matcher has accepted (or that are prompt)
+    def __init__(self, grammar: Any, prefix: list[int], start: int, think_end: list[int] | None):
+        self._grammar, self._end = grammar, think_end
+        self._seen = start  # input_ids positions the guide has read (or that are prompt)
+        self._tail: list[int] = list(prefix)  # tokens read while reasoning (end-tag search)
         self._mask: torch.Tensor | None = None  # int32 [1, ceil(V/32)], V = logits width
+        answer = tokens_after(prefix, think_end)
+        self.matcher: Any = grammar.matcher(answer) if answer is not None else None
 
     def follow(self, input_ids: torch.Tensor) -> None:
         for token_id in input_ids[0, self._seen :].tolist():
-            self.matcher.accept(token_id)
+            if self.matcher is not None:
+                self.matcher.accept(token_id)
+                continue
+            self._tail.append(token_id)
+            if self._end is not None and self._tail[-len(self._end) :] == self._end:
+                self.matcher = self._grammar.matcher()  # the answer starts now
         self._seen = input_ids.shape[1]
+
+    @property
+    def done(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
 
     def mask(self, scores: torch.Tensor) -> torch.Tensor:
         if self._mask is None:
@@ -58,6 +74,17 @@ class _Guide:
             self._mask = allocate_masks(1, scores.shape[-1])
         self.matcher.fill_mask(self._mask, 0)
         return self._mask
+
+
+def tokens_after(tokens: list[int], end: list[int] | None) -> list[int] | None:
+    """The tokens after the first ``end`` (all when ``end`` is None); None if not there:
+    the answer part of a thinking model's output (``end``: the ids of ``</think>``)."""
+    if end is None:
+        return tokens
+    for stop in range(len(end), len(tokens) + 1):
+        if tokens[stop - len(end) : stop] == end:
+            return tokens[stop:]
+    return None
 
 
 class _GrammarLogits(LogitsProcessor):
@@ -70,7 +97,8 @@ class _GrammarLogits(LogitsProcessor):
         from vlmserve.engine.hf.grammar import apply_masks
 
         self._guide.follow(input_ids)
-        apply_masks(scores, self._guide.mask(scores))  # scores: [1, V] float32
+        if self._guide.matcher is not None:  # None: still reasoning
+            apply_masks(scores, self._guide.mask(scores))  # scores: [1, V] float32
         return scores
 
 
@@ -82,8 +110,52 @@ class _GrammarDone(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
         self._guide.follow(input_ids)
-        done = self._guide.matcher.is_terminated()
+        done = self._guide.done
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+class _Penalties(LogitsProcessor):
+    """OpenAI's presence/frequency penalties over the generated tokens (``input_ids`` from
+    ``start`` on: a resumed prefix counts as generated): logits[j] -= frequency * count[j]
+    + presence * (count[j] > 0). Runs after transformers' own penalties, before temperature."""
+
+    def __init__(self, sampling: SamplingParams, start: int):
+        self._presence, self._frequency = sampling.presence_penalty, sampling.frequency_penalty
+        self._start = start
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        vocab = scores.shape[-1]
+        counts = torch.bincount(input_ids[0, self._start :], minlength=vocab)[:vocab]
+        counts = counts.to(scores.dtype)  # [V]
+        return scores - (counts * self._frequency + (counts > 0) * self._presence)
+
+
+class _RawLogprobs:
+    """The model's raw next-token log-probabilities, caught at the output layer (before any
+    logits processor), for the token the streamer receives next: [V] float32 per step."""
+
+    def __init__(self, model: Any, top: int):
+        self._top = top
+        self._last: torch.Tensor | None = None
+        head = model.get_output_embeddings()
+        if head is None:
+            raise UnsupportedFeature(
+                f"logprobs: {type(model).__name__} has no output layer to read them from",
+                param="logprobs",
+            )
+        self._handle = head.register_forward_hook(self._hook)
+
+    def _hook(self, module: Any, args: Any, output: torch.Tensor) -> None:
+        self._last = output[0, -1].float().log_softmax(dim=-1)  # output: [1, L, V]
+
+    def of(self, token_id: int) -> tuple[float, list[tuple[int, float]]] | None:
+        if self._last is None:
+            return None
+        top_v, top_i = self._last.topk(min(self._top, self._last.shape[0]))
+        return float(self._last[token_id]), list(zip(top_i.tolist(), top_v.tolist(), strict=True))
+
+    def close(self) -> None:
+        self._handle.remove()
 
 
 class _Sink(BaseStreamer):
@@ -121,11 +193,15 @@ def _generation_config(model: Any, s: SamplingParams, max_new: int, structured: 
 
 
 class _Run:
-    """Per-token bookkeeping of one generation: text, stops, counts, finish reason."""
+    """Per-token bookkeeping of one generation: text, stops, counts, finish reason, and
+    the OpenAI logprobs items of each token when asked for."""
 
-    def __init__(self, prepared: Prepared, tokenizer: Any, emit: Callable[[Chunk], None]):
+    def __init__(self, prepared: Prepared, tokenizer: Any, emit: Callable[[Chunk], None],
+                 index: int = 0) -> None:  # fmt: skip
         req = prepared.request
         self.prepared = prepared
+        self.index = index
+        self.tokens = TokenTexts(tokenizer) if req.sampling.logprobs else None
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(req.sampling.stop)
         for token_id in req.prefix_token_ids:  # continuing a stream: rebuild the exact state
@@ -135,13 +211,17 @@ class _Run:
         self.stopped = False
         self.last_token: int | None = None
 
-    def on_token(self, token_id: int) -> None:
+    def on_token(self, token_id: int, logprobs: Any = None) -> None:
+        """``logprobs``: the sampler's (logprob, [(id, logprob)] best first) for this token."""
         if self.stopped:
             return
         self.completion += 1
         self.last_token = token_id
         text, self.stopped = self.stops.feed(self.detok.push(token_id))
-        self.emit(self._chunk(text, [token_id], None))
+        chunk = self._chunk(text, [token_id], None)
+        if self.tokens is not None and logprobs is not None:
+            chunk.logprobs = [self.tokens.item(token_id, *logprobs)]
+        self.emit(chunk)
 
     def finish(self, cancelled: bool, eos_ids: set[int], grammar_done: bool = False) -> None:
         tail = "" if self.stopped else self.stops.feed(self.detok.flush())[0] + self.stops.flush()
@@ -164,6 +244,8 @@ class _Run:
             finish_reason=reason,
             prompt_tokens=self.prepared.prompt_tokens - len(self.prepared.request.prefix_token_ids),
             completion_tokens=self.completion,
+            logprobs=[] if self.tokens is not None else None,
+            index=self.index,
         )
 
 
@@ -182,33 +264,56 @@ def run_generation(
     cancel: threading.Event,
     device: torch.device,
 ) -> None:
-    """Generate (blocking); every token is passed to ``emit`` as a Chunk, then a final Chunk."""
+    """Generate (blocking); every token is passed to ``emit`` as a Chunk, then a final Chunk
+    per choice. ``n`` > 1: the choices one after the other, choice i seeded with seed + i."""
+    for index in range(prepared.request.sampling.n):
+        _generate_one(model, tokenizer, prepared, emit, cancel, device, index)
+
+
+def _generate_one(model: Any, tokenizer: Any, prepared: Prepared, emit: Callable[[Chunk], None],
+                  cancel: threading.Event, device: torch.device, index: int) -> None:  # fmt: skip
     req = prepared.request
-    run = _Run(prepared, tokenizer, emit)
+    run = _Run(prepared, tokenizer, emit, index)
     guide = None
     if prepared.grammar is not None:
-        guide = _Guide(prepared.grammar, req.prefix_token_ids, prepared.prompt_tokens)
-    done = guide is not None and guide.matcher.is_terminated()  # resumed after the end
+        end = getattr(prepared.parsers, "reasoning_end", None)
+        think_end = tokenizer.encode(end, add_special_tokens=False) if end else None
+        guide = _Guide(prepared.grammar, req.prefix_token_ids, prepared.prompt_tokens, think_end)
     max_new = req.sampling.max_tokens - len(req.prefix_token_ids)
-    if max_new > 0 and not cancel.is_set() and not done:
-        if req.sampling.seed is not None:
-            torch.manual_seed(req.sampling.seed)
-        inputs = {  # tensors only (the processor cache adds its keys, a list)
-            k: v.to(device) for k, v in prepared.inputs.items() if isinstance(v, torch.Tensor)
-        }
-        stops: list[StoppingCriteria] = [_Stop(lambda: cancel.is_set() or run.stopped)]
+    if max_new > 0 and not cancel.is_set() and not (guide is not None and guide.done):
+        seed = req.sampling.choice_seed(index)
+        if seed is not None:
+            torch.manual_seed(seed)
+        _generate(model, prepared, run, guide, cancel, device, max_new)
+    run.finish(cancel.is_set(), _eos_ids(model), guide is not None and guide.done)
+
+
+def _generate(model: Any, prepared: Prepared, run: _Run, guide: _Guide | None,
+              cancel: threading.Event, device: torch.device, max_new: int) -> None:  # fmt: skip
+    req = prepared.request
+    inputs = {  # tensors only (the processor cache adds its keys, a list)
+        k: v.to(device) for k, v in prepared.inputs.items() if isinstance(v, torch.Tensor)
+    }
+    processors: list[LogitsProcessor] = [_GrammarLogits(guide)] if guide else []
+    if req.sampling.additive_penalties:
+        start = prepared.prompt_tokens - len(req.prefix_token_ids)
+        processors.append(_Penalties(req.sampling, start))
+    stops: list[StoppingCriteria] = [_Stop(lambda: cancel.is_set() or run.stopped)]
+    catch = _RawLogprobs(model, req.sampling.top_logprobs) if req.sampling.logprobs else None
+    on_token = run.on_token if catch is None else lambda t: run.on_token(t, catch.of(t))
+    try:
         with torch.inference_mode():
             model.generate(
                 **inputs,
                 generation_config=_generation_config(
                     model, req.sampling, max_new, guide is not None
                 ),
-                streamer=_Sink(run.on_token),
-                logits_processor=LogitsProcessorList([_GrammarLogits(guide)] if guide else []),
+                streamer=_Sink(on_token),
+                logits_processor=LogitsProcessorList(processors),
                 stopping_criteria=StoppingCriteriaList(
                     stops + ([_GrammarDone(guide)] if guide else [])
                 ),
             )
-    run.finish(
-        cancel.is_set(), _eos_ids(model), guide is not None and guide.matcher.is_terminated()
-    )
+    finally:
+        if catch is not None:
+            catch.close()

@@ -118,6 +118,16 @@ class ReasoningStream:
         self._at_start = phase is Phase.REASONING
 
     @property
+    def end_tag(self) -> str:
+        """The text that ends the reasoning (``</think>``)."""
+        return self._parser.end
+
+    @property
+    def reasoning_at_start(self) -> bool:
+        """The prompt opened the reasoning: the output starts inside it."""
+        return self.phase is Phase.REASONING and self._at_start
+
+    @property
     def reasoning_ended(self) -> bool:
         """Whether the output is past its reasoning (then e.g. a grammar may start)."""
         return self.phase is Phase.AFTER

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from vlmserve.engine.hf.batching.architectures import build
+from vlmserve.engine.hf.batching.choices import fork
 from vlmserve.engine.hf.batching.detok_fast import fast_decoder
 from vlmserve.engine.hf.batching.faults import (
     EngineFailed,
@@ -42,7 +43,7 @@ from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging
 from vlmserve.engine.hf.batching.runner import PrefillRow
 from vlmserve.engine.hf.batching.sampler import Sampler
 from vlmserve.engine.hf.batching.scheduler import Scheduler
-from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
+from vlmserve.engine.hf.batching.sequence import Group, SeqStatus, Sequence
 from vlmserve.engine.hf.batching.vision_cache import VisionCache
 from vlmserve.engine.hf.generation import _Run
 from vlmserve.engine.hf.inputs import Prepared
@@ -76,14 +77,16 @@ class BatchEngine(EngineLifecycle):
         on_fatal: Callable[[BaseException, Any], None] | None = None,
         kv_cache_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        logprobs_mode: str = "raw",
     ):
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
+        self._hf_tokenizer = tokenizer
         self.vision_cache = VisionCache(vision_cache_bytes)
         self.runner, self.embedder = build(model, self.vision_cache)
         vocab = int(model.config.get_text_config().vocab_size)
         self.vocab = vocab
-        self.sampler = Sampler(vocab, eos_ids)
+        self.sampler = Sampler(vocab, eos_ids, logprobs_mode)
         # the KV budget (None/0: kv_cache.auto_budget), allocated once, in blocks
         self.paging = KVPaging(self.runner, kv_cache_bytes, block_size)
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
@@ -98,17 +101,33 @@ class BatchEngine(EngineLifecycle):
         self._closed = False
         self.failure: EngineFailed | None = None  # set once, when the engine became unusable
         self._outbox = Outbox()
+        self._forked: list[tuple[Sequence, int]] = []  # choices forked this step, first tokens
         self._threads = 1 if _small(model) and self.runner.device.type == "cpu" else 0
         self.tokens_generated = 0
         self.steps = 0
         self.stream_interval = max(1, stream_interval)  # steps between outputs under load
         self.peak_running = 0  # most rows decoded in one step since start
+        self.prefilled_rows = 0  # prompts prefilled (a recomputed row counts again)
+        self.forked_rows = 0  # choices (n > 1) started from a copy of their head's prompt KV
 
     # --- called from event loops ---------------------------------------------------------
     def new_sequence(self, prepared: Prepared, loop: Any, queue: Any) -> Sequence:
+        """Choice 0 of a request; the others ride on it until its prefill (``choices.py``)."""
+        head = self._sequence(prepared, loop, queue, 0)
+        if (n := prepared.request.sampling.n) > 1:
+            head.pending = [self._sequence(prepared, loop, queue, i) for i in range(1, n)]
+            for seq in [head, *head.pending]:
+                seq.group = Group(head, n) if seq is head else head.group
+        return head
+
+    def _sequence(self, prepared: Prepared, loop: Any, queue: Any, index: int) -> Sequence:
         req = prepared.request
         seq = Sequence(prepared, loop, queue, req.sampling.max_tokens - len(req.prefix_token_ids))
-        seq.run = _Run(prepared, self.tokenizer, lambda chunk: self._emit(seq, chunk))
+        seq.index = index
+        seq.run = _Run(prepared, self.tokenizer, lambda chunk: self._emit(seq, chunk), index)
+        end = getattr(prepared.parsers, "reasoning_end", None)
+        if prepared.grammar is not None and end:  # the grammar starts after the reasoning
+            seq.think_end = self._hf_tokenizer.encode(end, add_special_tokens=False)
         return seq
 
     @property
@@ -175,6 +194,8 @@ class BatchEngine(EngineLifecycle):
             if ready:
                 rows, tokens = self._forward(self._prefill_forward, ready)
                 self._advance([seq for seq, _ in rows], tokens)
+                forked, self._forked = self._forked, []  # other choices of those rows (n > 1)
+                self._advance([seq for seq, _ in forked], [token for _, token in forked])
             self._flush()  # first tokens out now, not after the decode step
         preempted = self.scheduler.reserve_decode()  # may preempt the newest rows
         running = list(self.scheduler.running)
@@ -198,13 +219,13 @@ class BatchEngine(EngineLifecycle):
                 )
 
     def _reap_cancelled(self) -> None:
-        for seq in [s for s in self.scheduler.waiting if s.cancelled]:
+        for seq in [s for s in self.scheduler.waiting if s.cancelled_now]:
             self.scheduler.drop_waiting(seq)
             if seq.output_ids:  # preempted after streaming: its stream ends as any other
                 self._finish(seq, cancelled=True)
             else:
                 self._end(seq)
-        for seq in [s for s in self.scheduler.running if s.cancelled]:
+        for seq in [s for s in self.scheduler.running if s.cancelled_now]:
             self._finish(seq, cancelled=True)
 
     def _refuse_oversized(self) -> None:
@@ -256,9 +277,19 @@ class BatchEngine(EngineLifecycle):
             row.slots = self.paging.prompt_slots(seq)
         logits = self.runner.prefill([row for _, row in items])
         seqs = [seq for seq, _ in items]
+        self.prefilled_rows += len(seqs)
+        heads = [i for i, seq in enumerate(seqs) if seq.pending]
+        shared = logits[heads].clone() if heads else None  # [h, V]: the sampler edits logits
         tokens = self.paging.sample(self.sampler, logits, seqs)
         for seq in seqs:  # only now: a failed attempt leaves nothing to undo
             self.paging.after_prefill(seq)
+        if shared is not None:  # start their other choices; first tokens accepted in `step`
+            heads_ = [seqs[i] for i in heads]
+            forked, failed = fork(self.scheduler, self.paging, self.sampler, heads_, shared)
+            for seq, exc in failed:
+                self._fail(seq, request_error(exc))
+            self.forked_rows += len(forked)
+            self._forked.extend(forked)
         return tokens
 
     def _decode_forward(self, running: list[Sequence]) -> list[int]:
@@ -297,9 +328,14 @@ class BatchEngine(EngineLifecycle):
         if seq.matcher is not None:
             seq.matcher.accept(token)
             seq.grammar_done = seq.matcher.is_terminated()
+        elif seq.end_of_thinking():  # the answer starts: from now on it follows the grammar
+            seq.matcher = seq.prepared.grammar.matcher()
         if seq.seen is not None:
             seq.seen[token] = True
-        seq.run.on_token(token)
+        if seq.counts is not None:
+            seq.counts[token] += 1
+        seq.run.on_token(token, seq.step_logprobs)
+        seq.step_logprobs = None
         eos = token in self.eos_ids and not seq.sampling.ignore_eos
         return seq.run.stopped or seq.grammar_done or eos or seq.generated >= seq.max_new
 
@@ -315,6 +351,14 @@ class BatchEngine(EngineLifecycle):
         self._end(seq)
 
     def _end(self, seq: Sequence) -> None:
+        """Done; ``END`` once every choice is (choices never forked end with their head)."""
+        dropped, seq.pending = seq.pending, []
+        group = seq.group
+        if group is not None:
+            group.left -= 1 + len(dropped)
+            if group.left > 0:
+                return
+            seq = group.head
         self._outbox.put(seq, END)  # leaves ``_live`` once delivered (``_flush``)
 
     def _retire(self, seq: Sequence) -> None:

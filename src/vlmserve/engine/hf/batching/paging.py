@@ -63,6 +63,20 @@ class KVPaging:
         if cache is not None:
             cache.clear(self.blocks.take_fresh())
 
+    def copy_prompt(self, source: Sequence, target: Sequence) -> None:
+        """Copy the KV blocks of ``source``'s prompt into ``target``'s (just allocated, same
+        count): another choice of the same request starts from the prompt's K/V without a
+        prefill of its own. Fresh blocks are zeroed first, so nothing clears the copy."""
+        self.clear_fresh()
+        cache = self.runner.cache
+        count = self.blocks.blocks_for(source.prompt_len)
+        if cache is None or count == 0:
+            return
+        src = torch.tensor(source.block_table[:count], device=cache.k.device)
+        dst = torch.tensor(target.block_table[:count], device=cache.k.device)
+        cache.k[:, dst] = cache.k[:, src]  # [layers, count, block_size, kv_heads, head_dim]
+        cache.v[:, dst] = cache.v[:, src]
+
     @staticmethod
     def recomputing(seq: Sequence) -> bool:
         """Whether this forward's logits for ``seq`` give a token it already streamed:

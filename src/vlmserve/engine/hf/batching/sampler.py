@@ -1,9 +1,13 @@
 """Next tokens for a whole batch at once, each row with its own sampling parameters.
 
-Order (as transformers' ``generate``): grammar mask -> repetition penalty -> min_tokens
-(EOS banned) -> greedy argmax, or temperature -> top-k -> top-p -> sample. Sampling is
-by inverse CDF: one uniform per row, drawn from the row's own ``torch.Generator`` when it
-has a seed, so a seeded request samples the same tokens whatever else shares its batch.
+Order (as transformers' ``generate``): grammar mask -> repetition penalty -> presence and
+frequency penalties (OpenAI's, over the generated tokens) -> min_tokens (EOS banned) ->
+greedy argmax, or temperature -> top-k -> top-p -> sample. Rows that asked for logprobs get
+them from the raw logits (vLLM's default ``raw_logprobs``), or with ``logprobs_mode``
+"processed" from the scores after masks, penalties and temperature (before top-k/top-p).
+Sampling is by inverse CDF: one uniform per row, drawn from the row's own
+``torch.Generator`` when it has a seed, so a seeded request samples the same tokens whatever
+else shares its batch.
 Every step is a handful of [B, V] tensor ops; Python loops only visit rows (seeded draws,
 grammar, penalties).
 """
@@ -16,13 +20,18 @@ import torch
 
 from vlmserve.engine.hf.batching.sequence import Sequence
 
-__all__ = ["Sampler"]
+__all__ = ["LOGPROBS_MODES", "Sampler"]
+
+LOGPROBS_MODES = ("raw", "processed")
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_ids: set[int]):
+    def __init__(self, vocab_size: int, eos_ids: set[int], logprobs_mode: str = "raw"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode is one of {LOGPROBS_MODES}, not {logprobs_mode!r}")
         self.vocab_size = vocab_size
         self.eos = sorted(eos_ids)  # tensors are made on the logits' device, as needed
+        self.logprobs_mode = logprobs_mode
         self._grammar: Any = None  # vlmserve.engine.hf.grammar, imported on first use
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -31,12 +40,21 @@ class Sampler:
         and a row with nothing to draw from (NaN or +inf scores, every token masked) takes
         its argmax instead."""
         logits = logits[:, : self.vocab_size]
+        wants = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
+        raw = self.logprobs_mode == "raw"
+        scores = logits[wants].log_softmax(dim=1) if wants and raw else None  # [b, V] copy
         self._constrain(logits, seqs)
+        if wants and not raw:
+            temps = [1.0 if seqs[i].sampling.greedy else seqs[i].sampling.sampling_temperature
+                     for i in wants]  # fmt: skip
+            scores = (logits[wants] / logits.new_tensor(temps)[:, None]).log_softmax(dim=1)
         picked = logits.argmax(dim=1)  # greedy rows, and the fallback of the others
         drawn = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
         if drawn:
             tokens, drawable = self._draw(logits[drawn], [seqs[i] for i in drawn])
             picked[drawn] = torch.where(drawable, tokens, picked[drawn])
+        if scores is not None:
+            _record_logprobs(scores, picked[wants], [seqs[i] for i in wants])
         return picked.tolist()
 
     def _constrain(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -49,6 +67,10 @@ class Sampler:
                 row = logits[i]
                 hit = torch.where(row < 0, row * penalty, row / penalty)
                 logits[i] = torch.where(s.seen, hit, row)
+            counts = getattr(s, "counts", None)  # [V] float: generated tokens, by id
+            if counts is not None:
+                p = s.sampling
+                logits[i] -= counts * p.frequency_penalty + (counts > 0) * p.presence_penalty
             if s.run.completion < s.sampling.min_tokens and not s.sampling.ignore_eos:
                 logits[i, self.eos] = -torch.inf
 
@@ -79,6 +101,18 @@ class Sampler:
             if s.generator is not None:
                 u[i].uniform_(generator=s.generator)
         return u
+
+
+def _record_logprobs(scores: torch.Tensor, picked: torch.Tensor, seqs: list[Any]) -> None:
+    """scores: [b, V] log-probabilities, picked: [b] -> each row's ``step_logprobs``:
+    (logprob of its token, [(id, logprob)] of its ``top_logprobs`` best, best first)."""
+    chosen = scores.gather(1, picked[:, None]).squeeze(1).tolist()
+    k = min(max(s.sampling.top_logprobs for s in seqs), scores.shape[1])
+    top_v, top_i = scores.topk(k, dim=1) if k else (scores[:, :0], picked[:, None][:, :0])
+    values, ids = top_v.tolist(), top_i.tolist()
+    for row, s in enumerate(seqs):
+        want = s.sampling.top_logprobs
+        s.step_logprobs = (chosen[row], list(zip(ids[row][:want], values[row][:want], strict=True)))
 
 
 def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

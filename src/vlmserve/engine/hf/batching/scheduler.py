@@ -64,12 +64,28 @@ class Scheduler:
                 self.blocks.allocate(seq.block_table, seq.kv_need)
             self.waiting.popleft()
             tokens += seq.prompt_len
-            seq.slot = len(self.running)
-            seq.status = SeqStatus.RUNNING
-            seq.admitted, self._admissions = self._admissions, self._admissions + 1
-            self.running.append(seq)
+            self._start(seq)
             admitted.append(seq)
         return admitted
+
+    def fork(self, seq: Sequence, tokens: int) -> bool:
+        """Start ``seq`` (another choice of a request just prefilled) with blocks for
+        ``tokens`` (its prompt, copied from its head), under the same bounds as an
+        admission; False when a row or its blocks are not free now."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        if self.blocks is not None:
+            if self.blocks.blocks_for(tokens) + len(self.running) > len(self.blocks.free):
+                return False
+            self.blocks.allocate(seq.block_table, tokens)
+        self._start(seq)
+        return True
+
+    def _start(self, seq: Sequence) -> None:
+        seq.slot = len(self.running)
+        seq.status = SeqStatus.RUNNING
+        seq.admitted, self._admissions = self._admissions, self._admissions + 1
+        self.running.append(seq)
 
     def reserve_decode(self) -> list[Sequence]:
         """Make room for every running row's next token, preempting the newest rows while

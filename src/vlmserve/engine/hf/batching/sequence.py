@@ -9,15 +9,25 @@ from typing import Any
 
 import torch
 
+from vlmserve.engine.hf.generation import tokens_after
 from vlmserve.engine.hf.inputs import Prepared
 
-__all__ = ["SeqStatus", "Sequence"]
+__all__ = ["Group", "SeqStatus", "Sequence"]
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued (new, or preempted: its KV blocks were freed)
     RUNNING = "running"  # prefilled: owns KV blocks and a row of the batch, decodes every step
     FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    """The ``n`` choices of one request: they share its consumer's queue, and the queue
+    gets ``END`` once, when the last of them has left."""
+
+    head: Sequence  # choice 0: the sequence the consumer holds (and cancels)
+    left: int  # choices that have not ended yet
 
 
 @dataclass(slots=True, eq=False)
@@ -49,6 +59,15 @@ class Sequence:
     generator: torch.Generator | None = None  # per-row RNG when the request has a seed
     matcher: Any = None  # grammar matcher (engine.hf.grammar) or None
     seen: torch.Tensor | None = None  # [V] bool: tokens in prompt + output (repetition penalty)
+    counts: torch.Tensor | None = None  # [V] float32: generated tokens by id (presence/frequency)
+    step_logprobs: Any = None  # the sampler's (logprob, top [(id, logprob)]) of the last token
+    index: int = 0  # the choice this row produces (n > 1)
+    group: Group | None = None  # the request's choices, when n > 1
+    # choices 1..n-1 not yet forked: they take a copy of this row's prompt KV after its prefill
+    pending: list[Sequence] = field(default_factory=list)
+    # a thinking model's reasoning end (token ids) while it reasons: the grammar starts
+    # after it (then None)
+    think_end: list[int] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -58,14 +77,36 @@ class Sequence:
         """Per-row sampling state: seeded RNG, penalty mask, grammar matcher (with a resumed
         prefix replayed). Once per request: a preempted row keeps its state."""
         req = self.prepared.request
-        if req.sampling.seed is not None and not req.sampling.greedy:
+        seed = req.sampling.choice_seed(self.index)
+        if seed is not None and not req.sampling.greedy:
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(req.sampling.seed)
+            self.generator.manual_seed(seed)
         if req.sampling.penalty != 1.0:
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             self.seen[self.prepared.inputs["input_ids"][0].to(device)] = True
+        if req.sampling.additive_penalties:
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            prefix = torch.tensor(req.prefix_token_ids, dtype=torch.long, device=device)
+            self.counts.index_add_(0, prefix, torch.ones_like(prefix, dtype=torch.float32))
         if self.prepared.grammar is not None:
-            self.matcher = self.prepared.grammar.matcher(prefix=req.prefix_token_ids)
+            answer = tokens_after(req.prefix_token_ids, self.think_end)
+            if answer is not None:  # no reasoning, or it ended within the resumed prefix
+                self.think_end = None
+                self.matcher = self.prepared.grammar.matcher(prefix=answer)
+
+    def end_of_thinking(self) -> bool:
+        """After a token is appended: True once, when the reasoning has just ended (the
+        response-format grammar starts with the next token)."""
+        end = self.think_end
+        if end is None or self.output_ids[-len(end) :] != end:
+            return False
+        self.think_end = None
+        return True
+
+    @property
+    def cancelled_now(self) -> bool:
+        """Cancelled itself, or its request was (the consumer holds choice 0 only)."""
+        return self.cancelled or (self.group is not None and self.group.head.cancelled)
 
     @property
     def kv_need(self) -> int:
