@@ -10,7 +10,9 @@ if TYPE_CHECKING:
     from PIL import Image
 
 __all__ = [
+    "BATCH_PRIORITY",
     "GREEDY_BELOW",
+    "INTERACTIVE_PRIORITY",
     "MIN_PENALTY",
     "MIN_TEMPERATURE",
     "BackendStats",
@@ -150,6 +152,10 @@ class ChatMessage:
     reasoning: str | None = None
 
 
+INTERACTIVE_PRIORITY = 0  # a client waits for the answer
+BATCH_PRIORITY = 1  # /v1/batches lines: admitted after waiting interactive requests
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     request_id: str
@@ -165,6 +171,9 @@ class GenerateRequest:
     # running the model here.
     raw: dict[str, Any] | None = None
     output: OutputOptions = field(default_factory=lambda: OutputOptions())
+    # Admission class (lower first): the scheduler lets waiting interactive requests overtake
+    # waiting batch work, a bounded number of times each (never starving it).
+    priority: int = INTERACTIVE_PRIORITY
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.files_store import LineResult
 from vlmserve.api.serving.responses import ResponsesService
 from vlmserve.api.serving.worker import WorkerService
+from vlmserve.engine.types import BATCH_PRIORITY
 from vlmserve.errors import InvalidRequest, VlmserveError
 
 __all__ = [
@@ -173,11 +174,13 @@ class Endpoints:
         return await self._run[endpoint](body, request_id, owner)
 
     async def _chat(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
-        return await self.chat.complete(_validate(ChatCompletionRequest, body), request_id)
+        return await self.chat.complete(_validate(ChatCompletionRequest, body), request_id,
+                                        priority=BATCH_PRIORITY)  # fmt: skip
 
     async def _responses(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
         parsed = _validate(ResponsesRequest, body)
-        return await self.responses.complete_unstored(parsed, request_id, owner)
+        return await self.responses.complete_unstored(parsed, request_id, owner,
+                                                      priority=BATCH_PRIORITY)  # fmt: skip
 
     async def _embeddings(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
         return await self.worker.embeddings(_validate(EmbeddingsRequest, body))

@@ -14,7 +14,7 @@ from vlmserve.api.protocol.responses import CompletionIds, chunk_json, delta_of,
 from vlmserve.api.serving.choices import Answer, Usage, choice_chunk
 from vlmserve.api.serving.convert import Converter
 from vlmserve.api.serving.generation import Generation, open_generation, sent_token_ids
-from vlmserve.engine.types import Chunk, FinishReason
+from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, FinishReason
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
 from vlmserve.registry.manager import Lease, ModelManager
 from vlmserve.streaming import Emit, Event, Resumption, SessionManager, SessionRecord, error_emit
@@ -99,16 +99,17 @@ class ChatService:
 
     async def open_generation(
         self, body: ChatCompletionRequest, request_id: str, *, model: str | None = None,
-        resume_after: list[int] | None = None,
+        resume_after: list[int] | None = None, priority: int = INTERACTIVE_PRIORITY,
     ) -> Generation:  # fmt: skip
         """Lease, admit and prepare one generation (``generation.open_generation``)."""
         return await open_generation(
             self.models, self.converter, self.metrics, body, request_id,
-            model=model, resume_after=resume_after,
+            model=model, resume_after=resume_after, priority=priority,
         )  # fmt: skip
 
-    async def complete(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
-        generation = await self.open_generation(body, request_id)
+    async def complete(self, body: ChatCompletionRequest, request_id: str, *,
+                       priority: int = INTERACTIVE_PRIORITY) -> dict[str, Any]:  # fmt: skip
+        generation = await self.open_generation(body, request_id, priority=priority)
         answer = Answer()
         try:
             async for chunk in generation.chunks:

@@ -19,7 +19,7 @@ from vlmserve.api.metrics import Metrics
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.serving.convert import Converter, response_format
 from vlmserve.engine.protocol import Backend
-from vlmserve.engine.types import Chunk, GenerateRequest, Serves
+from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, GenerateRequest, Serves
 from vlmserve.errors import UnsupportedFeature
 from vlmserve.registry.manager import Lease, ModelManager
 
@@ -55,11 +55,12 @@ def sent_token_ids(events: list[Any]) -> list[int]:
 async def open_generation(
     models: ModelManager, converter: Converter, metrics: Metrics | None,
     body: ChatCompletionRequest, request_id: str, *, model: str | None = None,
-    resume_after: list[int] | None = None,
+    resume_after: list[int] | None = None, priority: int = INTERACTIVE_PRIORITY,
 ) -> Generation:  # fmt: skip
     """Lease, admit and prepare (every 4xx/429/503 raises here). ``resume_after``: tokens an
     earlier run already sent; the engine continues after them (``ValueError`` for a proxied
-    model, whose tokens are the upstream's)."""
+    model, whose tokens are the upstream's). ``priority``: the engine's admission class
+    (``BATCH_PRIORITY`` for batch lines)."""
     needs = converter.needs(body)
     lease = await models.acquire(model or body.model, "chat", Serves.CHAT, needs)
     prepared, release = None, _nothing
@@ -70,6 +71,7 @@ async def open_generation(
         release = backend.admit()  # a full queue is a 429 now, not an event in a 200 stream
         request = await _engine_request(converter, backend, body, request_id)
         request.prefix_token_ids = list(resume_after or [])
+        request.priority = priority
         prepared = await backend.prepare(request)
     except BaseException:
         release()

@@ -48,6 +48,7 @@ from vlmserve.api.serving.responses_objects import (
     usage,
 )
 from vlmserve.api.serving.responses_stream import produce, resumption
+from vlmserve.engine.types import INTERACTIVE_PRIORITY
 from vlmserve.errors import InvalidRequest, NotFound, VlmserveError
 from vlmserve.streaming import (
     FINAL_STATES,
@@ -161,13 +162,14 @@ class ResponsesService:
         return await self.retrieve(response_id, owner)
 
     async def complete_unstored(self, body: ResponsesRequest, request_id: str,
-                                owner: str = ANONYMOUS) -> dict[str, Any]:  # fmt: skip
+                                owner: str = ANONYMOUS, *, priority: int = INTERACTIVE_PRIORITY,
+                                ) -> dict[str, Any]:  # fmt: skip
         """``store: false``, not streamed: ChatService's JSON answer, as a Response."""
         check_supported(body)
         conversation, _ = await self._conversation(body, owner)
         chat_body = to_chat_request(body, conversation)
         try:
-            answer = await self.chat.complete(chat_body, request_id)
+            answer = await self.chat.complete(chat_body, request_id, priority=priority)
         except VlmserveError as exc:
             raise remap(exc) from None
         rlog = ResponseLog(base_response(body, new_response_id(), answer["model"]),

@@ -122,7 +122,8 @@ class BatchEngine(EngineLifecycle):
 
     def _sequence(self, prepared: Prepared, loop: Any, queue: Any, index: int) -> Sequence:
         req = prepared.request
-        seq = Sequence(prepared, loop, queue, req.sampling.max_tokens - len(req.prefix_token_ids))
+        seq = Sequence(prepared, loop, queue, req.sampling.max_tokens - len(req.prefix_token_ids),
+                       priority=req.priority)  # fmt: skip
         seq.index = index
         seq.run = _Run(prepared, self.tokenizer, lambda chunk: self._emit(seq, chunk), index)
         end = getattr(prepared.parsers, "reasoning_end", None)

@@ -9,10 +9,16 @@ tokens it had generated before a preemption) are free, with one block to spare p
 running row. The head of the queue waits for
 room; nobody overtakes it.
 
+Priorities: a request of a lower ``priority`` value (interactive: 0) is queued ahead of
+waiting requests of a higher one (batch work: 1), unless the waiting one has already been
+overtaken ``max_overtakes`` times: then it keeps its place, so batch work is delayed, never
+starved. Preempted rows go back to the front whatever their priority.
+
 When a decode step needs a new block and none is free, the most recently admitted running
-row is **preempted**: its blocks are freed and it goes back to the *front* of the queue, to
-be recomputed later. Rows live in ``running`` in slot order (``running[i].slot == i``), so
-the decode batch is dense.
+row of the highest ``priority`` value (batch work before interactive rows) is **preempted**:
+its blocks are freed and it goes back to the *front* of the queue, to be recomputed later.
+Rows live in ``running`` in slot order (``running[i].slot == i``), so the decode batch is
+dense.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         blocks: BlockManager | None = None,
+        max_overtakes: int = 64,
     ):
         self.max_num_seqs = max_num_seqs
+        self.max_overtakes = max_overtakes  # per waiting request: its starvation bound
         self.max_num_batched_tokens = max_num_batched_tokens
         self.blocks = blocks  # None: no KV budget (scheduler tests)
         self.waiting: deque[Sequence] = deque()
@@ -41,7 +49,18 @@ class Scheduler:
         self._admissions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue ``seq``: at the back, or ahead of the lower-priority requests (higher value)
+        that may still be overtaken; each of those counts one overtake."""
+        place = len(self.waiting)
+        while place > 0:
+            other = self.waiting[place - 1]
+            if (other.priority <= seq.priority or other.overtaken >= self.max_overtakes
+                    or other.preempted):  # fmt: skip  # a preempted row keeps the front
+                break
+            place -= 1
+        for i in range(place, len(self.waiting)):
+            self.waiting[i].overtaken += 1
+        self.waiting.insert(place, seq)
 
     @property
     def idle(self) -> bool:
@@ -97,7 +116,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted for an older row just now
             while not self.blocks.can_append(seq.block_table, seq.length):
-                victim = max(self.running, key=lambda s: s.admitted)
+                victim = max(self.running, key=lambda s: (s.priority, s.admitted))
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:

@@ -59,6 +59,8 @@ class Sequence:
     generator: torch.Generator | None = None  # per-row RNG when the request has a seed
     matcher: Any = None  # grammar matcher (engine.hf.grammar) or None
     seen: torch.Tensor | None = None  # [V] bool: tokens in prompt + output (repetition penalty)
+    priority: int = 0  # GenerateRequest.priority: 0 interactive, higher waits (batch work)
+    overtaken: int = 0  # times a higher-priority request was queued ahead of it
     counts: torch.Tensor | None = None  # [V] float32: generated tokens by id (presence/frequency)
     step_logprobs: Any = None  # the sampler's (logprob, top [(id, logprob)]) of the last token
     index: int = 0  # the choice this row produces (n > 1)
