@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import MODEL, LiveServer, make_settings
 from vlmserve.api.app import build_app
 from vlmserve.registry.manager import ModelManager
+from vlmserve.testing.media import data_url, image_bytes
 
 
 def _value(text: str, name: str, **labels: str) -> float | None:
@@ -125,3 +126,33 @@ async def test_requests_beyond_the_slots_are_waiting(two_slot_server: LiveServer
     assert _value(text, "vllm:num_requests_waiting", model_name=MODEL) == 1
     assert _value(text, "vllm:num_requests_running", model_name=MODEL) == 2
     assert 0 < _value(text, "vllm:kv_cache_usage_perc", model_name=MODEL) < 0.01
+
+
+async def test_step_time_by_phase_and_memory_are_exported(
+    live_server: Callable[..., LiveServer],
+) -> None:
+    """Seed 002's engine figures: step time split into vision / prefill / decode, memory
+    held by the weights and by the process."""
+    server = live_server()
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        before = (await client.get("/metrics")).text
+        body = {
+            "model": MODEL,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image_bytes(48, 48), "image/png")}},
+                {"type": "text", "text": "what is it?"},
+            ]}],
+        }  # fmt: skip
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        after = (await client.get("/metrics")).text
+
+    def phase(text: str, name: str) -> float:
+        return _value(text, "vlmserve_engine_step_seconds_total", model=MODEL, phase=name) or 0.0
+
+    for name in ("vision", "prefill", "decode"):
+        assert phase(after, name) > phase(before, name), name
+    weights = _value(after, "vlmserve_model_weights_bytes", model=MODEL)
+    assert weights > 1_000_000  # the tiny Qwen2-VL's float32 weights
+    assert _value(after, "process_resident_memory_bytes") > weights
+    assert _value(after, "vlmserve_device_memory_bytes", model=MODEL) == 0  # CPU

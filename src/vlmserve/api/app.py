@@ -126,6 +126,10 @@ def _scrape(metrics: Metrics, models: ModelManager) -> Any:
         metrics.set_load(h.name, running=running, waiting=waiting, usage=usage)
         stats = h.backend.stats()
         metrics.set_kv_cache(h.name, preemptions=stats.preemptions, nbytes=stats.kv_cache_bytes)
+        metrics.set_engine(
+            h.name, step_seconds=stats.step_seconds or {}, weights_bytes=stats.weights_bytes,
+            device_memory_bytes=stats.device_memory_bytes,
+        )  # fmt: skip
         if stats.vision_cache is not None:
             metrics.set_vision_cache(h.name, stats.vision_cache)
         if stats.processor_cache is not None:

@@ -253,3 +253,6 @@ class BackendStats:
     processor_cache: dict[str, int] | None = None
     engine_failures: int = 0
     last_engine_error: str | None = None
+    step_seconds: dict[str, float] | None = None  # engine step time by phase, running totals
+    weights_bytes: int = 0  # memory held by the model's weights
+    device_memory_bytes: int = 0  # accelerator memory torch has allocated (0 on CPU)

@@ -141,6 +141,16 @@ class HFChatBackend(HFModel):
             return dict.fromkeys(("hits", "misses", "bytes", "entries"), 0)
         return self._processor_cache.stats()
 
+    def _memory_stats(self, out: BackendStats) -> None:
+        loaded = self._loaded
+        if loaded is None:
+            return
+        out.weights_bytes = self.memory_bytes
+        if loaded.device.type == "cuda":
+            import torch  # torch is loaded whenever a model is
+
+            out.device_memory_bytes = int(torch.cuda.memory_allocated(loaded.device))
+
     def stats(self) -> BackendStats:
         """Decoding / waiting rows and KV use from the engine; the fallback path decodes one
         request at a time."""
@@ -148,6 +158,7 @@ class HFChatBackend(HFModel):
             vision_cache=self.vision_cache_stats(), processor_cache=self.processor_cache_stats(),
             engine_failures=self.engine_failures, last_engine_error=self.last_engine_error,
         )  # fmt: skip
+        self._memory_stats(out)
         engine = self.engine
         if engine is None:
             out.running = min(self.in_flight, 1)
@@ -155,6 +166,7 @@ class HFChatBackend(HFModel):
             out.kv_usage = float(out.running)
             return out
         out.running, out.waiting = engine.running, engine.queued
+        out.step_seconds = engine.step_seconds
         out.kv_usage = engine.kv_usage  # KV blocks in use
         out.preemptions = engine.preemptions
         out.kv_cache_bytes = engine.kv_cache_bytes

@@ -36,6 +36,7 @@ from vlmserve.engine.hf.batching.faults import (
     request_error,
     retry_alone,
 )
+from vlmserve.engine.hf.batching.gauges import EngineGauges, StepTimer
 from vlmserve.engine.hf.batching.kv_cache import DEFAULT_BLOCK_SIZE
 from vlmserve.engine.hf.batching.lifecycle import EngineLifecycle
 from vlmserve.engine.hf.batching.outbox import END, Outbox
@@ -61,7 +62,7 @@ _SMALL_MODEL_PARAMS = 50_000_000  # below this a decode step's matmuls take micr
 _Item = TypeVar("_Item")
 
 
-class BatchEngine(EngineLifecycle):
+class BatchEngine(EngineGauges, EngineLifecycle):
     def __init__(
         self,
         model: Any,
@@ -107,6 +108,7 @@ class BatchEngine(EngineLifecycle):
         self.steps = 0
         self.stream_interval = max(1, stream_interval)  # steps between outputs under load
         self.peak_running = 0  # most rows decoded in one step since start
+        self.timer = StepTimer()  # step seconds by phase (/metrics)
         self.prefilled_rows = 0  # prompts prefilled (a recomputed row counts again)
         self.forked_rows = 0  # choices (n > 1) started from a copy of their head's prompt KV
 
@@ -130,36 +132,6 @@ class BatchEngine(EngineLifecycle):
         if prepared.grammar is not None and end:  # the grammar starts after the reasoning
             seq.think_end = self._hf_tokenizer.encode(end, add_special_tokens=False)
         return seq
-
-    @property
-    def queued(self) -> int:
-        """Requests not yet admitted to the running batch."""
-        return len(self._inbox) + len(self.scheduler.waiting)
-
-    @property
-    def running(self) -> int:
-        return len(self.scheduler.running)
-
-    # --- the KV budget (gauges read from any thread: plain int/float reads) ----------------
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ``InvalidRequest`` (400, naming the budget and the setting) when a request
-        of ``prompt_tokens`` + ``max_tokens`` could never be held by the whole KV cache."""
-        self.kv.check_fits(prompt_tokens, max_tokens)
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes allocated for the KV cache (whole blocks of the budget)."""
-        return self.kv.nbytes
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of the KV blocks owned by running rows, 0..1."""
-        return self.blocks.usage
-
-    @property
-    def preemptions(self) -> int:
-        """Rows preempted (KV freed, recomputed later) since the engine started."""
-        return self.scheduler.preemptions
 
     # --- the loop (engine thread) -----------------------------------------------------------
     def _run(self) -> None:
@@ -191,9 +163,11 @@ class BatchEngine(EngineLifecycle):
         self._refuse_oversized()
         admitted = self.scheduler.schedule()
         if admitted:
-            ready = self._start_rows(admitted)
+            with self.timer.phase("vision"):
+                ready = self._start_rows(admitted)
             if ready:
-                rows, tokens = self._forward(self._prefill_forward, ready)
+                with self.timer.phase("prefill"):
+                    rows, tokens = self._forward(self._prefill_forward, ready)
                 self._advance([seq for seq, _ in rows], tokens)
                 forked, self._forked = self._forked, []  # other choices of those rows (n > 1)
                 self._advance([seq for seq, _ in forked], [token for _, token in forked])
@@ -202,7 +176,9 @@ class BatchEngine(EngineLifecycle):
         running = list(self.scheduler.running)
         if running:
             self.peak_running = max(self.peak_running, len(running))
-            self._advance(*self._forward(self._decode_forward, running))
+            with self.timer.phase("decode"):
+                decoded = self._forward(self._decode_forward, running)
+            self._advance(*decoded)
         elif not admitted and not preempted and self.scheduler.waiting:
             raise EngineStateError(
                 f"the scheduler admitted none of {len(self.scheduler.waiting)} waiting "
@@ -384,9 +360,6 @@ class BatchEngine(EngineLifecycle):
     def _release_cache(self) -> None:
         if self.runner.cache is not None:
             self.runner.cache.release()
-
-    def vision_cache_stats(self) -> dict[str, int]:
-        return self.vision_cache.stats()
 
 
 def _rid(seq: Sequence) -> str:
