@@ -136,11 +136,12 @@ async def test_step_time_by_phase_and_memory_are_exported(
     server = live_server()
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         before = (await client.get("/metrics")).text
+        url = data_url(image_bytes(48, 48), "image/png")
         body = {
             "model": MODEL,
             "max_tokens": 8,
             "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url(image_bytes(48, 48), "image/png")}},
+                {"type": "image_url", "image_url": {"url": url}},
                 {"type": "text", "text": "what is it?"},
             ]}],
         }  # fmt: skip

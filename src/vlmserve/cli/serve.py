@@ -35,7 +35,8 @@ ENV_ONLY = (
     "upstream_health_interval", "upstream_max_failures", "upstream_eject_seconds",
     "register_url", "advertise_url", "gateway_key", "max_video_pixels",
     "max_video_decode_frames", "media_image_formats", "media_fetch_timeout",
-    "media_max_redirects", "media_allow_private_networks", "max_n", "metrics_public",
+    "media_max_redirects", "media_allow_private_networks", "max_n", "logprobs_mode",
+    "metrics_public",
     "idle_seconds", "idle_check_interval", "idle_command", "activity_file", "deregister_url",
     "deregister_command", "instance_id", "deregister_timeout", "sessions_db_path",
     "sessions_ttl_seconds", "cancel_after_disconnect_seconds", "stream_ring_size",
@@ -235,13 +236,16 @@ def run(settings: Settings) -> None:
     # default, so after each torch call the engine could wait up to 5 ms for the loop's SSE work;
     # at 1 ms it gets it back sooner (measured: +18% output tokens/s at 8 concurrent streams).
     sys.setswitchinterval(0.001)
+    # httptools (C) with the request head capped here: h11 (pure Python) capped it itself but
+    # cost ~1.7x the CPU per request and per SSE event (cli/http_protocol.py has the figures).
+    from vlmserve.cli.http_protocol import CappedHttpToolsProtocol
+
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        http="h11",  # h11 caps header size; httptools (uvicorn's "auto") has no limit
-        h11_max_incomplete_event_size=64 * 1024,
+        http=CappedHttpToolsProtocol,
         timeout_graceful_shutdown=30,
     )
     _serve(config)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import Chunk, GenerateRequest, ModelState, Serves
@@ -29,6 +31,8 @@ from vlmserve.gateway.pool import PoolPolicy, Replica, ReplicaPool
 __all__ = ["UpstreamBackend", "UpstreamConfig", "UpstreamError", "UpstreamStream"]
 
 log = logging.getLogger(__name__)
+# An uncompressed stream: its bytes are read as they come (``_body``), with no decoder between.
+_STREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
               httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)  # fmt: skip
 
@@ -237,7 +241,9 @@ class UpstreamBackend(Backend):
 
         def send(replica: Replica) -> Awaitable[httpx.Response]:
             url = replica.url + "/v1/chat/completions"
-            return client.send(client.build_request("POST", url, json=body), stream=True)
+            request = client.build_request("POST", url, content=_encode(body),
+                                           headers=_STREAM_HEADERS)  # fmt: skip
+            return client.send(request, stream=True)
 
         replica, response = await self._first_success(tried, send)
         return UpstreamStream(body, replica, response, tried)
@@ -299,8 +305,8 @@ class UpstreamBackend(Backend):
         try:
             while held is not None:
                 try:
-                    async for line in held.response.aiter_lines():
-                        for chunk in reader.feed(line):
+                    async for data in _body(held.response):
+                        for chunk in reader.feed_bytes(data):
                             yield chunk
                     for chunk in reader.close():
                         yield chunk
@@ -374,3 +380,21 @@ class UpstreamBackend(Backend):
             return response.json()
         finally:
             self.pool.leave()
+
+
+def _body(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's bytes as they arrive: raw when the upstream did not compress it (it was asked
+    not to), decoded otherwise."""
+    plain = response.headers.get("content-encoding", "identity") in ("identity", "")
+    if plain and not response.is_stream_consumed:  # consumed: read already (test transports)
+        return response.aiter_raw()
+    return response.aiter_bytes()
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    """The body as JSON: orjson (a large inline image costs ~10x less), the standard library
+    for what orjson refuses (an integer wider than 64 bits)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body).encode()

@@ -76,11 +76,14 @@ def error_from_body(status: int, content: bytes) -> UpstreamError:
 
 @dataclass(slots=True)
 class ChunkReader:
-    """Upstream SSE lines -> ``Chunk``s. The finish reason is held back until the usage chunk
+    """Upstream SSE -> ``Chunk``s. The finish reason is held back until the usage chunk
     (``stream_options.include_usage``) or the end, so the last Chunk carries the token counts.
 
     Reads the OpenAI wire (``data:`` lines; an error is ``data: {"error": {...}}``) and the
-    resumable one (``id:`` lines skipped; ``event: error`` marks an error)."""
+    resumable one (``id:`` lines skipped; ``event: error`` marks an error). ``feed_bytes`` takes
+    the body as it comes off the socket, split anywhere: lines are cut from bytes and a
+    ``data:`` payload goes to orjson as bytes, never decoded to ``str`` (the proxy's per-chunk
+    work: no text decoder, no line-iterator generators)."""
 
     upstream_id: str | None = None  # the upstream's ``chatcmpl-...`` id (for its cancel route)
     finish: FinishReason | None = None
@@ -89,22 +92,37 @@ class ChunkReader:
     pieces: int = 0  # content chunks seen: the completion count when no usage comes
     done: bool = False
     _event: str | None = None
+    _partial: bytes = b""  # the start of a line whose end has not arrived yet
 
-    def feed(self, line: str) -> list[Chunk]:
-        """One SSE line; returns the Chunks it completes (often none)."""
-        if not line or line.startswith((":", "id:", "retry:")):
-            if not line:
+    def feed_bytes(self, data: bytes) -> list[Chunk]:
+        """Body bytes as received; returns the Chunks of the lines they complete."""
+        buffer = self._partial + data
+        if b"\r" in buffer:  # CRLF or CR line ends (SSE allows both)
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *lines, self._partial = buffer.split(b"\n")
+        out: list[Chunk] = []
+        for line in lines:
+            if line:
+                out += self.feed(line)
+            else:
                 self._event = None
-            return []
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if name == "event":
-            self._event = value
-            return []
-        if name != "data":
-            return []
-        if value == "[DONE]":
-            return self.close()
+        return out
+
+    def feed(self, line: str | bytes) -> list[Chunk]:
+        """One SSE line (without its line end); returns the Chunks it completes (often none)."""
+        raw = line.encode() if isinstance(line, str) else line
+        if raw.startswith(b"data:"):
+            value = raw[6:] if raw.startswith(b"data: ") else raw[5:]
+            return self._data(value)
+        if not raw:
+            self._event = None
+        elif raw.startswith(b"event:"):
+            self._event = raw[6:].strip().decode(errors="replace")
+        return []  # comments, id:, retry: and unknown fields
+
+    def _data(self, value: bytes) -> list[Chunk]:
+        if value == b"[DONE]":
+            return self._finish()
         data = orjson.loads(value)  # per chunk: ~2.5x faster than json.loads
         if not isinstance(data, dict):
             raise VlmserveError(f"upstream sent a non-object chunk: {value[:200]!r}",
@@ -134,11 +152,20 @@ class ChunkReader:
             if reason:
                 self.finish = _FINISH.get(reason, FinishReason.STOP)
         if usage and self.finish is not None:
-            out += self.close()
+            out += self._finish()
         return out
 
     def close(self) -> list[Chunk]:
-        """The stream ended: the held-back finish (if any) with the counts."""
+        """The stream ended: a last line left without its line end, then the held-back finish
+        (if any) with the counts."""
+        out: list[Chunk] = []
+        if self._partial:
+            partial, self._partial = self._partial, b""
+            out = self.feed(partial)
+        return out + self._finish()
+
+    def _finish(self) -> list[Chunk]:
+        """The held-back finish with the counts, once (``[DONE]``, the usage chunk, the end)."""
         if self.done or self.finish is None:
             self.done = self.done or self.finish is not None
             return []

@@ -130,6 +130,11 @@ class SessionManager:
     def sessions(self) -> MappingProxyType[str, Session]:
         return MappingProxyType(self._sessions)
 
+    @property
+    def durable(self) -> bool:
+        """Whether events outlive this process (SQLite, Redis): a restarted server continues."""
+        return bool(getattr(self.store, "durable", True))
+
     def active_count(self) -> int:
         return sum(1 for s in self._sessions.values() if not s.done)
 

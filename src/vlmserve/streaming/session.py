@@ -4,7 +4,9 @@ The producer task numbers each ``Emit``, appends the event to the store (durable
 ring buffer, then wakes listeners; so anything a listener sees in the ring is also in the store.
 Up to ``_IN_FLIGHT`` events of a session are on their way to the store at once (the store's
 group commit writes them together, in order), so a store's commit latency does not hold the
-producer back token by token; the terminal event waits for all of them. Generation never
+producer back token by token; the terminal event waits for all of them. With a store whose
+``append`` never waits (memory), an event is published inline: no task, no shield, no commit
+future per event (the default worker and the gateway run on it). Generation never
 waits for listeners. When the last listener leaves, a timer of
 ``cancel_after_disconnect`` seconds is armed; a new listener disarms it.
 """
@@ -67,10 +69,12 @@ class Session:
     _store_error: BaseException | None = None  # a commit that failed in the background
     _finishing: bool = False  # the end (normal, cancel or error) has begun
     _ended: bool = False  # terminal published, or stopped for good without one (shutdown)
+    _instant: bool = False  # the store's append completes at once (memory): publish inline
 
     def __post_init__(self) -> None:
         self.ring = deque(maxlen=max(1, self.options.ring_size))
         self._cond = asyncio.Condition()
+        self._instant = bool(getattr(self.store, "instant", False))
 
     @property
     def session_id(self) -> str:
@@ -147,6 +151,10 @@ class Session:
         index = (self.record.last_index if self._issued is None else self._issued) + 1
         self._issued = index
         event = Event(index, emit.data, emit.event, emit.meta, terminal=final is not None)
+        if self._instant and not self._pending:  # the memory store: nothing to wait for
+            await self._publish(event, final)
+            await asyncio.sleep(0)  # listeners read before the next event, as below
+            return
         publishing = asyncio.ensure_future(self._publish(event, final))
         if final is None:
             publishing.add_done_callback(self._published)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -129,6 +130,10 @@ class ChatService:
                 param="session_id",
                 code="session_exists",
             )
+        if body.seed is None and self.sessions.durable:
+            # A restarted server then continues a sampled stream as this run would have
+            # (the seed is stored with the request body in the session record).
+            body = body.model_copy(update={"seed": secrets.randbits(63)})
         generation = await self.open_generation(body, request_id)
         try:
             ids = _new_ids(generation.model_id)

@@ -22,6 +22,8 @@ def _copy(record: SessionRecord) -> SessionRecord:
 
 class MemoryStore:
     shared = False
+    durable = False  # events die with the process
+    instant = True  # append never waits: sessions publish without a commit in flight
 
     def __init__(self, ttl: float = 600.0) -> None:
         self.ttl = ttl

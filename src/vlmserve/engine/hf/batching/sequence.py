@@ -83,6 +83,7 @@ class Sequence:
         if seed is not None and not req.sampling.greedy:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(seed)
+            skip_draws(self.generator, len(req.prefix_token_ids), device)
         if req.sampling.penalty != 1.0:
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             self.seen[self.prepared.inputs["input_ids"][0].to(device)] = True
@@ -119,3 +120,12 @@ class Sequence:
     @property
     def sampling(self) -> Any:
         return self.prepared.request.sampling
+
+
+def skip_draws(generator: torch.Generator, n: int, device: torch.device) -> None:
+    """Advance a seeded row's generator past the ``n`` tokens a resumed stream already sent
+    (``prefix_token_ids``): one float32 U[0, 1) each, drawn as ``Sampler._uniforms`` draws
+    them, so the continuation after a restart is the one the first run sampled."""
+    one = torch.empty(1, dtype=torch.float32, device=device)
+    for _ in range(n):
+        one.uniform_(generator=generator)

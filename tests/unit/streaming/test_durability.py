@@ -1,0 +1,68 @@
+"""Which stores outlive the process, and what an SQLite commit leaves on disk: every event a
+client was sent is in the file when the process dies, with no clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from vlmserve.streaming import (
+    Emit,
+    Event,
+    MemoryStore,
+    SessionManager,
+    SessionRecord,
+    SessionState,
+    SQLiteStore,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_only_the_memory_store_is_not_durable(tmp_path: Path) -> None:
+    assert SessionManager(MemoryStore()).durable is False
+    store = SQLiteStore(tmp_path / "s.db")
+    assert SessionManager(store).durable is True
+    await store.close()
+
+
+async def test_every_event_a_listener_got_is_in_the_file_before_close(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    manager = SessionManager(SQLiteStore(db), heartbeat_interval=0, gc_interval=0)
+    gate = asyncio.Event()
+
+    async def producer():  # type: ignore[no-untyped-def]
+        for i in range(40):
+            yield Emit(f"e{i}", meta={"token_ids": [i]})
+        await gate.wait()  # still running when we look
+
+    await manager.start("s", {}, producer(), on_cancel=lambda: [], on_error=lambda e: [])
+    got = []
+    async for event in manager.listen("s"):
+        got.append(event)
+        if len(got) == 40:
+            break
+    # Another connection, as a restarted process would open it (no close, no flush first).
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT idx, data FROM events WHERE session_id = 's' ORDER BY idx")
+        stored = rows.fetchall()
+    assert [(e.index, e.data) for e in got] == stored[: len(got)]
+    gate.set()
+    await manager.close()
+    await manager.store.close()
+
+
+async def test_many_grouped_appends_are_all_there_after_a_reopen(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    now = time.time()
+    await store.create(SessionRecord("s", {}, SessionState.RUNNING, now, now))
+    await asyncio.gather(*(store.append("s", Event(i, "x" * 200)) for i in range(2500)))
+    await store.close()
+    reopened = SQLiteStore(tmp_path / "s.db")
+    assert len(await reopened.events("s", -1)) == 2500
+    assert (await reopened.get("s")).last_index == 2499  # type: ignore[union-attr]
+    await reopened.close()
