@@ -1,4 +1,5 @@
-"""Continuous batching for Qwen2-VL in the ``hf`` engine (design: docs/engine.md).
+"""Continuous batching for the VLM families of ``families/`` in the ``hf`` engine (design:
+docs/engine.md).
 
 ``BatchEngine`` (engine.py) runs the step loop; ``Scheduler`` admits requests by free KV
 blocks (``BlockManager``) and preempts; the runner (runner.py) does prefill and decode

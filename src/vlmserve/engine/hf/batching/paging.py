@@ -19,7 +19,7 @@ import torch
 
 from vlmserve.engine.hf.batching.block_manager import BlockManager
 from vlmserve.engine.hf.batching.kv_cache import KVBudget
-from vlmserve.engine.hf.batching.runner import Qwen2VLRunner
+from vlmserve.engine.hf.batching.runner import DecoderRunner
 from vlmserve.engine.hf.batching.sequence import Sequence
 
 __all__ = ["NOT_SAMPLED", "KVPaging"]
@@ -28,7 +28,7 @@ NOT_SAMPLED = -1  # a forward's "token" for a row that is recomputing tokens it 
 
 
 class KVPaging:
-    def __init__(self, runner: Qwen2VLRunner, kv_cache_bytes: int | None, block_size: int):
+    def __init__(self, runner: DecoderRunner, kv_cache_bytes: int | None, block_size: int):
         self.runner = runner
         self.budget = KVBudget.plan(
             kv_cache_bytes, runner.block_bytes(block_size), block_size, runner.device
