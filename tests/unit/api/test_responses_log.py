@@ -22,7 +22,7 @@ def numbered(emits: list[Emit], start: int = 0) -> list[Event]:
 
 def test_sequence_numbers_are_the_session_indices() -> None:
     log = ResponseLog.restore(request(), [])
-    emits = [*log.preamble(), log.delta("a", [1]), log.delta("b", [2])]
+    emits = [*log.preamble(), *log.delta("a", [1]), *log.delta("b", [2])]
     emits += log.finish(Chunk("", [], FinishReason.STOP, 3, 2))
     data = [json.loads(e.data) for e in emits]
     assert [d["sequence_number"] for d in data] == list(range(len(emits)))
@@ -36,7 +36,7 @@ def test_a_restored_log_goes_on_where_the_stored_events_end() -> None:
     first = ResponseLog.restore(request(), [])
     events = numbered([*first.preamble()[:2]])  # killed after response.in_progress
     log = ResponseLog.restore(request(), events)
-    more = [*log.preamble(), log.delta("x", [7])]
+    more = [*log.preamble(), *log.delta("x", [7])]
     assert [e.event for e in more] == [
         "response.output_item.added",
         "response.content_part.added",
@@ -50,7 +50,7 @@ def test_a_restored_log_goes_on_where_the_stored_events_end() -> None:
 
 def test_snapshots_of_ended_sessions_without_a_final_event() -> None:
     log = ResponseLog.restore(request(), [])
-    events = numbered([*log.preamble(), log.delta("p", [1])])
+    events = numbered([*log.preamble(), *log.delta("p", [1])])
     assert (
         ResponseLog.restore(request(), events).snapshot(SessionState.RUNNING)["output"][0][
             "content"

@@ -6,7 +6,7 @@ from typing import Any
 
 from vlmserve.engine.hf.batching.runner import DecoderRunner
 
-__all__ = ["decoder_ok", "new_runner"]
+__all__ = ["decoder_ok", "new_runner", "qwen2_or_llama_ok"]
 
 
 def decoder_ok(text: Any, *, rope_types: tuple[str, ...]) -> bool:
@@ -14,6 +14,17 @@ def decoder_ok(text: Any, *, rope_types: tuple[str, ...]) -> bool:
     rotary embedding whose frequencies do not change with the sequence length."""
     rope = getattr(text, "rope_parameters", None) or {}
     return rope.get("rope_type", "default") in rope_types and text.hidden_act == "silu"
+
+
+def qwen2_or_llama_ok(model: Any) -> bool:
+    """A Qwen2 or Llama decoder with plain RoPE and no sliding window (LLaVA-OneVision,
+    InternVL)."""
+    text = model.config.get_text_config()
+    return (
+        text.model_type in ("qwen2", "llama")
+        and decoder_ok(text, rope_types=("default",))
+        and not getattr(text, "use_sliding_window", False)
+    )
 
 
 def new_runner(

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vlmserve.engine.hf.batching.families.llava import LlavaEmbedder
 from vlmserve.engine.hf.batching.linear import fuse
 from vlmserve.engine.hf.batching.rope import RotaryTables
 from vlmserve.engine.hf.batching.runner import DecoderRunner, PrefillRow, _Layer
-from vlmserve.engine.hf.batching.vision import MediaItem, PromptEmbedder, RowInputs
+from vlmserve.engine.hf.batching.vision import PromptEmbedder, RowInputs
 from vlmserve.engine.hf.batching.vision_cache import VisionCache
 
 __all__ = ["MODEL_TYPES", "Gemma3Embedder", "Gemma3Runner", "build", "supports"]
@@ -133,16 +134,9 @@ class Gemma3Runner(DecoderRunner):
         return {"full_attention": self._additive(seen), _SLIDING: self._additive(recent)}
 
 
-class Gemma3Embedder(PromptEmbedder):
-    def items(self, inputs: dict[str, Any], kind: str) -> list[MediaItem]:
-        pixels = inputs.get("pixel_values")  # [images, 3, H, W]
-        if pixels is None:
-            return []
-        return [MediaItem(pixels[i : i + 1]) for i in range(pixels.shape[0])]
-
-    def encode(self, kind: str, item: MediaItem) -> torch.Tensor:
-        out = self.model.model.get_image_features(pixel_values=item.pixels, return_dict=True)
-        return out.pooler_output[0]  # [mm_tokens_per_image, hidden]
+class Gemma3Embedder(LlavaEmbedder):
+    """One image at a time through the model's own ``get_image_features`` (as LLaVA), plus
+    the image blocks that attend both ways at prefill."""
 
     def build(self, inputs: dict[str, Any], slot: int = -1) -> RowInputs:
         from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from vlmserve.engine.hf.batching.families._common import decoder_ok, new_runner
+from vlmserve.engine.hf.batching.families._common import new_runner, qwen2_or_llama_ok
 from vlmserve.engine.hf.batching.vision import MediaItem, PromptEmbedder
 from vlmserve.engine.hf.batching.vision_cache import VisionCache
 
@@ -22,12 +22,7 @@ MODEL_TYPES = ("internvl",)
 
 
 def supports(model: Any) -> bool:
-    text = model.config.get_text_config()
-    return (
-        text.model_type in ("qwen2", "llama")
-        and decoder_ok(text, rope_types=("default",))
-        and not getattr(text, "use_sliding_window", False)
-    )
+    return qwen2_or_llama_ok(model)
 
 
 def build(model: Any, cache: VisionCache) -> tuple[Any, PromptEmbedder]:
