@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from vlmserve.engine.hf.batching.block_manager import BlockManager
 from vlmserve.engine.hf.batching.scheduler import Scheduler
 from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
-from vlmserve.engine.types import INTERACTIVE_PRIORITY
+from vlmserve.engine.types import BATCH_PRIORITY, INTERACTIVE_PRIORITY
 
 
 def row(prompt_tokens: int = 4) -> Sequence:
@@ -88,3 +88,25 @@ def test_after_preempting_a_newer_row_the_older_one_gets_its_slot() -> None:
     assert scheduler.running == [a] and len(a.block_table) == 2
     assert list(scheduler.waiting) == [b]
     blocks.check([a.block_table])
+
+
+def test_rows_after_a_preempted_batch_row_still_get_their_room() -> None:
+    """Oldest first: interactive i1 needs a block, the batch row (admitted after it) is the
+    victim; the newer interactive i2, visited after that preempted row, must still get room."""
+    blocks = BlockManager(num_blocks=7, block_size=4)  # 6 usable
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=1000, blocks=blocks)
+    i1 = row()
+    b = Sequence(SimpleNamespace(prompt_tokens=4), None, None, 64, priority=BATCH_PRIORITY)  # type: ignore[arg-type]
+    i2 = row()
+    for seq in (i1, b, i2):
+        scheduler.add(seq)
+        assert scheduler.schedule() == [seq]  # one block each, admitted in this order
+    i1.length, b.length = 4, 4
+    assert scheduler.reserve_decode() == []  # a second block each: 1 free
+    i1.length = 8
+    assert scheduler.reserve_decode() == [] and not blocks.free  # i1's third: none free
+    i1.length, i2.length = 12, 4  # both need one more: the batch row goes (2 blocks back)
+    assert scheduler.reserve_decode() == [b]
+    assert scheduler.running == [i1, i2]
+    assert len(i1.block_table) == 4 and len(i2.block_table) == 2
+    blocks.check([i1.block_table, i2.block_table])
