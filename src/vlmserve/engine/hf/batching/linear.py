@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MIN_ROWS", "Linear", "ModuleLinear", "fuse"]
+__all__ = ["MIN_ROWS", "PACK_MIN_ELEMENTS", "Linear", "ModuleLinear", "can_pack", "fuse"]
 
 log = logging.getLogger(__name__)
 MIN_ROWS = 4  # below this oneDNN/MKL switch to a GEMV path whose rounding differs
+PACK_MIN_ELEMENTS = 1 << 19  # 2 MiB of float32: smaller weights stay plain (``can_pack``)
 
 
 class Linear:
@@ -106,8 +107,13 @@ class _Slice(nn.Module):
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN packing: CPU float32 (bfloat16 only where oneDNN has native kernels)."""
+    """oneDNN packing: CPU float32 (bfloat16 only where oneDNN has native kernels), for
+    weights large enough to be read from memory: below ``PACK_MIN_ELEMENTS`` the packed
+    call's fixed cost wins (measured, 1 thread: 256 x 128 with 8 rows 38 us packed vs 15 us
+    plain; 1,024 x 1,024 294 vs 507 us)."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.numel() < PACK_MIN_ELEMENTS:
         return False
     if weight.dtype == torch.float32:
         return True
