@@ -31,12 +31,16 @@ def chunk_json(
     delta: dict[str, Any] | None,
     finish_reason: str | None = None,
     usage_: dict[str, int] | None = None,
+    *,
+    index: int = 0,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> str:
-    choices = (
-        []
-        if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-    )
+    """A ``chat.completion.chunk`` for choice ``index`` (``delta`` None: a usage-only chunk
+    with no choices)."""
+    choices = []
+    if delta is not None:
+        lp = None if logprobs is None else {"content": logprobs}
+        choices = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
     body: dict[str, Any] = {
         "id": ids.id,
         "object": "chat.completion.chunk",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmserve.api.protocol.responses import CompletionIds, completion_body, sse_json, usage
+from vlmserve.api.protocol.responses import CompletionIds, chunk_json, completion_body, usage
 from vlmserve.engine.types import Chunk
 from vlmserve.errors import VlmserveError
 
@@ -108,19 +108,5 @@ def choice_chunk(
     usage_: dict[str, int] | None = None,
     logprobs: list[dict[str, Any]] | None = None,
 ) -> str:
-    """A ``chat.completion.chunk`` for choice ``index`` (``delta`` None: a usage-only
-    chunk with no choices)."""
-    choices = []
-    if delta is not None:
-        lp = None if logprobs is None else {"content": logprobs}
-        choices = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
-    body: dict[str, Any] = {
-        "id": ids.id,
-        "object": "chat.completion.chunk",
-        "created": ids.created,
-        "model": ids.model,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return sse_json(body)
+    """A ``chat.completion.chunk`` for choice ``index`` (``protocol.responses.chunk_json``)."""
+    return chunk_json(ids, delta, finish_reason, usage_, index=index, logprobs=logprobs)
