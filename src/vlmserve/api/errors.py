@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -133,8 +134,18 @@ def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(internal_error_body(rid), status_code=500)
 
 
+def _on_loop(handler: Callable[[Request, Any], JSONResponse]) -> Callable[..., Any]:
+    """The handler as a coroutine: Starlette runs a plain function in its thread pool, a hop
+    of ~0.3 ms per error response on a small machine for what is a dict and a JSON dump."""
+
+    async def handle(request: Request, exc: Any) -> JSONResponse:
+        return handler(request, exc)
+
+    return handle
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(VlmserveError, lambda r, e: error_response(e))  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, _validation_response)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _http_response)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, _unexpected)
+    app.add_exception_handler(VlmserveError, _on_loop(lambda r, e: error_response(e)))
+    app.add_exception_handler(RequestValidationError, _on_loop(_validation_response))
+    app.add_exception_handler(StarletteHTTPException, _on_loop(_http_response))
+    app.add_exception_handler(Exception, _on_loop(_unexpected))
