@@ -1,0 +1,82 @@
+"""A durable store: the producer starts while the session's row is committed, and no event
+reaches the store before that row (issue 22: the row's commit delayed every stream's start)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from vlmserve.errors import InvalidRequest
+from vlmserve.streaming import DONE, SessionManager, SQLiteStore
+from vlmserve.streaming.events import Event, SessionRecord
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class GatedStore(SQLiteStore):
+    """SQLite whose ``create`` waits for ``gate``; records the order of creates and appends."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, ttl=60)
+        self.gate = asyncio.Event()
+        self.order: list[str] = []
+
+    async def create(self, record: SessionRecord) -> None:
+        await self.gate.wait()
+        await super().create(record)
+        self.order.append(f"create {record.session_id}")
+
+    async def append(self, session_id: str, event: Event) -> None:
+        self.order.append(f"append {session_id} {event.index}")
+        await super().append(session_id, event)
+
+
+async def test_the_producer_runs_before_the_row_is_committed_and_events_follow_it(
+    tmp_path: Path, producer, counter, callbacks, drain
+) -> None:
+    store = GatedStore(tmp_path / "s.db")
+    manager = SessionManager(store)
+    starting = asyncio.ensure_future(
+        manager.start("s1", {"q": 1}, producer(20, counter=counter), **callbacks)
+    )
+    for _ in range(200):  # the producer gets going while the row's commit waits
+        if counter.produced >= 3:
+            break
+        await asyncio.sleep(0.005)
+    assert counter.produced >= 3 and not starting.done()
+    assert store.order == []  # nothing reached the store before its session row
+    store.gate.set()
+    session = await asyncio.wait_for(starting, 5)
+    events = await asyncio.wait_for(drain(manager.listen("s1")), 10)
+    assert [json.loads(e.data)["i"] for e in events[:-1]] == list(range(20))
+    assert events[-1].data == DONE
+    await asyncio.wait_for(session.wait(), 5)
+    assert store.order[0] == "create s1"
+    appended = [int(line.split()[-1]) for line in store.order[1:]]
+    assert appended == list(range(21))  # every event once, in order, after the row
+    assert [e.index for e in await store.events("s1", -1)] == list(range(21))
+    await manager.close()
+
+
+async def test_an_id_taken_in_the_store_raises_and_stops_the_producer(
+    tmp_path: Path, producer, counter, callbacks
+) -> None:
+    path = tmp_path / "s.db"
+    first, second = SQLiteStore(path, ttl=60), GatedStore(path)
+    other = SessionManager(first)  # another process that owns "s1" in the same file
+    await asyncio.wait_for((await other.start("s1", {}, producer(3), **callbacks)).wait(), 5)
+    manager = SessionManager(second)
+    second.gate.set()
+    with pytest.raises(InvalidRequest, match="already exists"):
+        await manager.start("s1", {}, producer(10_000, delay=0.001, counter=counter), **callbacks)
+    assert counter.closed and counter.produced < 10_000
+    assert manager.get("s1") is None
+    assert [e.index for e in await first.events("s1", -1)] == [0, 1, 2, 3]  # untouched
+    assert not [line for line in second.order if line.startswith("append")]
+    await manager.close()
+    await other.close()
+    await second.close()
+    await first.close()
