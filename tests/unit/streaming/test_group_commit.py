@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 
+from vlmserve.errors import InvalidRequest
 from vlmserve.streaming import Event, RedisStore, SessionRecord, SessionState, SQLiteStore
 from vlmserve.streaming.store.group import GroupCommit
 
@@ -40,14 +41,15 @@ async def test_concurrent_appends_share_transactions_and_all_are_stored(durable:
     sessions = [f"s{i}" for i in range(8)]
     for sid in sessions:
         await store.create(record(sid))
+    items, writes = store._appends.items, store._appends.writes  # SQLite counts its creates
 
     async def stream(sid: str) -> None:
         for i in range(20):
             await store.append(sid, Event(i, f"{sid}-{i}"))
 
     await asyncio.gather(*(stream(sid) for sid in sessions))
-    assert store._appends.items == 160
-    assert store._appends.writes < 160 / 2  # events of several sessions per transaction
+    assert store._appends.items - items == 160
+    assert store._appends.writes - writes < 160 / 2  # events of several sessions per transaction
     for sid in sessions:
         events = await store.events(sid, -1)
         assert [e.data for e in events] == [f"{sid}-{i}" for i in range(20)]
@@ -67,8 +69,9 @@ async def test_sqlite_group_commits_survive_a_reopen(tmp_path: Path) -> None:
 async def test_an_append_alone_is_written_at_once(tmp_path: Path) -> None:
     store = SQLiteStore(tmp_path / "s.db")
     await store.create(record("a"))
+    assert (store._appends.writes, store._appends.items) == (1, 1)  # the session's row
     await asyncio.wait_for(store.append("a", Event(0, "x")), timeout=5)
-    assert (store._appends.writes, store._appends.items) == (1, 1)
+    assert (store._appends.writes, store._appends.items) == (2, 2)
     assert [e.data for e in await store.events("a", -1)] == ["x"]
     await store.close()
 
@@ -120,3 +123,18 @@ async def test_a_cancelled_caller_does_not_stop_the_batch() -> None:
     with pytest.raises(asyncio.CancelledError):
         await queued[0]
     assert written == [[1], [2, 3]]  # the cancelled caller's item was still written
+
+
+async def test_sqlite_sessions_created_at_once_share_a_transaction(tmp_path: Path) -> None:
+    """A burst of new streams: their rows go out together; a taken id fails only its own."""
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(record("taken"))
+    names = [f"n{i}" for i in range(8)] + ["taken"]
+    results = await asyncio.gather(*(store.create(record(n)) for n in names),
+                                   return_exceptions=True)  # fmt: skip
+    assert results[:8] == [None] * 8
+    assert isinstance(results[8], InvalidRequest) and "already exists" in str(results[8])
+    assert store._appends.writes <= 3  # the first row alone, then the burst (and its retry)
+    for name in names[:8]:
+        assert (await store.get(name)).session_id == name  # type: ignore[union-attr]
+    await store.close()

@@ -1,7 +1,7 @@
 """SQLiteStore: the embedded default. Every event is committed before ``append`` returns.
 
-Appends are group-committed (``store/group.py``): the events of every session that arrive
-while one transaction runs are written together in the next, so a busy server commits once per
+New sessions and appends are group-committed (``store/group.py``): the rows that arrive while
+one transaction runs are written together in the next, so a busy server commits once per
 engine step rather than once per event, and an idle one at once. A transaction only inserts
 events: a session's ``last_index`` is read from its events (``MAX(idx)``), and its
 ``updated_at`` is refreshed by appends at most once a second (heartbeats and state changes
@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from vlmserve.errors import InvalidRequest
 from vlmserve.streaming.events import Event, SessionRecord, SessionState
 from vlmserve.streaming.store.base import already_exists, dump_meta, load_meta
 from vlmserve.streaming.store.group import GroupCommit
@@ -38,6 +39,7 @@ __all__ = ["SQLiteStore"]
 
 T = TypeVar("T")
 _Row = tuple[str, int, str | None, str, str | None, int]  # one events row
+_Item = _Row | SessionRecord  # what a group commit writes: new sessions, then events
 _TOUCH_EVERY = 1.0  # seconds between updated_at refreshes of a session by its appends
 
 _SCHEMA = """
@@ -83,7 +85,7 @@ class SQLiteStore:
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(_SCHEMA)
         self._conn.commit()
-        self._appends: GroupCommit[_Row] = GroupCommit(self._append_rows)
+        self._appends: GroupCommit[_Item] = GroupCommit(self._append_rows)
         self._touched: dict[str, float] = {}  # session id -> when appends last set updated_at
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -91,29 +93,8 @@ class SQLiteStore:
         return await loop.run_in_executor(self._executor, fn, self._conn)
 
     async def create(self, record: SessionRecord) -> None:
-        def work(conn: sqlite3.Connection) -> None:
-            with conn:
-                for name in (record.session_id, *record.aliases):
-                    if _lookup(conn, name) is not None:
-                        raise already_exists(name)
-                conn.execute(
-                    "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        record.session_id,
-                        json.dumps(record.request),
-                        record.state.value,
-                        record.created_at,
-                        record.updated_at,
-                        record.last_index,
-                        record.owner,
-                    ),
-                )
-                conn.executemany(
-                    "INSERT INTO aliases VALUES (?, ?)",
-                    [(alias, record.session_id) for alias in record.aliases],
-                )
-
-        await self._run(work)
+        """Group-committed with the appends (a burst of new streams: one transaction)."""
+        await self._appends.submit(record)
 
     async def append(self, session_id: str, event: Event) -> None:
         row = (
@@ -126,15 +107,18 @@ class SQLiteStore:
         )
         await self._appends.submit(row)
 
-    async def _append_rows(self, rows: list[_Row]) -> list[BaseException | None]:
-        touch = self._to_touch(rows)
-        return await self._run(lambda conn: _insert_events(conn, rows, touch))
+    async def _append_rows(self, items: list[_Item]) -> list[BaseException | None]:
+        touch = self._to_touch(items)
+        return await self._run(lambda conn: _insert_items(conn, items, touch))
 
-    def _to_touch(self, rows: list[_Row]) -> list[str]:
+    def _to_touch(self, items: list[_Item]) -> list[str]:
         """Sessions whose updated_at the batch refreshes: not touched for a second, or ending."""
         now = time.monotonic()
         touch = []
-        for sid, _, _, _, _, terminal in rows:
+        for item in items:
+            if isinstance(item, SessionRecord):
+                continue
+            sid, _, _, _, _, terminal = item
             if terminal:
                 self._touched.pop(sid, None)
                 touch.append(sid)
@@ -203,35 +187,55 @@ class SQLiteStore:
         self._executor.shutdown(wait=True)
 
 
-def _insert_events(
-    conn: sqlite3.Connection, rows: list[_Row], touch: list[str]
+def _insert_items(
+    conn: sqlite3.Connection, items: list[_Item], touch: list[str]
 ) -> list[BaseException | None]:
-    """One transaction for all ``rows`` (a group commit); if it fails, each row alone, so
-    only a bad row (a duplicate index, say) fails its own ``append``."""
+    """One transaction for all ``items`` (a group commit); if it fails, each item alone, so
+    only a bad item (a taken session id, a duplicate index) fails its own caller."""
     try:
-        _write_events(conn, rows, touch)
-        return [None] * len(rows)
-    except sqlite3.Error:
+        _write_items(conn, items, touch)
+        return [None] * len(items)
+    except (sqlite3.Error, InvalidRequest):
         pass
     results: list[BaseException | None] = []
-    for row in rows:
+    for item in items:
+        own = [] if isinstance(item, SessionRecord) or item[0] not in touch else [item[0]]
         try:
-            _write_events(conn, [row], [row[0]] if row[0] in touch else [])
+            _write_items(conn, [item], own)
             results.append(None)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, InvalidRequest) as exc:
             results.append(exc)
     return results
 
 
-def _write_events(conn: sqlite3.Connection, rows: list[_Row], touch: list[str]) -> None:
+def _write_items(conn: sqlite3.Connection, items: list[_Item], touch: list[str]) -> None:
     now = time.time()
+    rows = [item for item in items if not isinstance(item, SessionRecord)]
     with conn:
+        for item in items:
+            if isinstance(item, SessionRecord):
+                _insert_session(conn, item)
         conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?)", rows)
         if touch:
             conn.executemany(
                 "UPDATE sessions SET updated_at = ? WHERE session_id = ?",
                 [(now, sid) for sid in dict.fromkeys(touch)],
             )
+
+
+def _insert_session(conn: sqlite3.Connection, record: SessionRecord) -> None:
+    for name in (record.session_id, *record.aliases):
+        if _lookup(conn, name) is not None:
+            raise already_exists(name)
+    conn.execute(
+        "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (record.session_id, json.dumps(record.request), record.state.value, record.created_at,
+         record.updated_at, record.last_index, record.owner),
+    )  # fmt: skip
+    conn.executemany(
+        "INSERT INTO aliases VALUES (?, ?)",
+        [(alias, record.session_id) for alias in record.aliases],
+    )
 
 
 def _lookup(conn: sqlite3.Connection, name: str) -> SessionRecord | None:
