@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,26 @@ def test_vlmserve_imports_and_says_what_to_install_without_ray(tmp_path: Path) -
     exit_code, output = done.stdout.split("\n", 1)
     assert exit_code == "2"
     assert "pip install 'vlmserve[ray]'" in " ".join(output.split())
+
+
+@pytest.mark.parametrize(
+    ("address", "env", "expected"),
+    [
+        (None, {}, "1"),  # a new local cluster: Ray Serve's fast path
+        (None, {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}, "0"),  # the user opted out
+        ("auto", {}, None),  # a joined cluster keeps its own environment
+        (None, {"RAY_ADDRESS": "ray://head:10001"}, None),
+    ],
+)
+def test_a_new_local_cluster_defaults_to_the_throughput_optimized_mode(
+    monkeypatch: pytest.MonkeyPatch, address: str | None, env: dict[str, str],
+    expected: str | None,
+) -> None:  # fmt: skip
+    from vlmserve.cli.ray import _default_fast_path
+
+    for name in ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _default_fast_path(address)
+    assert os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == expected

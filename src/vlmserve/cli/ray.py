@@ -5,6 +5,7 @@ Ray is imported only when the command runs: vlmserve works without the ``ray`` e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -47,6 +48,7 @@ def serve_command(
     except (ConfigError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(code=2) from None
+    _default_fast_path(address)
     try:
         import ray
         from ray import serve
@@ -67,3 +69,13 @@ def serve_command(
         route_prefix=setup.ray.route_prefix,
         blocking=True,
     )
+
+
+def _default_fast_path(address: str | None) -> None:
+    """A new local cluster runs Ray Serve's throughput-optimized mode unless the environment
+    says otherwise (``RAY_SERVE_THROUGHPUT_OPTIMIZED=0`` opts out). Measured on 2 cores: TTFT
+    added over ``vlmserve serve`` 12.6 ms instead of 19.6, one replica's tok/s +19% at c=1 and
+    +28% at c=8 (docs/performance.md). A cluster joined by address keeps its own environment.
+    Set before Ray is imported: Serve reads it into its constants then."""
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
