@@ -17,6 +17,7 @@ from vlmserve.deploy.ingress import REPLICA_HEADER
 from vlmserve.deploy.ray import deployment_name
 
 MODEL = "tiny"
+EMBEDDER = "tiny-embed"  # the same checkpoint as an embedding model (last-token vectors)
 ADMIN_KEY = "ray-test-admin"
 
 
@@ -109,12 +110,21 @@ max_num_seqs = 16
 name = "{MODEL}"
 source = "{tiny_dir}"
 
+[[models]]
+name = "{EMBEDDER}"
+source = "{tiny_dir}"
+roles = ["embedding"]
+
 [ray]
 ingress_replicas = 2
 ingress_num_cpus = 0
 
 [ray.models.{MODEL}]
 num_replicas = 2
+num_cpus = 0
+
+[ray.models.{EMBEDDER}]
+num_replicas = 1
 num_cpus = 0
 """)
     return path

@@ -26,7 +26,7 @@ from vlmserve.testing.media import data_url, image_bytes
 pytest.importorskip("ray.serve", reason="ray is not installed: pip install -e '.[dev,ray]'")
 import ray
 from ray import serve
-from ray_support import MODEL, RayServe, write_config
+from ray_support import EMBEDDER, MODEL, RayServe, write_config
 
 from vlmserve.deploy.config import load_ray_setup
 from vlmserve.deploy.ingress import REPLICA_HEADER
@@ -284,3 +284,23 @@ def _stream_until_done(ray_serve: RayServe, started: threading.Event) -> list[SS
             if len(got) == 3:
                 started.set()
     return got
+
+
+def test_embeddings_take_text_and_token_ids_through_the_model_replica(
+    ray_serve: RayServe, tiny_dir: Path
+) -> None:
+    """The ingress has no tokenizer: token-id inputs are decoded (and checked) by a replica."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_dir)("a red square", add_special_tokens=False)
+    with httpx.Client(base_url=ray_serve.url, timeout=60) as c:
+        text = c.post("/v1/embeddings", json={"model": EMBEDDER, "input": "a red square"})
+        tokens = c.post("/v1/embeddings", json={"model": EMBEDDER, "input": [ids["input_ids"]]})
+        bad = c.post("/v1/embeddings", json={"model": EMBEDDER, "input": [[10**7]]})
+    assert text.status_code == tokens.status_code == 200, (text.text, tokens.text)
+    vector = text.json()["data"][0]["embedding"]
+    assert len(vector) == 128
+    assert tokens.json()["data"][0]["embedding"] == pytest.approx(vector, abs=1e-5)
+    assert text.json()["usage"]["prompt_tokens"] > 0
+    assert bad.status_code == 400
+    assert bad.json()["error"]["code"] == "invalid_token_ids"

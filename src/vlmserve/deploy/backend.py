@@ -35,7 +35,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from vlmserve.deploy.wire import CHUNK, ERROR, READY, decode_error
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import Chunk, EmbedInput, GenerateRequest, ModelState, Serves
-from vlmserve.errors import InvalidRequest, Overloaded, ServiceUnavailable
+from vlmserve.errors import Overloaded, ServiceUnavailable
 
 __all__ = ["RayBackend"]
 
@@ -204,15 +204,7 @@ class RayBackend(Backend):
     async def embed(self, items: list[EmbedInput]) -> np.ndarray:
         if self.serves is not Serves.EMBEDDING:
             return await super().embed(items)
-        deadline = time.monotonic() + self.reroute_seconds
-        while True:
-            try:
-                kind, value = await self.handle.embed.remote(items)
-                break
-            except LOST:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.5)
+        kind, value = await self._call(lambda: self.handle.embed.remote(items))
         if kind == ERROR:
             raise decode_error(value)
         vectors, tokens = value
@@ -225,12 +217,26 @@ class RayBackend(Backend):
         """The count the replica sent with the vectors of ``items`` (asked right after)."""
         return self._tokens.pop(id(items), 0)
 
-    def decode_tokens(self, arrays: list[list[int]]) -> list[str]:
-        raise InvalidRequest(
-            f"model {self.model_id!r} is served through Ray Serve, where "
-            "token-id inputs are not supported yet; send text",
-            param="input",
-        )
+    async def decode_tokens(self, arrays: list[list[int]]) -> list[str]:
+        """Token-id inputs: the ingress holds no tokenizer, so a model replica decodes them
+        (and checks them against its vocabulary: a 400 from there reaches the client)."""
+        if self.serves is not Serves.EMBEDDING:
+            return await super().decode_tokens(arrays)
+        kind, value = await self._call(lambda: self.handle.decode_tokens.remote(arrays))
+        if kind == ERROR:
+            raise decode_error(value)
+        return list(value)
+
+    async def _call(self, send: Any) -> tuple[str, Any]:
+        """One unary call to a replica; a lost replica is tried again (``reroute_seconds``)."""
+        deadline = time.monotonic() + self.reroute_seconds
+        while True:
+            try:
+                return tuple(await send())  # type: ignore[return-value]
+            except LOST:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
 
 def _choices(request: GenerateRequest) -> int:

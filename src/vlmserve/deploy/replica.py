@@ -121,6 +121,13 @@ class ModelReplica:
         except VlmserveError as exc:
             return ERROR, encode_error(exc)
 
+    async def decode_tokens(self, arrays: list[list[int]]) -> Item:
+        """``("texts", [...])``: token-id inputs as text, checked against the vocabulary."""
+        try:
+            return "texts", await self.backend.decode_tokens(arrays)
+        except VlmserveError as exc:
+            return ERROR, encode_error(exc)
+
     def check_health(self) -> None:
         """Ray's health check: unhealthy once the engine failed (Ray replaces the replica)."""
         if self.backend.state is not ModelState.READY:

@@ -107,7 +107,7 @@ class Backend(Protocol):
         """The prompt tokens ``embed`` reads for ``items`` (usage)."""
         return 0
 
-    def decode_tokens(self, arrays: list[list[int]]) -> list[str]:
+    async def decode_tokens(self, arrays: list[list[int]]) -> list[str]:
         """Token-id inputs (``/v1/embeddings``) as the text they stand for."""
         raise InvalidRequest(
             f"model {self.model_id!r} does not take token ids; send text", param="input"

@@ -148,7 +148,8 @@ class WorkerService:
         if body.messages is not None:
             return [await self._multimodal_item(body)]
         if body.token_arrays is not None:
-            return [EmbedInput(text=t) for t in backend.decode_tokens(body.token_arrays)]
+            texts = await backend.decode_tokens(body.token_arrays)
+            return [EmbedInput(text=t) for t in texts]
         return [EmbedInput(text=t) for t in body.texts]
 
     async def _multimodal_item(self, body: EmbeddingsRequest) -> EmbedInput:

@@ -131,7 +131,7 @@ class HFEmbedBackend(HFModel):
         tokenizer = self._require().processor.tokenizer
         return sum(len(tokenizer(self.render(item))["input_ids"]) for item in items)
 
-    def decode_tokens(self, arrays: list[list[int]]) -> list[str]:
+    async def decode_tokens(self, arrays: list[list[int]]) -> list[str]:
         """Token arrays are ids of this model's own tokenizer (as vLLM reads them): checked
         against its vocabulary, then embedded as the text they decode to."""
         tokenizer = self._require().processor.tokenizer
