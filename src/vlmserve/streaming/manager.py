@@ -164,15 +164,8 @@ class SessionManager:
         for name in (session_id, *aliases):
             validate_session_id(name)
         now = time.time()
-        record = SessionRecord(
-            session_id,
-            dict(request),
-            SessionState.RUNNING,
-            now,
-            now,
-            owner=self.owner,
-            aliases=list(aliases),
-        )
+        record = SessionRecord(session_id, dict(request), SessionState.RUNNING, now, now,
+                               owner=self.owner, aliases=list(aliases))  # fmt: skip
         if getattr(self.store, "instant", False):
             await self.store.create(record)  # raises InvalidRequest when the id is taken
             session = self._register(record)
@@ -184,10 +177,8 @@ class SessionManager:
 
     async def _start_before_commit(self, record: SessionRecord, producer: AsyncIterator[Emit],
                                    on_cancel: OnCancel, on_error: OnError) -> Session:  # fmt: skip
-        """A durable store: the producer (the engine's work) starts while the session's row is
-        committed, and its first event is committed after that row. Waiting for the row first
-        delayed every stream by a commit; with 8 streams arriving at once, the commits in turn
-        made the last ones miss the engine's first prefill (TTFT +18 ms at c=8, issue 22)."""
+        """A durable store: the producer starts while the session's row is committed; its
+        events follow the row (``rowgate.py`` says why)."""
         for name in (record.session_id, *record.aliases):
             if self.get(name) is not None:
                 raise already_exists(name)
@@ -202,12 +193,10 @@ class SessionManager:
             raise
         return session
 
-    def _forget(self, record: SessionRecord) -> None:
-        if self._sessions.get(record.session_id) is not None:
-            del self._sessions[record.session_id]
+    def _forget(self, record: SessionRecord) -> None:  # undo _register: its names were free
+        self._sessions.pop(record.session_id, None)
         for alias in record.aliases:
-            if self._aliases.get(alias) == record.session_id:
-                del self._aliases[alias]
+            self._aliases.pop(alias, None)
 
     def _register(self, record: SessionRecord) -> Session:
         session = Session(record, self.store, self.options)

@@ -33,6 +33,7 @@ from vlmserve.streaming.events import (
     error_emit,
     gap_event,
 )
+from vlmserve.streaming.rowgate import RowGate
 from vlmserve.streaming.store.base import SessionStore
 
 __all__ = ["Session", "SessionOptions"]
@@ -70,7 +71,7 @@ class Session:
     _finishing: bool = False  # the end (normal, cancel or error) has begun
     _ended: bool = False  # terminal published, or stopped for good without one (shutdown)
     _instant: bool = False  # the store's append completes at once (memory): publish inline
-    _created: asyncio.Future[None] | None = None  # the session row's commit, until it is done
+    _gate: RowGate | None = None  # a new durable session: its events follow its row
 
     def __post_init__(self) -> None:
         self.ring = deque(maxlen=max(1, self.options.ring_size))
@@ -108,7 +109,8 @@ class Session:
         """Run ``producer`` as a task; numbering continues at ``last_index + 1``. ``created``:
         the store's commit of this session's row, which every event waits for."""
         self._producer, self._on_cancel, self._on_error = producer, on_cancel, on_error
-        self._created = created
+        if created is not None:
+            self._gate = RowGate(created, self._begin)
         self._task = asyncio.ensure_future(self._run())
         if self.options.heartbeat_interval > 0:
             self._heartbeat = asyncio.ensure_future(self._beat())
@@ -159,7 +161,7 @@ class Session:
             await self._publish(event, final)
             await asyncio.sleep(0)  # listeners read before the next event, as below
             return
-        publishing = asyncio.ensure_future(self._publish(event, final, self._after()))
+        publishing = self._start_publish(event, final)
         if final is None:
             publishing.add_done_callback(self._published)
         self._pending.append(publishing)
@@ -178,23 +180,16 @@ class Session:
             if self._pending and self._pending[0] is future:
                 self._pending.popleft()
 
-    def _after(self) -> asyncio.Future[None] | None:
-        """What a new event's commit waits for: while the session's row is being committed,
-        the previous event's commit (the first one: the row's), so appends keep their order."""
-        created = self._created
-        if created is None:
-            return None
-        last = self._pending[-1] if self._pending else None
-        committed = created.done() and not created.cancelled() and created.exception() is None
-        if committed and (last is None or last.done()):
-            self._created = None  # every earlier commit is done: appends need no chain
-            return None
-        return last or created
+    def _start_publish(self, event: Event, final: SessionState | None) -> asyncio.Future[None]:
+        """The event's commit under way (held back until the session's row is in)."""
+        if self._gate is not None:
+            return self._gate.submit(event, final)
+        return self._begin(event, final)
 
-    async def _publish(self, event: Event, final: SessionState | None,
-                       after: asyncio.Future[None] | None = None) -> None:  # fmt: skip
-        if after is not None:
-            await asyncio.shield(after)  # raises when the row's (or that event's) commit failed
+    def _begin(self, event: Event, final: SessionState | None) -> asyncio.Future[None]:
+        return asyncio.ensure_future(self._publish(event, final))
+
+    async def _publish(self, event: Event, final: SessionState | None) -> None:
         await self.store.append(self.session_id, event)
         self.ring.append(event)
         self.record.last_index = event.index

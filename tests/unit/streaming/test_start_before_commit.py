@@ -14,6 +14,7 @@ from vlmserve.streaming import DONE, SessionManager, SQLiteStore
 from vlmserve.streaming.events import Event, SessionRecord
 
 pytestmark = pytest.mark.timeout(30)
+N = 200  # events: more than a session keeps in flight (16), so some follow the row's commit
 
 
 class GatedStore(SQLiteStore):
@@ -40,7 +41,7 @@ async def test_the_producer_runs_before_the_row_is_committed_and_events_follow_i
     store = GatedStore(tmp_path / "s.db")
     manager = SessionManager(store)
     starting = asyncio.ensure_future(
-        manager.start("s1", {"q": 1}, producer(20, counter=counter), **callbacks)
+        manager.start("s1", {"q": 1}, producer(N, counter=counter), **callbacks)
     )
     for _ in range(200):  # the producer gets going while the row's commit waits
         if counter.produced >= 3:
@@ -51,13 +52,34 @@ async def test_the_producer_runs_before_the_row_is_committed_and_events_follow_i
     store.gate.set()
     session = await asyncio.wait_for(starting, 5)
     events = await asyncio.wait_for(drain(manager.listen("s1")), 10)
-    assert [json.loads(e.data)["i"] for e in events[:-1]] == list(range(20))
+    assert [json.loads(e.data)["i"] for e in events[:-1]] == list(range(N))
     assert events[-1].data == DONE
     await asyncio.wait_for(session.wait(), 5)
     assert store.order[0] == "create s1"
     appended = [int(line.split()[-1]) for line in store.order[1:]]
-    assert appended == list(range(21))  # every event once, in order, after the row
-    assert [e.index for e in await store.events("s1", -1)] == list(range(21))
+    assert appended == list(range(N + 1))  # every event once, in order, after the row
+    assert [e.index for e in await store.events("s1", -1)] == list(range(N + 1))
+    # Once the row is in, commits are no longer chained one after another: group commits
+    # carry several events (chained, each of the N + 1 would be a transaction of its own).
+    assert store._appends.writes < N / 2
+    await manager.close()
+
+
+async def test_a_second_start_of_a_session_still_being_recorded_is_refused(
+    tmp_path: Path, producer, callbacks, drain
+) -> None:
+    """The store cannot tell yet (the first row is not committed): the manager can."""
+    store = GatedStore(tmp_path / "s.db")
+    manager = SessionManager(store)
+    first = asyncio.ensure_future(manager.start("s1", {}, producer(5), **callbacks))
+    await asyncio.sleep(0.01)
+    with pytest.raises(InvalidRequest, match="'s1' already exists"):
+        await manager.start("s1", {}, producer(5), **callbacks)
+    store.gate.set()
+    await asyncio.wait_for(first, 5)
+    assert manager.get("s1") is first.result()  # the first one is still the one held
+    events = await asyncio.wait_for(drain(manager.listen("s1")), 10)
+    assert [e.index for e in events] == list(range(6))
     await manager.close()
 
 
@@ -70,10 +92,11 @@ async def test_an_id_taken_in_the_store_raises_and_stops_the_producer(
     await asyncio.wait_for((await other.start("s1", {}, producer(3), **callbacks)).wait(), 5)
     manager = SessionManager(second)
     second.gate.set()
-    with pytest.raises(InvalidRequest, match="already exists"):
-        await manager.start("s1", {}, producer(10_000, delay=0.001, counter=counter), **callbacks)
+    with pytest.raises(InvalidRequest, match="'s1' already exists"):
+        await manager.start("s1", {}, producer(10_000, delay=0.001, counter=counter),
+                            aliases=["a1"], **callbacks)  # fmt: skip
     assert counter.closed and counter.produced < 10_000
-    assert manager.get("s1") is None
+    assert manager.get("s1") is None and manager.get("a1") is None
     assert [e.index for e in await first.events("s1", -1)] == [0, 1, 2, 3]  # untouched
     assert not [line for line in second.order if line.startswith("append")]
     await manager.close()
