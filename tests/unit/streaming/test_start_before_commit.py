@@ -91,10 +91,14 @@ async def test_an_id_taken_in_the_store_raises_and_stops_the_producer(
     other = SessionManager(first)  # another process that owns "s1" in the same file
     await asyncio.wait_for((await other.start("s1", {}, producer(3), **callbacks)).wait(), 5)
     manager = SessionManager(second)
+    starting = asyncio.ensure_future(  # no delay: a full window of events waits for the row
+        manager.start("s1", {}, producer(10_000, counter=counter), aliases=["a1"], **callbacks)
+    )
+    while counter.produced < 16:
+        await asyncio.sleep(0.001)
     second.gate.set()
     with pytest.raises(InvalidRequest, match="'s1' already exists"):
-        await manager.start("s1", {}, producer(10_000, delay=0.001, counter=counter),
-                            aliases=["a1"], **callbacks)  # fmt: skip
+        await asyncio.wait_for(starting, 5)  # every held event fails with the row: no hang
     assert counter.closed and counter.produced < 10_000
     assert manager.get("s1") is None and manager.get("a1") is None
     assert [e.index for e in await first.events("s1", -1)] == [0, 1, 2, 3]  # untouched
