@@ -28,6 +28,7 @@ from vlmserve.engine.hf.lifecycle import HFModel, ModelState
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.hf.processor_cache import CachedImageProcessor
 from vlmserve.engine.hf.processor_cache import install as install_processor_cache
+from vlmserve.engine.hf.threads import off_loop
 from vlmserve.engine.outputs import OutputParsers, parse_outputs
 from vlmserve.engine.parsers import detect_reasoning_parser
 from vlmserve.engine.types import BackendStats, ChatMessage, Chunk, GenerateRequest, Serves
@@ -179,7 +180,7 @@ class HFChatBackend(HFModel):
     async def prepare(self, request: GenerateRequest) -> Prepared:
         """Run the chat template and processor (off the loop); check the context length."""
         loaded = self._require()
-        prepared = await asyncio.to_thread(build_inputs, loaded.processor, request)
+        prepared = await off_loop(build_inputs, loaded.processor, request)
         total = prepared.prompt_tokens + request.sampling.max_tokens - len(request.prefix_token_ids)
         if total > self.config.max_model_len:
             raise InvalidRequest(
@@ -195,7 +196,7 @@ class HFChatBackend(HFModel):
             new_tokens = request.sampling.max_tokens - len(request.prefix_token_ids)
             self.engine.check_fits(prepared.prompt_tokens, new_tokens)
         if request.response_format is not None:
-            prepared.grammar = await asyncio.to_thread(self._compile, request.response_format)
+            prepared.grammar = await off_loop(self._compile, request.response_format)
         return prepared
 
     def _parsers(self, prepared: Prepared) -> OutputParsers | None:

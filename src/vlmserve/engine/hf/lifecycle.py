@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model, memory_bytes
+from vlmserve.engine.hf.threads import model_executor
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import ModelState
 from vlmserve.errors import ServiceUnavailable
@@ -33,7 +34,7 @@ class HFModel(Backend):
         self._executor = self._new_executor()
 
     def _new_executor(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(1, thread_name_prefix=f"{self.thread_prefix}-{self.model_id}")
+        return model_executor(f"{self.thread_prefix}-{self.model_id}")
 
     def _load(self) -> Loaded:
         """Build the loaded model; subclasses add steps (an adapter, say)."""
@@ -54,7 +55,9 @@ class HFModel(Backend):
         self.state = ModelState.READY
 
     async def aload(self) -> None:
-        await asyncio.to_thread(self.load)
+        """Load on the model's own thread: its torch thread team is the one the steps use
+        (``threads.py``)."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.load)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)

@@ -1,0 +1,113 @@
+"""Only a model's own thread runs torch with a thread team (``engine/hf/threads.py``).
+
+A second team on a 2-core CPU made GNU OpenMP put the model thread's workers to sleep
+between ops: ~114 futex wake-ups per decode step of the medium checkpoint and ~10 ms more per
+token. These tests pin where each kind of work runs and with how many intra-op threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from support import MODEL
+from vlmserve.engine.hf import chat as chat_module
+from vlmserve.engine.hf import threads
+from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.testing.media import data_url, image_bytes
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _parallel_work() -> int:
+    """An op large enough for torch to split over its intra-op threads; -> the thread's
+    intra-op thread count."""
+    x = torch.randn(1500, 1500)
+    (x * 2 + 1).sum()
+    return torch.get_num_threads()
+
+
+@pytest.mark.skipif(threads.DEFAULT_THREADS < 2, reason="one intra-op thread: never a team")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_prep_threads_run_torch_without_a_team() -> None:
+    prep = threads.prep_executor()
+    prep.submit(lambda: None).result()  # the thread itself exists before counting
+    before = _os_threads()
+    assert prep.submit(_parallel_work).result() == 1
+    assert _os_threads() == before  # an OpenMP team would have added its workers
+
+
+def test_prep_threads_stay_single_threaded_whatever_torch_is_set_to_later() -> None:
+    """torch's process-wide number changes (a model thread sets its own): a prep thread keeps
+    one, including one started after the change."""
+    model = threads.model_executor("test-model", threads=2)
+    try:
+        assert model.submit(torch.get_num_threads).result() == 2
+        fresh = threads.prep_executor()
+        results = [fresh.submit(_parallel_work) for _ in range(12)]  # starts new threads too
+        assert {r.result() for r in results} == {1}
+        assert model.submit(torch.get_num_threads).result() == 2
+    finally:
+        model.shutdown()
+
+
+def test_model_thread_gets_the_default_thread_count() -> None:
+    model = threads.model_executor("test-model")
+    try:
+        threads.prep_executor().submit(_parallel_work).result()  # sets torch's number to 1
+        assert model.submit(torch.get_num_threads).result() == threads.DEFAULT_THREADS
+    finally:
+        model.shutdown()
+
+
+async def test_a_model_loads_on_its_own_thread(tiny_dir: Path) -> None:
+    """Loading runs where the steps will (the load's team is the steps' team), not on a
+    shared worker thread whose team would outlive it."""
+    backend = HFChatBackend("tiny", LoadOptions(source=str(tiny_dir), device="cpu",
+                            dtype="float32"), max_model_len=4096)  # fmt: skip
+    seen: list[str] = []
+    real = backend._load
+
+    def recording_load() -> object:
+        seen.append(threading.current_thread().name)
+        return real()
+
+    backend._load = recording_load  # type: ignore[method-assign]
+    try:
+        await backend.aload()
+        assert seen and seen[0].startswith("generate-tiny")
+        steps = backend._executor.submit(lambda: threading.current_thread().name).result()
+        assert steps == seen[0]
+    finally:
+        await backend.aclose()
+
+
+async def test_a_request_is_prepared_on_a_single_threaded_prep_thread(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The processor (image resizing, tokenizing) never starts a second team beside the
+    model's."""
+    seen: list[tuple[str, int]] = []
+    real = chat_module.build_inputs
+
+    def recording(*args: Any) -> Any:
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return real(*args)
+
+    monkeypatch.setattr(chat_module, "build_inputs", recording)
+    image = {"type": "image_url", "image_url": {"url": data_url(image_bytes(), "image/png")}}
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [image]}]}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(seen) == 1
+    name, count = seen[0]
+    assert name.startswith("vlmserve-prep") and count == 1
