@@ -66,7 +66,8 @@ def resolve_dtype(
     """The serving dtype. ``auto``: bfloat16 (else float16) on CUDA; on CPU the dtype the
     checkpoint was saved in (``saved``) where the CPU computes it natively (bfloat16 with
     AVX512-BF16 or AMX), else float32 with a log line (half precision without native
-    kernels is several times slower than float32 on CPU: measured 4x on AVX2)."""
+    kernels: one decode stream is faster, reading half the bytes, but batches and prefill
+    are 2x to several times slower than float32; docs/engine.md, "CPU dtype")."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type == "cuda":
