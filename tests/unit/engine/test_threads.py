@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,26 @@ def test_prep_threads_stay_single_threaded_whatever_torch_is_set_to_later() -> N
         assert {r.result() for r in results} == {1}
         assert model.submit(torch.get_num_threads).result() == 2
     finally:
+        model.shutdown()
+
+
+def test_a_model_has_exactly_one_thread() -> None:
+    """Two threads for one model would be two teams again (and two forwards at once)."""
+    model = threads.model_executor("test-model")
+    names: set[str] = set()
+    gate = threading.Event()
+    try:
+        first = model.submit(lambda: (gate.wait(10), names.add(threading.current_thread().name)))
+        second = model.submit(lambda: names.add(threading.current_thread().name))
+        assert not names
+        time.sleep(0.2)
+        assert not second.done()  # queued behind the first: there is no second thread
+        gate.set()
+        first.result(timeout=10)
+        second.result(timeout=10)
+        assert len(names) == 1
+    finally:
+        gate.set()
         model.shutdown()
 
 
