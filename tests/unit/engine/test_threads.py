@@ -7,6 +7,7 @@ token. These tests pin where each kind of work runs and with how many intra-op t
 
 from __future__ import annotations
 
+import contextvars
 import os
 import threading
 import time
@@ -132,3 +133,10 @@ async def test_a_request_is_prepared_on_a_single_threaded_prep_thread(
     assert len(seen) == 1
     name, count = seen[0]
     assert name.startswith("vlmserve-prep") and count == 1
+
+
+async def test_off_loop_carries_the_callers_context_as_to_thread_does() -> None:
+    """Log records made while preparing a request keep its context (request id and such)."""
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="none")
+    var.set("req-7")
+    assert await threads.off_loop(var.get) == "req-7"

@@ -21,6 +21,8 @@ longer (39 vs 28 ms, in the server against the runner alone). So:
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -64,5 +66,6 @@ def prep_executor() -> ThreadPoolExecutor:
 
 
 async def off_loop(fn: Callable[..., _T], *args: Any) -> _T:
-    """``asyncio.to_thread`` on ``prep_executor``."""
-    return await asyncio.get_running_loop().run_in_executor(prep_executor(), fn, *args)
+    """``asyncio.to_thread`` on ``prep_executor`` (the caller's context variables too)."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(prep_executor(), call)
