@@ -22,7 +22,9 @@ from support import MODEL
 from vlmserve.engine.hf import chat as chat_module
 from vlmserve.engine.hf import threads
 from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.hf.embed import HFEmbedBackend
 from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.types import EmbedInput
 from vlmserve.testing.media import data_url, image_bytes
 
 
@@ -140,3 +142,32 @@ async def test_off_loop_carries_the_callers_context_as_to_thread_does() -> None:
     var: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="none")
     var.set("req-7")
     assert await threads.off_loop(var.get) == "req-7"
+
+
+def test_a_small_cpu_model_computes_on_one_thread_and_a_large_one_on_the_default() -> None:
+    small = torch.nn.Linear(64, 64)
+    large = torch.nn.Module()
+    large.weight = torch.nn.Parameter(torch.empty(threads.SMALL_MODEL_PARAMS, device="meta"))
+    cpu = torch.device("cpu")
+    assert threads.model_threads(small, cpu) == 1
+    assert threads.model_threads(large, cpu) == threads.DEFAULT_THREADS
+    assert threads.model_threads(small, torch.device("meta")) == threads.DEFAULT_THREADS
+
+
+@pytest.mark.skipif(threads.DEFAULT_THREADS < 2, reason="one intra-op thread: never a team")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+async def test_a_small_embedder_serves_without_starting_a_team(tiny_dir: Path) -> None:
+    """Measured: a tiny embedder beside a medium chat model, after one embedding request,
+    put the chat model's decode at 112 context switches per token (26 -> 37 ms)."""
+    options = LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32")
+    embedder = HFEmbedBackend("tiny-embed", options)
+    await embedder.aload()
+    try:
+        await embedder.embed([EmbedInput(text="warm up the thread")])
+        before = _os_threads()
+        vectors = await embedder.embed([EmbedInput(text="a red car " * 40)] * 8)
+        assert vectors.shape[0] == 8
+        assert embedder._executor.submit(torch.get_num_threads).result() == 1
+        assert _os_threads() == before
+    finally:
+        await embedder.aclose()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model, memory_bytes
-from vlmserve.engine.hf.threads import model_executor
+from vlmserve.engine.hf.threads import model_executor, model_threads, pin
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import ModelState
 from vlmserve.errors import ServiceUnavailable
@@ -52,6 +52,8 @@ class HFModel(Backend):
             raise
         self._loaded = loaded
         self.load_seconds = time.perf_counter() - started
+        # before any request's work (the executor is first in, first out)
+        self._executor.submit(pin, model_threads(loaded.model, loaded.device))
         self.state = ModelState.READY
 
     async def aload(self) -> None:

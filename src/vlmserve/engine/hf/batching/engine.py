@@ -48,6 +48,7 @@ from vlmserve.engine.hf.batching.sequence import Group, SeqStatus, Sequence
 from vlmserve.engine.hf.batching.vision_cache import VisionCache
 from vlmserve.engine.hf.generation import _Run
 from vlmserve.engine.hf.inputs import Prepared
+from vlmserve.engine.hf.threads import model_threads
 from vlmserve.engine.types import Chunk, FinishReason
 from vlmserve.errors import ServiceUnavailable
 
@@ -58,7 +59,6 @@ log = logging.getLogger(__name__)
 # the consumers then merge that many tokens per SSE event, dividing the event loop's per-token
 # work (which shares the GIL with this thread) at the cost of tokens arriving in groups.
 _BUSY_ROWS = 4
-_SMALL_MODEL_PARAMS = 50_000_000  # below this a decode step's matmuls take microseconds
 _Item = TypeVar("_Item")
 
 
@@ -103,7 +103,7 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self.failure: EngineFailed | None = None  # set once, when the engine became unusable
         self._outbox = Outbox()
         self._forked: list[tuple[Sequence, int]] = []  # choices forked this step, first tokens
-        self._threads = 1 if _small(model) and self.runner.device.type == "cpu" else 0
+        self._threads = model_threads(model, self.runner.device)
         self.tokens_generated = 0
         self.steps = 0
         self.stream_interval = max(1, stream_interval)  # steps between outputs under load
@@ -364,9 +364,3 @@ class BatchEngine(EngineGauges, EngineLifecycle):
 
 def _rid(seq: Sequence) -> str:
     return seq.prepared.request.request_id
-
-
-def _small(model: Any) -> bool:
-    """Tiny models: one intra-op thread (fork/join costs more than such matmuls save, and a
-    spinning second thread takes the core the event loop needs)."""
-    return sum(p.numel() for p in model.parameters()) < _SMALL_MODEL_PARAMS
