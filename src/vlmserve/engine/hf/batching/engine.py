@@ -135,8 +135,7 @@ class BatchEngine(EngineGauges, EngineLifecycle):
 
     # --- the loop (engine thread) -----------------------------------------------------------
     def _run(self) -> None:
-        if self._threads:
-            torch.set_num_threads(self._threads)
+        torch.set_num_threads(self._threads)  # as HFModel pins it (engines built directly too)
         with torch.inference_mode():
             while self._take_inbox():
                 self.step()
