@@ -1,4 +1,4 @@
-"""A gateway in process, proxying to a vlmserve worker in process (ASGI transport)."""
+"""A gateway in process, proxying to a vlmserve worker served by uvicorn in the same loop."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from support import MODEL, make_settings
+from upstreams import fake_upstreams, serve_asgi
 from vlmserve.api.app import build_app
 from vlmserve.config import ModelConfig, Settings
 from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
@@ -22,7 +23,6 @@ from vlmserve.registry.manager import ModelHandle, ModelManager
 from vlmserve.testing import build_lora_adapter
 from vlmserve.testing.media import image_bytes
 
-WORKER = "http://worker.test"
 ADMIN = {"Authorization": "Bearer adm"}
 EMBED = "tiny-embed"
 
@@ -37,36 +37,37 @@ def worker_models(tiny_dir: Path, chat_models: ModelManager) -> Iterator[ModelMa
     embedder.backend.close()
 
 
-def upstream(
-    name: str, transport: httpx.AsyncBaseTransport, urls: list[str], **kw: Any
-) -> ModelHandle:
+def upstream(name: str, urls: list[str], **kw: Any) -> ModelHandle:
     config = UpstreamConfig(model=kw.pop("model", MODEL), base_urls=urls, health_interval=0,
                             policy=PoolPolicy(max_failures=1), **kw)  # fmt: skip
     return ModelHandle(name, ["embedding"] if config.embedding else ["chat"],
-                       UpstreamBackend(name, config, transport=transport))  # fmt: skip
+                       UpstreamBackend(name, config))  # fmt: skip
 
 
 @pytest.fixture
-async def worker_client(
-    tiny_dir: Path, worker_models: ModelManager
-) -> AsyncIterator[httpx.AsyncClient]:
-    """A vlmserve worker (in process) holding the tiny chat and embedding models."""
+async def worker_url(tiny_dir: Path, worker_models: ModelManager) -> AsyncIterator[str]:
+    """A vlmserve worker (in process, on a real port) holding the tiny chat and embedding
+    models."""
     worker = build_app(make_settings(tiny_dir, max_model_len=200), models=worker_models)
-    async with worker.router.lifespan_context(worker), httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=worker), base_url=WORKER, timeout=60
-    ) as client:  # fmt: skip
+    async with serve_asgi(worker) as url:
+        yield url
+
+
+@pytest.fixture
+async def worker_client(worker_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=worker_url, timeout=60) as client:
         yield client
 
 
 @pytest.fixture
-async def gateway(worker_client: httpx.AsyncClient) -> AsyncIterator[httpx.AsyncClient]:
+async def gateway(worker_url: str) -> AsyncIterator[httpx.AsyncClient]:
     async with contextlib.AsyncExitStack() as stack:
-        to_worker = worker_client._transport
+        bad = await stack.enter_async_context(fake_upstreams(alive_but_broken, "http://bad"))
         models = ModelManager([
-            upstream("gw-tiny", to_worker, [WORKER]),
-            upstream("gw-embed", to_worker, [WORKER], model=EMBED, embedding=True),
-            upstream("gw-empty", to_worker, []),
-            upstream("gw-bad", httpx.MockTransport(alive_but_broken), ["http://bad.test"]),
+            upstream("gw-tiny", [worker_url]),
+            upstream("gw-embed", [worker_url], model=EMBED, embedding=True),
+            upstream("gw-empty", []),
+            upstream("gw-bad", bad.real("http://bad")),
         ])  # fmt: skip
         app = build_app(Settings(device="cpu", admin_keys=["adm"]), models=models)
         await stack.enter_async_context(app.router.lifespan_context(app))
@@ -154,8 +155,10 @@ async def test_extraction_from_frames_is_answered_through_the_gateway_as_locally
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "frames"
 
 
-async def test_register_and_deregister_a_replica(gateway: httpx.AsyncClient) -> None:
-    reg = {"model": "gw-empty", "url": WORKER, "instance": "w-1"}
+async def test_register_and_deregister_a_replica(
+    gateway: httpx.AsyncClient, worker_url: str
+) -> None:
+    reg = {"model": "gw-empty", "url": worker_url, "instance": "w-1"}
     assert (await gateway.post("/v1/gateway/register", json=reg)).status_code == 401
     r = await gateway.post("/v1/gateway/register", json=reg, headers=ADMIN)
     assert r.status_code == 200, r.text
@@ -169,10 +172,10 @@ async def test_register_and_deregister_a_replica(gateway: httpx.AsyncClient) -> 
 
 
 async def test_register_refuses_non_upstream_models_and_bad_urls(
-    gateway: httpx.AsyncClient,
+    gateway: httpx.AsyncClient, worker_url: str
 ) -> None:
     r = await gateway.post("/v1/gateway/register", headers=ADMIN,
-                           json={"model": "nope", "url": WORKER, "instance": "x"})  # fmt: skip
+                           json={"model": "nope", "url": worker_url, "instance": "x"})  # fmt: skip
     assert r.status_code == 404
     body = {"model": "gw-empty", "url": "ftp://x", "instance": "x"}
     r = await gateway.post("/v1/gateway/register", headers=ADMIN, json=body)
@@ -189,16 +192,18 @@ async def test_replica_failing_preflight_is_out_with_the_reason(gateway: httpx.A
     assert r.status_code == 503 and "preflight failed" in r.json()["error"]["message"]
 
 
-async def test_worker_registration_client_adds_itself(gateway: httpx.AsyncClient) -> None:
+async def test_worker_registration_client_adds_itself(
+    gateway: httpx.AsyncClient, worker_url: str
+) -> None:
     from vlmserve.gateway.registration import Registration
 
     transport = gateway._transport  # the in-process gateway
-    reg = Registration("http://gw/v1/gateway/register", WORKER + "/", instance="w-9",
+    reg = Registration("http://gw/v1/gateway/register", worker_url + "/", instance="w-9",
                        api_key="adm", transport=transport, attempts=1)  # fmt: skip
     assert await reg.register(["gw-empty"])
     assert (await gateway.post("/v1/chat/completions", json=chat("gw-empty"))).status_code == 200
     assert await reg.deregister()
-    refused = Registration("http://gw/v1/gateway/register", WORKER, instance="w-9",
+    refused = Registration("http://gw/v1/gateway/register", worker_url, instance="w-9",
                            transport=transport, attempts=3, backoff=0)  # fmt: skip
     assert not await refused.register(["gw-empty"])  # 401 without the admin key: no retry loop
 

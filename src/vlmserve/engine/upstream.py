@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-import orjson
-
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import Chunk, GenerateRequest, ModelState, Serves
-from vlmserve.engine.upstream_wire import ChunkReader, UpstreamError, error_from_body, upstream_body
+from vlmserve.engine.upstream_http import RETRYABLE, UpstreamHTTP, UpstreamResponse
+from vlmserve.engine.upstream_wire import (
+    ChunkReader,
+    UpstreamError,
+    encode_body,
+    error_from_body,
+    json_object,
+    upstream_body,
+)
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
 from vlmserve.gateway.pool import PoolPolicy, Replica, ReplicaPool
 
@@ -33,8 +37,14 @@ __all__ = ["UpstreamBackend", "UpstreamConfig", "UpstreamError", "UpstreamStream
 log = logging.getLogger(__name__)
 # An uncompressed stream: its bytes are read as they come (``_body``), with no decoder between.
 _STREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-              httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)  # fmt: skip
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class _StreamCutShort(Exception):
+    """The upstream's stream ended without a finish_reason (retryable before the first chunk)."""
+
+
+_RETRYABLE = (*RETRYABLE, _StreamCutShort)
 
 
 @dataclass(slots=True)
@@ -56,7 +66,7 @@ class UpstreamStream:
 
     body: dict[str, Any]
     replica: Replica
-    response: httpx.Response
+    response: UpstreamResponse
     tried: set[str] = field(default_factory=set)
 
 
@@ -66,21 +76,14 @@ class UpstreamBackend(Backend):
     kind = "openai"
     proxied = True
 
-    def __init__(
-        self,
-        model_id: str,
-        config: UpstreamConfig,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ):
+    def __init__(self, model_id: str, config: UpstreamConfig):
         self.model_id = model_id
         self.config = config
         self.pool = ReplicaPool(model_id, config.base_urls, config.policy)
         self.state = ModelState.UNLOADED
         self.error: str | None = None
         self.load_seconds: float | None = None
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self._client: UpstreamHTTP | None = None
         self._health: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -119,9 +122,9 @@ class UpstreamBackend(Backend):
         self.state = ModelState.READY
 
     async def _start(self) -> None:
-        self._client = httpx.AsyncClient(
-            transport=self._transport,
-            timeout=httpx.Timeout(self.config.read_timeout, connect=self.config.connect_timeout),
+        self._client = UpstreamHTTP(
+            connect_timeout=self.config.connect_timeout,
+            read_timeout=self.config.read_timeout,
             headers=self._auth(),
         )
         await asyncio.gather(*(self.admit_replica(r) for r in list(self.pool.replicas)))
@@ -147,8 +150,11 @@ class UpstreamBackend(Backend):
         for task in (self._health, *self._background):
             if task is not None:
                 task.cancel()
-        self._health, self._client = None, None
+        client, self._health, self._client = self._client, None, None
         self.state = ModelState.UNLOADED
+        if client is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: the process is ending
+                asyncio.get_running_loop().create_task(client.aclose())
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "upstream_model": self.config.model,
@@ -157,7 +163,7 @@ class UpstreamBackend(Backend):
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
 
-    def _require(self) -> httpx.AsyncClient:
+    def _require(self) -> UpstreamHTTP:
         if self.state is not ModelState.READY or self._client is None:
             msg = f"model {self.model_id!r} is {self.state.value}"
             raise ServiceUnavailable(
@@ -180,14 +186,15 @@ class UpstreamBackend(Backend):
         reason = "health check failed"
         for path in ("/health", "/v1/models"):
             try:
-                response = await client.get(replica.url + path, timeout=self.config.connect_timeout)
-            except httpx.HTTPError as exc:
+                status, _ = await client.request("GET", replica.url + path,
+                                                 timeout=self.config.connect_timeout)  # fmt: skip
+            except RETRYABLE as exc:
                 reason = f"GET {path}: {type(exc).__name__}"
                 break  # unreachable: the fallback would fail the same way
-            if response.is_success:
+            if 200 <= status < 300:
                 self.pool.checked(replica, True)
                 return True
-            reason = f"GET {path} answered {response.status_code}"
+            reason = f"GET {path} answered {status}"
         self.pool.checked(replica, False, reason)
         return False
 
@@ -210,7 +217,6 @@ class UpstreamBackend(Backend):
                 self.config.model,
                 api_key=self.config.api_key,
                 timeout=self.config.read_timeout,
-                transport=self._transport,
             )
         except Exception as exc:
             self.pool.preflight(replica, False, f"{type(exc).__name__}: {exc}")
@@ -239,18 +245,16 @@ class UpstreamBackend(Backend):
     async def _open(self, body: dict[str, Any], tried: set[str]) -> UpstreamStream:
         client = self._require()
 
-        def send(replica: Replica) -> Awaitable[httpx.Response]:
-            url = replica.url + "/v1/chat/completions"
-            request = client.build_request("POST", url, content=_encode(body),
-                                           headers=_STREAM_HEADERS)  # fmt: skip
-            return client.send(request, stream=True)
+        def send(replica: Replica) -> Awaitable[UpstreamResponse]:
+            return client.open("POST", replica.url + "/v1/chat/completions",
+                               content=encode_body(body), headers=_STREAM_HEADERS)  # fmt: skip
 
         replica, response = await self._first_success(tried, send)
         return UpstreamStream(body, replica, response, tried)
 
     async def _first_success(
-        self, tried: set[str], send: Callable[[Replica], Awaitable[httpx.Response]]
-    ) -> tuple[Replica, httpx.Response]:
+        self, tried: set[str], send: Callable[[Replica], Awaitable[UpstreamResponse]]
+    ) -> tuple[Replica, UpstreamResponse]:
         """Replicas in turn until one answers 2xx: connection errors, 5xx and 429 try the next;
         a 4xx raises at once; none left raises the last error (or 503)."""
         last: VlmserveError | None = None
@@ -270,9 +274,13 @@ class UpstreamBackend(Backend):
                 raise
             if response.is_success:
                 return replica, response
-            content = await response.aread()
-            await response.aclose()
-            last = self._refused(replica, response.status_code, content)
+            try:
+                content = await response.read()
+            except _RETRYABLE:
+                content = b""
+            finally:
+                response.close()
+            last = self._refused(replica, response.status, content)
 
     def _failed(self, replica: Replica, reason: str) -> None:
         log.warning("upstream %s failed (%s); trying another replica", replica.url, reason)
@@ -305,13 +313,13 @@ class UpstreamBackend(Backend):
         try:
             while held is not None:
                 try:
-                    async for data in _body(held.response):
+                    async for data in held.response.chunks():
                         for chunk in reader.feed_bytes(data):
                             yield chunk
                     for chunk in reader.close():
                         yield chunk
                     if not reader.done:
-                        raise httpx.RemoteProtocolError("stream ended without a finish_reason")
+                        raise _StreamCutShort("stream ended without a finish_reason")
                     self.pool.succeeded(held.replica)
                     return
                 except _RETRYABLE as exc:
@@ -341,7 +349,7 @@ class UpstreamBackend(Backend):
 
     async def _release(self, stream: UpstreamStream) -> None:
         with contextlib.suppress(Exception):
-            await stream.response.aclose()
+            stream.response.close()
 
     def _let_go(self, replica: Replica, reader: ChunkReader) -> None:
         self.pool.give(replica)
@@ -357,10 +365,9 @@ class UpstreamBackend(Backend):
         client = self._client
         if client is None:
             return
-        with contextlib.suppress(httpx.HTTPError):
-            await client.post(
-                f"{replica.url}/v1/cancel/{upstream_id}", timeout=self.config.connect_timeout
-            )
+        with contextlib.suppress(*RETRYABLE, VlmserveError):
+            await client.request("POST", f"{replica.url}/v1/cancel/{upstream_id}",
+                                 timeout=self.config.connect_timeout)  # fmt: skip
 
     async def relay(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """The same endpoint on one of the replicas, under the upstream's model name."""
@@ -373,28 +380,15 @@ class UpstreamBackend(Backend):
         self.pool.admit()
         try:
             replica, response = await self._first_success(
-                set(), lambda replica: client.post(replica.url + path, json=body)
-            )
-            self.pool.give(replica)
+                set(), lambda replica: client.open("POST", replica.url + path,
+                                                   content=encode_body(body), headers=_JSON_HEADERS)
+            )  # fmt: skip
+            try:
+                content = await response.read()
+            finally:
+                response.close()
+                self.pool.give(replica)
             self.pool.succeeded(replica)
-            return response.json()
+            return json_object(content, replica.url + path)
         finally:
             self.pool.leave()
-
-
-def _body(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The body's bytes as they arrive: raw when the upstream did not compress it (it was asked
-    not to), decoded otherwise."""
-    plain = response.headers.get("content-encoding", "identity") in ("identity", "")
-    if plain and not response.is_stream_consumed:  # consumed: read already (test transports)
-        return response.aiter_raw()
-    return response.aiter_bytes()
-
-
-def _encode(body: dict[str, Any]) -> bytes:
-    """The body as JSON: orjson (a large inline image costs ~10x less), the standard library
-    for what orjson refuses (an integer wider than 64 bits)."""
-    try:
-        return orjson.dumps(body)
-    except TypeError:
-        return json.dumps(body).encode()

@@ -14,7 +14,14 @@ import orjson
 from vlmserve.engine.types import Chunk, FinishReason
 from vlmserve.errors import VlmserveError
 
-__all__ = ["ChunkReader", "UpstreamError", "error_from_body", "upstream_body"]
+__all__ = [
+    "ChunkReader",
+    "UpstreamError",
+    "encode_body",
+    "error_from_body",
+    "json_object",
+    "upstream_body",
+]
 
 # Fields of our own wire that an upstream must not see: the gateway runs the session itself
 # (and its clients' choice of wire); the upstream answers on the OpenAI wire, or with `id:`
@@ -182,3 +189,28 @@ def _stream_error(data: dict[str, Any]) -> VlmserveError:
         return UpstreamError(message, status_code=400, error_type=kind,
                              code=str(err.get("code") or "upstream_error"))  # fmt: skip
     return VlmserveError(f"upstream: {message}", code="upstream_error")
+
+
+def json_object(content: bytes, where: str) -> dict[str, Any]:
+    """A replica's 2xx JSON answer; anything else is the replica's fault (502)."""
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict):
+        raise UpstreamError(
+            f"upstream {where} answered with something other than a JSON object",
+            status_code=502,
+            error_type="upstream_error",
+            code="upstream_error",
+        )
+    return data
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The body as JSON: orjson (a large inline image costs ~10x less), the standard library
+    for what orjson refuses (an integer wider than 64 bits)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body).encode()

@@ -38,7 +38,8 @@ class VllmBackend(UpstreamBackend):
         transport: httpx.AsyncBaseTransport | None = None,
         watch_interval: float = 1.0,
     ):
-        super().__init__(model_id, config, transport=transport)
+        super().__init__(model_id, config)
+        self._transport = transport  # the supervisor's readiness probe (tests)
         self.supervisor = supervisor
         self.watch_interval = watch_interval
         self.exit_status: int | None = None  # the child's status when it died on its own

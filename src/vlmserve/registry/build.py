@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from vlmserve.config import ModelConfig, Settings
 from vlmserve.engine.configs import ChatEngineConfig, EmbedConfig
@@ -77,7 +76,7 @@ def _api_key(entry: ModelEntry, key: str | None, env: str | None) -> str | None:
     return value
 
 
-def upstream_backend(entry: ModelEntry, settings: Settings, transport: Any = None) -> Backend:
+def upstream_backend(entry: ModelEntry, settings: Settings) -> Backend:
     """The proxy backend of an ``openai`` or ``vllm`` registry entry."""
     cfg = entry.upstream_config()
     limits = entry.limits.max_queued_requests or settings.max_queued_requests
@@ -92,12 +91,12 @@ def upstream_backend(entry: ModelEntry, settings: Settings, transport: Any = Non
                           max_queued=limits, max_concurrency=cfg.max_concurrency),
     )  # fmt: skip
     if not isinstance(cfg, VllmConfig):
-        return UpstreamBackend(entry.name, config, transport=transport)
+        return UpstreamBackend(entry.name, config)
     supervisor = Supervisor(SupervisorConfig(
         entry.name, cfg.command, env=cfg.env, health_timeout=cfg.health_timeout,
         stop_timeout=cfg.stop_timeout, log_dir=cfg.log_dir,
     ))  # fmt: skip
-    return VllmBackend(entry.name, config, supervisor, transport=transport)
+    return VllmBackend(entry.name, config, supervisor)
 
 
 def _entry_handle(entry: ModelEntry, settings: Settings) -> ModelHandle:

@@ -1,4 +1,4 @@
-"""The openai proxy backend against ``httpx.MockTransport`` fake upstreams."""
+"""The openai proxy backend against fake upstreams on real sockets (``tests/upstreams.py``)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,35 @@ from typing import Any
 import httpx
 import pytest
 
+from upstreams import FakeUpstreams
 from vlmserve.engine.types import FinishReason, GenerateRequest, SamplingParams
 from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig, UpstreamError
+from vlmserve.engine.upstream_http import UpstreamTimeout
 from vlmserve.engine.upstream_wire import ChunkReader
 from vlmserve.errors import Overloaded, ServiceUnavailable
 from vlmserve.gateway.pool import PoolPolicy
 
 A, B = "http://a.test", "http://b.test"
+_OPEN: list[Any] = []  # fakes and backends a test opened: closed after it
+
+
+@pytest.fixture(autouse=True)
+async def _close_opened() -> AsyncIterator[None]:
+    yield
+    while _OPEN:
+        await _OPEN.pop().aclose()
+
+
+async def start(handler: Callable[[httpx.Request], Any], config: UpstreamConfig,
+                name: str) -> tuple[UpstreamBackend, FakeUpstreams]:  # fmt: skip
+    """A backend routing to fake replicas named by ``config.base_urls``."""
+    fake = await FakeUpstreams.start(handler, *config.base_urls)
+    _OPEN.append(fake)
+    config.base_urls = fake.real(*config.base_urls)
+    b = UpstreamBackend(name, config)
+    _OPEN.append(b)
+    await b.aload()
+    return b, fake
 
 
 def sse(*pieces: str, finish: str = "stop", usage: tuple[int, int] = (7, 3)) -> bytes:
@@ -92,8 +114,7 @@ async def backend(ups: Upstreams, urls: list[str], **policy: Any) -> UpstreamBac
         model="upstream-name", base_urls=urls, api_key="gw-secret", health_interval=0,
         preflight=False, policy=PoolPolicy(**policy),
     )  # fmt: skip
-    b = UpstreamBackend("gw-name", config, transport=httpx.MockTransport(ups))
-    await b.aload()
+    b, _ = await start(ups, config, "gw-name")
     return b
 
 
@@ -232,9 +253,8 @@ async def test_failing_health_check_takes_replica_out() -> None:
         return httpx.Response(503 if r.url.host == "a.test" else 200, json={})
 
     config = UpstreamConfig("m", [A, B], health_interval=0, preflight=False)
-    b = UpstreamBackend("m", config, transport=httpx.MockTransport(handler))
-    await b.aload()
-    states = {r["url"]: r["healthy"] for r in b.describe()["replicas"]}
+    b, fake = await start(handler, config, "m")
+    states = {fake.fake(r["url"]): r["healthy"] for r in b.describe()["replicas"]}
     assert states == {A: False, B: True}
     assert "GET /v1/models answered 503" in b.describe()["replicas"][0]["reason"]
 
@@ -247,3 +267,68 @@ def test_chunk_reader_keeps_finish_for_the_usage_chunk() -> None:
     assert [c.text for c in out] == ["a", "b", ""]
     assert out[-1].finish_reason is FinishReason.LENGTH and out[-1].completion_tokens == 2
     assert reader.upstream_id == "chatcmpl-up"
+
+
+class Stall(httpx.AsyncByteStream):
+    """A body that sends ``head`` and then nothing, its connection kept open."""
+
+    def __init__(self, head: bytes = b""):
+        self.head = head
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self.head:
+            yield self.head
+        await asyncio.sleep(3600)
+
+
+async def test_an_upstream_silent_past_read_timeout_is_504_and_not_retried() -> None:
+    ups = Upstreams()
+
+    async def no_answer(r: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    ups.chat[A], ups.chat[B] = no_answer, ok("fine")
+    config = UpstreamConfig(model="up", base_urls=[A, B], read_timeout=0.3, health_interval=0,
+                            preflight=False)  # fmt: skip
+    b, _ = await start(ups, config, "m")
+    with pytest.raises(UpstreamTimeout) as info:
+        await run(b)
+    assert info.value.status_code == 504 and ups.posts() == [A]  # it may be running there
+    assert info.value.code == "upstream_timeout"
+    assert b.pool.admitted == 0
+
+
+async def test_a_stream_that_goes_silent_mid_body_is_504() -> None:
+    ups = Upstreams()
+    head = sse("one")[: sse("one").index(b"\n\n") + 2]
+    ups.chat[A] = lambda r: httpx.Response(200, stream=Stall(head))
+    config = UpstreamConfig(model="up", base_urls=[A], read_timeout=0.3, health_interval=0,
+                            preflight=False)  # fmt: skip
+    b, _ = await start(ups, config, "m")
+    got = []
+    with pytest.raises(UpstreamTimeout):
+        async for chunk in b.generate(await b.prepare(request())):
+            got.append(chunk.text)
+    assert got == ["one"] and b.pool.admitted == 0
+
+
+async def test_a_closed_port_is_retried_on_the_next_replica() -> None:
+    ups = Upstreams()
+    ups.chat[B] = ok("fine")
+    config = UpstreamConfig(model="up", base_urls=[A, B], health_interval=0, preflight=False)
+    b, fake = await start(ups, config, "m")
+    await fake.stop(A)  # healthy when checked, gone now: its port refuses connections
+    assert "".join(c.text for c in await run(b)) == "fine"
+    assert ups.posts() == [B] and b.pool.replicas[0].failures == 1
+
+
+async def test_forward_of_a_non_json_answer_is_502() -> None:
+    def handler(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text="<html>proxy login</html>")
+
+    config = UpstreamConfig(model="up", base_urls=[A], health_interval=0, preflight=False)
+    b, _ = await start(handler, config, "m")
+    with pytest.raises(UpstreamError) as info:
+        await b.forward("/generate", {})
+    assert info.value.status_code == 502 and b.pool.admitted == 0

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from upstreams import fake_upstreams
 from vlmserve.engine.types import Chunk, GenerateRequest, SamplingParams
 from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
 from vlmserve.engine.upstream_wire import ChunkReader
@@ -75,7 +76,7 @@ def test_an_error_event_split_across_reads_raises() -> None:
 
 
 class _Pieces(httpx.AsyncByteStream):
-    """A streamed body, a few bytes at a time (not read in advance, as on a socket)."""
+    """A streamed body, a few bytes at a time (each its own write on the socket)."""
 
     def __init__(self, body: bytes, size: int = 5):
         self.body, self.size = body, size
@@ -86,16 +87,17 @@ class _Pieces(httpx.AsyncByteStream):
 
 
 async def _proxied(handler: Any) -> list[Chunk]:
-    config = UpstreamConfig(model="up", base_urls=["http://a.test"], health_interval=0,
-                            preflight=False)  # fmt: skip
-    backend = UpstreamBackend("gw", config, transport=httpx.MockTransport(handler))
-    await backend.aload()
-    try:
-        raw = {"model": "gw", "messages": [{"role": "user", "content": "hi"}], "seed": 2**70}
-        prepared = await backend.prepare(GenerateRequest("r", [], SamplingParams(), raw=raw))
-        return [c async for c in backend.generate(prepared)]
-    finally:
-        await backend.aclose()
+    async with fake_upstreams(handler, "http://a.test") as fake:
+        config = UpstreamConfig(model="up", base_urls=fake.real("http://a.test"),
+                                health_interval=0, preflight=False)  # fmt: skip
+        backend = UpstreamBackend("gw", config)
+        await backend.aload()
+        try:
+            raw = {"model": "gw", "messages": [{"role": "user", "content": "hi"}], "seed": 2**70}
+            prepared = await backend.prepare(GenerateRequest("r", [], SamplingParams(), raw=raw))
+            return [c async for c in backend.generate(prepared)]
+        finally:
+            await backend.aclose()
 
 
 async def test_streamed_upstream_body_is_read_raw_and_asked_uncompressed() -> None:
