@@ -189,10 +189,11 @@ async def test_stream_that_breaks_after_a_chunk_is_not_retried() -> None:
     b = await backend(ups, [A, B])
     prepared = await b.prepare(request())
     got = []
-    with pytest.raises(ServiceUnavailable, match="broke off"):
+    with pytest.raises(ServiceUnavailable, match="broke off") as info:
         async for chunk in b.generate(prepared):
             got.append(chunk.text)
-    assert got == ["partial"]
+    assert got == ["partial"] and info.value.code == "upstream_error"
+    assert b.pool.replicas[0].reason.endswith("mid-stream")
     assert len(ups.posts()) == 1
     assert b.pool.admitted == 0
 
