@@ -10,7 +10,9 @@ of a fixed length, ``vlmserve.client.loadtest``):
 - ``sqlite``: the same with ``VLMSERVE_PERSIST_SESSIONS=1`` (every event committed to SQLite
   before a client sees it);
 - ``gateway``: a vlmserve gateway whose registry has one ``openai`` entry pointing at the
-  ``memory`` worker (requests go client -> gateway -> worker).
+  ``memory`` worker (requests go client -> gateway -> worker);
+- ``byteproxy``: the least a Python proxy does (``peers/byteproxy.py``: uvicorn + aiohttp,
+  bytes forwarded untouched) in front of the same worker: the floor under the gateway's cost.
 
 Rounds are interleaved (each round visits every concurrency and, within it, every server in
 an order that rotates), so drift of the machine hits all alike. Each run starts the three
@@ -51,12 +53,13 @@ from serve import parse_args as serve_args
 
 __all__ = ["budgets", "cpu_per_token", "main", "overhead_specs"]
 
-BASE, SQLITE, GATEWAY = "memory", "sqlite", "gateway"
+BASE, SQLITE, GATEWAY, BYTEPROXY = "memory", "sqlite", "gateway", "byteproxy"
 BUDGETS = {  # (setup, concurrency, metric): the most it may cost against the baseline
     (SQLITE, 8, "tok/s"): 0.10,
     (SQLITE, 8, "ttft"): 0.10,
     (GATEWAY, 1, "ttft_ms"): 1.0,
     (GATEWAY, 8, "tok/s"): None,  # reported, no budget
+    (BYTEPROXY, 1, "ttft_ms"): None,  # the floor under the gateway's budget, reported
 }
 
 
@@ -95,7 +98,15 @@ def overhead_specs(cfg: BenchConfig, ports: list[int], work: Path) -> list[Serve
     model_at = gateway.argv.index("--model")
     del gateway.argv[model_at : model_at + 4]  # no local model: --model DIR --served-model-name
     gateway.argv += ["--registry", str(registry)]
-    return [memory, sqlite, _renamed(gateway, GATEWAY)]
+    return [memory, sqlite, _renamed(gateway, GATEWAY), byteproxy_spec(ports[3], memory.url)]
+
+
+def byteproxy_spec(port: int, upstream: str) -> ServerSpec:
+    argv = [sys.executable, "-m", "uvicorn", "byteproxy:app", "--app-dir",
+            str(Path(__file__).resolve().parent / "peers"), "--http", "httptools",
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    return ServerSpec(name=BYTEPROXY, argv=argv, port=port, model=SERVED_NAME,
+                      env={"BYTEPROXY_UPSTREAM": upstream})  # fmt: skip
 
 
 def _cpu_seconds(server: Server) -> float:
@@ -220,8 +231,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--setups",
         nargs="+",
-        default=[BASE, SQLITE, GATEWAY],
-        choices=[BASE, SQLITE, GATEWAY],
+        default=[BASE, SQLITE, GATEWAY, BYTEPROXY],
+        choices=[BASE, SQLITE, GATEWAY, BYTEPROXY],
         help="which servers (memory always runs)",
     )
     p.add_argument("--json", dest="json_path")
@@ -231,7 +242,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def one_run(cfg: BenchConfig, console: Console, n: int, setups: list[str]) -> dict[str, Any]:
     """Start the servers, measure, stop them; the run's rows, CPU and budgets."""
     with tempfile.TemporaryDirectory(prefix="vlmserve-overhead-") as work:
-        specs = overhead_specs(cfg, free_ports(3), Path(work))
+        specs = overhead_specs(cfg, free_ports(4), Path(work))
         specs = [s for s in specs if s.name == BASE or s.name in setups]
         samples = run_rounds(specs, cfg, console)
     rows = summarize([(s.server, s.concurrency, s.report) for s in samples])

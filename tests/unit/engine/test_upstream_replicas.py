@@ -153,3 +153,21 @@ async def test_close_without_await_still_closes_the_session(opened: list[Any]) -
             break
         await asyncio.sleep(0.01)
     assert session.closed and backend.state.value == "unloaded"
+
+
+async def test_a_cancel_that_cannot_reach_its_replica_is_dropped_quietly(
+    opened: list[Any],
+) -> None:
+    async def hang(r: httpx.Request) -> httpx.Response:
+        if r.url.path == "/health":
+            return httpx.Response(200)
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    backend, fake = await start(opened, hang, A, B, connect_timeout=0.2, read_timeout=600)
+    hanging, gone = backend.pool.replicas
+    await fake.stop(B)
+    began = asyncio.get_running_loop().time()
+    await backend._cancel(hanging, "chatcmpl-1")  # no answer: given up at connect_timeout
+    await backend._cancel(gone, "chatcmpl-1")  # refused
+    assert asyncio.get_running_loop().time() - began < 3
