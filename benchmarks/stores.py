@@ -1,0 +1,156 @@
+"""What each stream store costs per event, in process, with no model and no HTTP.
+
+    python benchmarks/stores.py                      # memory and sqlite, 3 rounds
+    python benchmarks/stores.py --redis              # and Redis (starts a redis-server)
+    python benchmarks/stores.py --sessions 8 --events 64 --step-ms 2 --rounds 5
+
+``SessionManager`` runs ``--sessions`` streams at once, each producing ``--events`` events one
+engine step apart (``--step-ms``, all sessions in step, as the batching engine produces them),
+each read by one listener. Reported per store: process CPU time (all threads: the SQLite
+writer's too) per event, wall time, and the store's transactions. The stores take turns
+round by round. This is the part of ``benchmarks/overhead.py``'s sqlite-vs-memory cost that
+belongs to the store and the session machinery, without the engine and the HTTP path.
+Also reported: what one thread hop (``run_in_executor`` of a no-op) costs on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from vlmserve.streaming.events import Emit
+from vlmserve.streaming.manager import SessionManager
+from vlmserve.streaming.store.memory import MemoryStore
+from vlmserve.streaming.store.sqlite import SQLiteStore
+
+DATA = json.dumps({"id": "chatcmpl-b", "object": "chat.completion.chunk", "created": 1,
+                   "model": "m", "choices": [{"index": 0, "delta": {"content": " tok"},
+                                              "finish_reason": None}]})  # fmt: skip
+
+
+async def one_round(store: Any, ns: argparse.Namespace, tag: str) -> dict[str, float]:
+    manager = SessionManager(store, gc_interval=3600)  # the server's other defaults
+    step = asyncio.Event()
+
+    async def producer() -> Any:
+        for i in range(ns.events):
+            await step.wait()
+            yield Emit(DATA, meta={"token_ids": [i]})
+
+    async def engine() -> None:
+        for _ in range(ns.events + 1):
+            await asyncio.sleep(ns.step_ms / 1000)
+            step.set()
+            step.clear()
+
+    async def listen(session_id: str) -> int:
+        return sum([1 async for _ in manager.listen(session_id, -1)])
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    ids = [f"{tag}-{k}" for k in range(ns.sessions)]
+    for session_id in ids:
+        await manager.start(session_id, {"body": {}}, producer(), on_cancel=list,
+                            on_error=lambda exc: [])  # fmt: skip
+    ticking = asyncio.ensure_future(engine())
+    events = sum(await asyncio.gather(*(listen(s) for s in ids)))
+    ticking.cancel()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    await manager.close()
+    return {"cpu_us_per_event": cpu / events * 1e6, "wall_s": wall, "events": events}
+
+
+def hop_us(n: int = 2000) -> float:
+    """CPU microseconds of one ``run_in_executor`` round trip of a no-op."""
+
+    async def hops() -> float:
+        loop, pool = asyncio.get_running_loop(), ThreadPoolExecutor(1)
+        began = time.process_time()
+        for _ in range(n):
+            await loop.run_in_executor(pool, int)
+        pool.shutdown()
+        return (time.process_time() - began) / n * 1e6
+
+    return asyncio.run(hops())
+
+
+def start_redis() -> tuple[subprocess.Popen[bytes], str]:
+    server = shutil.which("redis-server")
+    if server is None:
+        raise SystemExit("--redis needs the redis-server binary")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([server, "--port", str(port), "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL)  # fmt: skip
+    time.sleep(0.5)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def make_store(name: str, work: Path, redis_url: str | None) -> Any:
+    if name == "memory":
+        return MemoryStore()
+    if name == "sqlite":
+        return SQLiteStore(work / "sessions.db")
+    from vlmserve.streaming.store.redis import RedisStore
+
+    return RedisStore(redis_url or "", prefix=f"bench-{time.time_ns()}")
+
+
+async def close_store(store: Any) -> None:
+    for name in ("aclose", "close"):
+        closer = getattr(store, name, None)
+        if closer is not None:
+            result = closer()
+            if asyncio.iscoroutine(result):
+                await result
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--events", type=int, default=64)
+    p.add_argument("--step-ms", type=float, default=2.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--redis", action="store_true", help="also Redis (starts a redis-server)")
+    ns = p.parse_args(argv)
+    names = ["memory", "sqlite"] + (["redis"] if ns.redis else [])
+    redis, redis_url = start_redis() if ns.redis else (None, None)
+    print(f"one thread hop: {hop_us():.0f} us CPU")
+    try:
+        with tempfile.TemporaryDirectory(prefix="vlmserve-stores-") as work:
+            for r in range(ns.rounds):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    store = make_store(name, Path(work), redis_url)
+                    out = asyncio.run(_measured(store, ns, f"r{r}-{name}"))
+                    cost = f"{out['cpu_us_per_event']:6.0f} us CPU/event"
+                    print(f"round {r + 1} {name:<7} {cost}  wall {out['wall_s']:.3f} s"
+                          f"  transactions {out['writes']}")  # fmt: skip
+    finally:
+        if redis is not None:
+            redis.terminate()
+    return 0
+
+
+async def _measured(store: Any, ns: argparse.Namespace, tag: str) -> dict[str, Any]:
+    try:
+        out: dict[str, Any] = await one_round(store, ns, tag)
+    finally:
+        await close_store(store)
+    group = getattr(store, "_appends", None)
+    out["writes"] = group.writes if group is not None else "-"
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
