@@ -154,7 +154,9 @@ class UpstreamBackend(Backend):
         self.state = ModelState.UNLOADED
         if client is not None:
             with contextlib.suppress(RuntimeError):  # no running loop: the process is ending
-                asyncio.get_running_loop().create_task(client.aclose())
+                closing = asyncio.get_running_loop().create_task(client.aclose())
+                self._background.add(closing)  # held until done (a bare task may be collected)
+                closing.add_done_callback(self._background.discard)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "upstream_model": self.config.model,
