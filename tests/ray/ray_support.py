@@ -18,6 +18,7 @@ from vlmserve.deploy.ray import deployment_name
 
 MODEL = "tiny"
 EMBEDDER = "tiny-embed"  # the same checkpoint as an embedding model (last-token vectors)
+EMBEDDER_ALIAS = "tiny-embed-alias"  # the registry entry's alias
 ADMIN_KEY = "ray-test-admin"
 
 
@@ -99,21 +100,28 @@ class RayServe:
 
 
 def write_config(tmp: Path, tiny_dir: Path, redis_url: str) -> Path:
+    """The chat model in ``[[models]]``; the embedder in a registry file (with an alias)."""
+    registry = tmp / "registry.toml"
+    registry.write_text(f"""
+[[models]]
+name = "{EMBEDDER}"
+source = "{tiny_dir}"
+roles = ["embedding"]
+model_aliases = ["{EMBEDDER_ALIAS}"]
+[models.capabilities]
+embedding = true
+""")
     path = tmp / "vlmserve.toml"
     path.write_text(f"""
 device = "cpu"
 redis_url = "{redis_url}"
 admin_keys = ["{ADMIN_KEY}"]
 max_num_seqs = 16
+registry = "{registry}"
 
 [[models]]
 name = "{MODEL}"
 source = "{tiny_dir}"
-
-[[models]]
-name = "{EMBEDDER}"
-source = "{tiny_dir}"
-roles = ["embedding"]
 
 [ray]
 ingress_replicas = 2

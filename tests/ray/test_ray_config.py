@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,74 @@ def test_a_new_local_cluster_defaults_to_the_throughput_optimized_mode(
         monkeypatch.setenv(name, value)
     _default_fast_path(address)
     assert os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == expected
+
+
+REGISTRY = """
+[[models]]
+name = "reg-embed"
+source = "/models/tiny"
+roles = ["embedding"]
+model_aliases = ["embed-alias"]
+keep_alive = 45
+[models.capabilities]
+vision = true
+embedding = true
+
+[[models]]
+name = "remote-chat"
+backend = "openai"
+served_model_id = "Qwen/Qwen2-VL-7B-Instruct"
+roles = ["chat"]
+[models.backend_config]
+base_urls = ["http://10.0.0.9:8000"]
+preflight = false
+"""
+
+
+def test_registry_entries_deploy_under_ray(tmp_path: Path) -> None:
+    registry = tmp_path / "registry.toml"
+    registry.write_text(REGISTRY)
+    path = write(tmp_path, f'registry = "{registry}"\n' + MODELS
+                 + "[ray.models.reg-embed]\nnum_replicas = 2\n")  # fmt: skip
+    setup = load_ray_setup(path)
+    configs = {m.served_name: m for m in setup.settings.model_configs()}
+    assert list(configs) == ["tiny", "reg-embed"]  # the hf entry is a deployment
+    assert configs["reg-embed"].roles == ["embedding"] and configs["reg-embed"].keep_alive == 45
+    assert setup.settings.registry is None  # replicas never need the file
+    assert setup.ray.model("reg-embed").options(5)["num_replicas"] == 2
+    assert [e["name"] for e in setup.entries] == ["reg-embed", "remote-chat"]
+
+    from vlmserve.deploy.ingress import ray_models
+
+    models = ray_models(setup.settings, {"tiny": object(), "reg-embed": object()}, setup.entries)
+    embed = models.resolve("embed-alias")  # the entry's alias resolves to its deployment
+    assert embed.name == "reg-embed" and embed.backend.kind == "ray"
+    assert embed.capabilities is not None and "vision" in embed.capabilities
+    assert embed.keep_alive == -1  # Ray scales replicas; the ingress never unloads
+    remote = models.resolve("remote-chat")
+    assert remote.backend.kind == "openai"  # proxied from the ingress replicas
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ('name = "local-vllm"\nbackend = "vllm"\n[models.backend_config]\n'
+         'command = "vllm serve x --port {port}"\n', "local-vllm"),
+        ('name = "tiny"\nsource = "/models/other"\n', "have the names of [[models]]"),
+    ],
+)  # fmt: skip
+def test_registry_entries_ray_cannot_deploy_are_refused(
+    tmp_path: Path, entry: str, says: str
+) -> None:
+    registry = tmp_path / "registry.toml"
+    registry.write_text("[[models]]\n" + entry)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_ray_setup(write(tmp_path, f'registry = "{registry}"\n' + MODELS))
+
+
+def test_a_single_model_flag_and_a_registry_deploy_together(tmp_path: Path) -> None:
+    registry = tmp_path / "registry.toml"
+    registry.write_text(REGISTRY)
+    path = write(tmp_path, f'registry = "{registry}"\n')
+    setup = load_ray_setup(path, model="/models/tiny", served_model_name="flagged")
+    assert [m.served_name for m in setup.settings.model_configs()] == ["flagged", "reg-embed"]

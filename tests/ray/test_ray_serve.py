@@ -26,7 +26,7 @@ from vlmserve.testing.media import data_url, image_bytes
 pytest.importorskip("ray.serve", reason="ray is not installed: pip install -e '.[dev,ray]'")
 import ray
 from ray import serve
-from ray_support import EMBEDDER, MODEL, RayServe, write_config
+from ray_support import EMBEDDER, EMBEDDER_ALIAS, MODEL, RayServe, write_config
 
 from vlmserve.deploy.config import load_ray_setup
 from vlmserve.deploy.ingress import REPLICA_HEADER
@@ -297,7 +297,12 @@ def test_embeddings_take_text_and_token_ids_through_the_model_replica(
         text = c.post("/v1/embeddings", json={"model": EMBEDDER, "input": "a red square"})
         tokens = c.post("/v1/embeddings", json={"model": EMBEDDER, "input": [ids["input_ids"]]})
         bad = c.post("/v1/embeddings", json={"model": EMBEDDER, "input": [[10**7]]})
+        aliased = c.post("/v1/embeddings", json={"model": EMBEDDER_ALIAS, "input": "a red square"})
     assert text.status_code == tokens.status_code == 200, (text.text, tokens.text)
+    # the embedder comes from a registry file: its alias reaches the same deployment
+    assert aliased.json()["data"][0]["embedding"] == pytest.approx(
+        text.json()["data"][0]["embedding"], abs=1e-5
+    )
     vector = text.json()["data"][0]["embedding"]
     assert len(vector) == 128
     assert tokens.json()["data"][0]["embedding"] == pytest.approx(vector, abs=1e-5)

@@ -18,7 +18,7 @@ keys), so the table is taken out before the settings are read and validated here
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +109,12 @@ class RayConfig(_Strict):
 
 @dataclass(slots=True)
 class RaySetup:
-    """What a Ray application is built from: vlmserve's settings and the ``[ray]`` table."""
+    """What a Ray application is built from: vlmserve's settings, the ``[ray]`` table and the
+    registry file's entries (read where the application is built: replicas need not see it)."""
 
     settings: Settings
     ray: RayConfig
+    entries: list[dict[str, Any]] = field(default_factory=list)  # ModelEntry dumps (JSON)
 
 
 def load_ray_setup(config_file: Path | None, **overrides: Any) -> RaySetup:
@@ -135,6 +137,7 @@ def load_ray_setup(config_file: Path | None, **overrides: Any) -> RaySetup:
         settings = _settings(rest, overrides)
     else:
         settings = load_settings(None, **overrides)
+    settings, entries = _with_registry(settings)
     names = {m.served_name for m in settings.model_configs()}
     unknown = sorted(set(ray.models) - names)
     if unknown:
@@ -143,8 +146,36 @@ def load_ray_setup(config_file: Path | None, **overrides: Any) -> RaySetup:
             f"(the [[models]] names are {sorted(names)})"
         )
     if not names:
-        raise ConfigError("no model to deploy: give [[models]] (or model = ...) in the config")
-    return RaySetup(settings, ray)
+        raise ConfigError(
+            "no model to deploy: give [[models]] (or model = ...) or an hf registry entry"
+        )
+    return RaySetup(settings, ray, entries)
+
+
+def _with_registry(settings: Settings) -> tuple[Settings, list[dict[str, Any]]]:
+    """The registry file's entries under Ray: each ``hf`` entry becomes a model deployment
+    (as a ``[[models]]`` table would), ``openai`` entries are proxied by the ingress replicas,
+    and ``vllm`` entries are refused (every ingress replica would start its own vLLM)."""
+    if not settings.registry:
+        return settings, []
+    from vlmserve.registry.files import load_registry
+
+    found = Path(settings.registry_discovered) if settings.registry_discovered else None
+    entries = load_registry(Path(settings.registry), found).entries
+    vllm = [e.name for e in entries if e.backend == "vllm"]
+    if vllm:
+        raise ConfigError(
+            f"registry entries {vllm} start a vLLM process; under Ray, serve the model as an "
+            "hf entry (a deployment) or point an openai entry at a vLLM service"
+        )
+    hf = [e.to_model_config().model_copy(update={"keep_alive": e.keep_alive})
+          for e in entries if e.backend == "hf"]  # fmt: skip (keep_alive: Ray's scale-down)
+    given = settings.model_configs()  # [[models]], or the single --model
+    clash = sorted({m.served_name for m in hf} & {m.served_name for m in given})
+    if clash:
+        raise ConfigError(f"registry entries {clash} have the names of [[models]] entries")
+    update = {"models": [*given, *hf], "registry": None, "registry_discovered": None}
+    return settings.model_copy(update=update), [e.model_dump(mode="json") for e in entries]
 
 
 def _settings(rest: dict[str, Any], overrides: dict[str, Any]) -> Settings:

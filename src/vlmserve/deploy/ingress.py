@@ -58,17 +58,30 @@ class ReplicaHeader:
         await self.app(scope, receive, tagged)
 
 
-def ray_models(settings: Settings, handles: dict[str, DeploymentHandle]) -> ModelManager:
-    """The ingress's model manager: every model a ``RayBackend`` over its deployment. Models
-    are always "loaded" here (Ray keeps their replicas up); the manager's keep_alive and cap
-    are Ray's autoscaling now (``[ray.models.NAME] autoscaling``)."""
+def ray_models(
+    settings: Settings,
+    handles: dict[str, DeploymentHandle],
+    entries: list[dict[str, Any]] | None = None,
+) -> ModelManager:
+    """The ingress's model manager: every model a ``RayBackend`` over its deployment, named
+    and described as its registry entry says if it has one; the registry's ``openai`` entries
+    proxied from here. Models are always "loaded" here (Ray keeps their replicas up); the
+    manager's keep_alive and cap are Ray's autoscaling now (``[ray.models.NAME]``)."""
+    from vlmserve.registry.build import entry_handle, with_entry
+    from vlmserve.registry.entries import ModelEntry
+
+    registry = [ModelEntry.model_validate(e) for e in entries or []]
+    by_name = {e.served_id: e for e in registry if e.backend == "hf"}
     model_handles = []
     for cfg in settings.model_configs():
         name = cfg.served_name
         backend = RayBackend(name, handles[name], serves_of(list(cfg.roles)))
-        model_handles.append(
-            ModelHandle(name, list(cfg.roles), backend, source=cfg.source, keep_alive=-1)
-        )
+        handle = ModelHandle(name, list(cfg.roles), backend, source=cfg.source)
+        if name in by_name:
+            handle = with_entry(handle, by_name[name])
+        handle.keep_alive = -1
+        model_handles.append(handle)
+    model_handles += [entry_handle(e, settings) for e in registry if e.backend == "openai"]
     policy = LifecyclePolicy(
         on_demand=True,
         max_loaded=0,
@@ -84,16 +97,19 @@ def ray_models(settings: Settings, handles: dict[str, DeploymentHandle]) -> Mode
 class Ingress:
     """One HTTP replica (see the module docstring); ``handles``: model name -> deployment."""
 
-    async def __init__(self, settings: dict[str, Any], handles: dict[str, DeploymentHandle]):
+    async def __init__(self, settings: dict[str, Any], handles: dict[str, DeploymentHandle],
+                       entries: list[dict[str, Any]] | None = None):  # fmt: skip
         self.settings = Settings.model_validate(settings)
         self.handles = handles
+        self.entries = entries or []  # the registry file's, read where the app was built
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.vlm_app: Any = None
 
     def __serve_build_asgi_app__(self) -> Any:
         from vlmserve.api.app import build_app
 
-        self.vlm_app = build_app(self.settings, models=ray_models(self.settings, self.handles))
+        models = ray_models(self.settings, self.handles, self.entries)
+        self.vlm_app = build_app(self.settings, models=models)
         return ReplicaHeader(self.vlm_app, self.replica)
 
     def check_health(self) -> None:

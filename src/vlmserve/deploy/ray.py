@@ -42,7 +42,7 @@ def build_application(setup: RaySetup) -> Application:
         options = setup.ray.model(name).options(drain, cfg.keep_alive)
         handles[name] = deployment.options(**options).bind(dump, name)
     ingress = serve.deployment(Ingress, name="ingress")
-    return ingress.options(**setup.ray.ingress().options(drain)).bind(dump, handles)
+    return ingress.options(**setup.ray.ingress().options(drain)).bind(dump, handles, setup.entries)
 
 
 def app(args: dict[str, str]) -> Application:

@@ -24,7 +24,14 @@ from vlmserve.gateway.pool import PoolPolicy
 from vlmserve.registry.entries import ModelEntry, VllmConfig
 from vlmserve.registry.handles import ModelHandle
 
-__all__ = ["build_handles", "hf_backend", "hf_handle", "upstream_backend"]
+__all__ = [
+    "build_handles",
+    "entry_handle",
+    "hf_backend",
+    "hf_handle",
+    "upstream_backend",
+    "with_entry",
+]
 
 
 def load_options(cfg: ModelConfig, settings: Settings) -> LoadOptions:
@@ -99,11 +106,17 @@ def upstream_backend(entry: ModelEntry, settings: Settings) -> Backend:
     return VllmBackend(entry.name, config, supervisor)
 
 
-def _entry_handle(entry: ModelEntry, settings: Settings) -> ModelHandle:
+def entry_handle(entry: ModelEntry, settings: Settings) -> ModelHandle:
+    """A registry entry's handle: hf in process, openai/vllm proxied."""
     if entry.backend != "hf":
         handle = ModelHandle(entry.name, list(entry.roles), upstream_backend(entry, settings))
     else:
         handle = hf_handle(entry.to_model_config(), settings)
+    return with_entry(handle, entry)
+
+
+def with_entry(handle: ModelHandle, entry: ModelEntry) -> ModelHandle:
+    """``handle`` named, aged and described as the registry entry says."""
     handle.aliases = entry.identifiers
     handle.keep_alive = entry.keep_alive
     handle.capabilities = frozenset(entry.capabilities.enabled())
@@ -119,7 +132,7 @@ def registry_handles(settings: Settings) -> list[ModelHandle]:
         return []
     discovered = Path(settings.registry_discovered) if settings.registry_discovered else None
     registry = load_registry(Path(settings.registry), discovered)
-    return [_entry_handle(entry, settings) for entry in registry.entries]
+    return [entry_handle(entry, settings) for entry in registry.entries]
 
 
 def build_handles(settings: Settings) -> list[ModelHandle]:
