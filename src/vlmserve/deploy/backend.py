@@ -162,7 +162,8 @@ class RayBackend(Backend):
 
     async def _chunks(self, call: RayCall) -> AsyncIterator[Chunk]:
         prefix = list(call.request.prefix_token_ids)
-        sent: list[int] = []  # token ids this request has produced so far
+        sent: dict[int, list[int]] = {}  # token ids each choice has produced so far
+        finished: set[int] = set()  # choices that ended
         continuations = 0
         self.streaming[call.replica] += 1
         try:
@@ -172,12 +173,14 @@ class RayBackend(Backend):
                         if kind == ERROR:
                             raise decode_error(value)
                         if kind == CHUNK:
-                            sent.extend(value.token_ids)
+                            sent.setdefault(value.index, []).extend(value.token_ids)
+                            if value.finish_reason is not None:
+                                finished.add(value.index)
                             yield value
                     return
                 except LOST as exc:
                     continuations += 1
-                    if continuations > self.max_continuations or _choices(call.request) > 1:
+                    if continuations > self.max_continuations:
                         raise ServiceUnavailable(
                             f"the replica of {self.model_id!r} generating this answer died and "
                             "it cannot be continued; send the request again",
@@ -188,17 +191,41 @@ class RayBackend(Backend):
                         "continuing on another replica",
                         self.model_id,
                         call.replica,
-                        len(sent),
+                        sum(map(len, sent.values())),
                         type(exc).__name__,
                     )
-                    again = dataclasses.replace(call.request, prefix_token_ids=prefix + sent)
+                    self.continued += 1
+                    if _choices(call.request) > 1:
+                        async for chunk in self._split(call.request, sent, finished):
+                            yield chunk
+                        return
+                    again = dataclasses.replace(
+                        call.request, prefix_token_ids=prefix + sent.get(0, [])
+                    )
                     self.streaming[call.replica] -= 1
                     call = await self._open(again)
                     self.streaming[call.replica] += 1
-                    self.continued += 1
         finally:
             self.streaming[call.replica] -= 1
             call.stream.cancel()  # a no-op once it ended; else the replica stops the sequence
+
+    async def _split(
+        self, request: GenerateRequest, sent: dict[int, list[int]], finished: set[int]
+    ) -> AsyncIterator[Chunk]:
+        """An ``n`` > 1 stream whose replica died: each unfinished choice goes on as a request
+        of its own (``n`` = 1, seed + i as choice i samples with, its tokens as the prefix), and
+        their chunks come back under the choice's index."""
+        opened: list[tuple[int, RayCall]] = []
+        try:
+            for i in range(_choices(request)):
+                if i not in finished:
+                    opened.append((i, await self._open(_one_choice(request, i, sent.get(i, [])))))
+        except BaseException:
+            for _, call in opened:
+                call.stream.cancel()
+            raise
+        async for chunk in merge_choices([(i, self._chunks(call)) for i, call in opened]):
+            yield chunk
 
     # --- embeddings ------------------------------------------------------------------------
     async def embed(self, items: list[EmbedInput]) -> np.ndarray:
@@ -242,3 +269,41 @@ class RayBackend(Backend):
 def _choices(request: GenerateRequest) -> int:
     """``n`` of the request: several choices' tokens cannot be continued as one prefix."""
     return int(getattr(request.sampling, "n", 1) or 1)
+
+
+def _one_choice(request: GenerateRequest, index: int, tokens: list[int]) -> GenerateRequest:
+    """Choice ``index`` of ``request`` as a request of its own, continuing after ``tokens``."""
+    seed = request.sampling.seed
+    sampling = dataclasses.replace(
+        request.sampling, n=1, seed=None if seed is None else seed + index
+    )
+    return dataclasses.replace(request, request_id=f"{request.request_id}-choice{index}",
+                               sampling=sampling, prefix_token_ids=list(tokens))  # fmt: skip
+
+
+async def merge_choices(streams: list[tuple[int, AsyncIterator[Chunk]]]) -> AsyncIterator[Chunk]:
+    """The chunks of several one-choice streams as they come, each under its choice's index.
+    The first error ends the merge (the others are closed); closing it closes them all."""
+    queue: asyncio.Queue[Chunk | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put(dataclasses.replace(chunk, index=index))
+            await queue.put(None)
+        except Exception as exc:
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in streams]
+    try:
+        for _ in range(len(tasks)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]

@@ -161,3 +161,15 @@ async def test_each_choice_follows_the_response_format_with_its_own_grammar_stat
     for i in range(3):
         assert finish[i] is FinishReason.STOP
         assert isinstance(json.loads(texts[i])["n"], int)
+
+
+async def test_a_choice_continues_alone_after_its_own_tokens(backend: HFChatBackend) -> None:
+    """What the Ray ingress does when an n > 1 stream's replica dies: choice i goes on as a
+    request of its own with seed + i and its tokens so far as the prefix."""
+    got = await choices(backend, request("Tell a story", seed=40, n=2, **SAMPLED))
+    for i, cut in ((0, 3), (1, 9)):
+        alone = request("Tell a story", seed=40 + i, **SAMPLED)
+        alone.prefix_token_ids = got[i]["tokens"][:cut]
+        rest = await choices(backend, alone)
+        assert rest[0]["tokens"] == got[i]["tokens"][cut:]
+        assert rest[0]["completion"] == 16  # counted from the choice's start, as before
