@@ -180,3 +180,27 @@ async def test_merge_raises_the_first_error_and_closes_the_others() -> None:
         async for chunk in merge_choices([(0, fine()), (1, broken())]):
             seen.append(chunk.index)
     assert 1 in seen and closed == [0]
+
+
+@pytest.mark.parametrize("die_after", [0, 2])
+async def test_a_one_choice_stream_goes_on_after_its_own_tokens(die_after: int) -> None:
+    reference = await answer(backend(Handle(die_after=10**6, deaths=0)), request(1, seed=3))
+    handle = Handle(die_after=die_after)
+    b = backend(handle)
+    assert await answer(b, request(1, seed=3)) == reference
+    assert handle.requests[1].prefix_token_ids == reference[0][:die_after]
+    assert handle.requests[1].sampling.seed == 3 and b.continued == 1
+    assert b.describe()["streams_by_replica"] == {}  # every stream counted out again
+
+
+@pytest.mark.parametrize(("deaths", "ends"), [(3, "complete"), (4, "503")])
+async def test_a_stream_is_continued_at_most_max_continuations_times(
+    deaths: int, ends: str
+) -> None:
+    b = backend(Handle(die_after=1, deaths=deaths))
+    if ends == "complete":
+        assert len((await answer(b, request(1, seed=None)))[0]) == MAX_TOKENS
+        return
+    with pytest.raises(ServiceUnavailable) as info:
+        await answer(b, request(1, seed=None))
+    assert info.value.retry_after == 1 and b.describe()["streams_by_replica"] == {}
