@@ -35,7 +35,7 @@ from vlmserve.gateway.pool import PoolPolicy, Replica, ReplicaPool
 __all__ = ["UpstreamBackend", "UpstreamConfig", "UpstreamError", "UpstreamStream"]
 
 log = logging.getLogger(__name__)
-# An uncompressed stream: its bytes are read as they come (``_body``), with no decoder between.
+# An uncompressed stream: its bytes are read as they come, with no decoder between.
 _STREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
