@@ -136,7 +136,7 @@ async def test_a_connect_that_hangs_is_retryable_after_connect_timeout() -> None
     assert 0.15 < asyncio.get_running_loop().time() - started < 5
 
 
-async def test_more_streams_at_once_than_aiohttps_default_pool(client: UpstreamHTTP) -> None:
+async def test_more_streams_at_once_than_aiohttps_default_pool() -> None:
     gate = asyncio.Event()
 
     class Held(httpx.AsyncByteStream):
