@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from ray import exceptions as ray_errors
 
-from vlmserve.deploy.backend import RayBackend, merge_choices
+from vlmserve.deploy.backend import RayBackend
 from vlmserve.deploy.wire import CHUNK, READY
+from vlmserve.engine.choices import merge_choices
 from vlmserve.engine.types import (
     Chunk,
     FinishReason,

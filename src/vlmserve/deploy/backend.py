@@ -33,6 +33,7 @@ from ray.serve import exceptions as serve_errors
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from vlmserve.deploy.wire import CHUNK, ERROR, READY, decode_error
+from vlmserve.engine.choices import merge_choices
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import Chunk, EmbedInput, GenerateRequest, ModelState, Serves
 from vlmserve.errors import Overloaded, ServiceUnavailable
@@ -279,31 +280,3 @@ def _one_choice(request: GenerateRequest, index: int, tokens: list[int]) -> Gene
     )
     return dataclasses.replace(request, request_id=f"{request.request_id}-choice{index}",
                                sampling=sampling, prefix_token_ids=list(tokens))  # fmt: skip
-
-
-async def merge_choices(streams: list[tuple[int, AsyncIterator[Chunk]]]) -> AsyncIterator[Chunk]:
-    """The chunks of several one-choice streams as they come, each under its choice's index.
-    The first error ends the merge (the others are closed); closing it closes them all."""
-    queue: asyncio.Queue[Chunk | BaseException | None] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
-        try:
-            async for chunk in stream:
-                await queue.put(dataclasses.replace(chunk, index=index))
-            await queue.put(None)
-        except Exception as exc:
-            await queue.put(exc)
-
-    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in streams]
-    try:
-        for _ in range(len(tasks)):
-            while (item := await queue.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for _, stream in streams:
-            await stream.aclose()  # type: ignore[attr-defined]

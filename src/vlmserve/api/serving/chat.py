@@ -14,7 +14,13 @@ from vlmserve.api.protocol.chat import ChatCompletionRequest, StreamOptions
 from vlmserve.api.protocol.responses import CompletionIds, chunk_json, delta_of, usage
 from vlmserve.api.serving.choices import Answer, Usage, choice_chunk
 from vlmserve.api.serving.convert import Converter
-from vlmserve.api.serving.generation import Generation, open_generation, sent_token_ids
+from vlmserve.api.serving.generation import (
+    Generation,
+    open_generation,
+    sent_by_choice,
+    sent_token_ids,
+)
+from vlmserve.engine.choices import merge_choices
 from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, FinishReason
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
 from vlmserve.registry.manager import Lease, ModelManager
@@ -31,7 +37,7 @@ def _new_ids(model: str) -> CompletionIds:
 
 async def _emits(
     chunks: AsyncIterator[Chunk], ids: CompletionIds, options: StreamOptions | None, first: bool,
-    n: int = 1,
+    n: int = 1, ended: dict[int, int] | None = None,
 ) -> AsyncIterator[Emit]:  # fmt: skip
     """Engine chunks -> OpenAI ``chat.completion.chunk`` events (token ids kept in meta),
     each under its choice's index, with its tokens' logprobs when asked for.
@@ -39,13 +45,15 @@ async def _emits(
     ``stream_options``: ``include_usage`` adds a final usage-only chunk (OpenAI; with
     ``n`` > 1 once, after every choice finished, completion tokens summed);
     ``continuous_usage_stats`` puts the running usage on every content chunk too (vLLM).
+    ``ended``: choices of a continued stream that had finished before it stopped, with their
+    completion tokens (they count in the usage chunk but produce nothing more).
     """
     include_usage = bool(options and options.include_usage)
     running = bool(options and options.continuous_usage_stats)
     if first:
         for index in range(n):
             yield Emit(choice_chunk(ids, index, {"role": "assistant", "content": ""}))
-    counts, finished = Usage(), 0
+    counts, finished = Usage(completion=dict(ended or {})), len(ended or {})
     async for c in chunks:
         counts.add(c)
         if c.text or c.token_ids or c.reasoning or c.tool_calls:
@@ -60,13 +68,14 @@ async def _emits(
                 yield Emit(choice_chunk(ids, 0, None, usage_=counts.body()))
 
 
-async def _leased(lease: Lease, emits: AsyncIterator[Emit]) -> AsyncIterator[Emit]:
-    """Hold the model lease for as long as the stream produces (no idle unload meanwhile)."""
+async def _leased(leases: list[Lease], emits: AsyncIterator[Emit]) -> AsyncIterator[Emit]:
+    """Hold the model leases for as long as the stream produces (no idle unload meanwhile)."""
     try:
         async for emit in emits:
             yield emit
     finally:
-        lease.release()
+        for lease in leases:
+            lease.release()
 
 
 def _on_cancel(ids: CompletionIds) -> Any:
@@ -141,7 +150,7 @@ class ChatService:
                       "created": ids.created, "model": ids.model}  # fmt: skip
             emits = _emits(generation.chunks, ids, body.stream_options, first=True, n=body.n)
             await self.sessions.start(
-                session_id, record, _leased(generation.lease, emits),
+                session_id, record, _leased([generation.lease], emits),
                 on_cancel=_on_cancel(ids), on_error=_on_error, aliases=[ids.id],
             )  # fmt: skip
         except BaseException:
@@ -151,20 +160,53 @@ class ChatService:
 
     async def resume(self, record: SessionRecord, events: list[Event]) -> Resumption | None:
         """After a restart: continue a stored generation after exactly the tokens already sent
-        (the SessionManager's resumer; None when it cannot be continued)."""
+        (the SessionManager's resumer; None when it cannot be continued). An ``n`` > 1 stream
+        goes on choice by choice (``engine/choices.py``)."""
         stored = record.request
         try:
             body = ChatCompletionRequest.model_validate(stored["body"])
-            if body.n > 1:  # the stored token ids do not say which choice they belong to
-                raise ValueError("a stream of n > 1 choices cannot be continued")
-            generation = await self.open_generation(
-                body, f"resume-{record.session_id}", model=stored["model"],
-                resume_after=sent_token_ids(events),
-            )  # fmt: skip
+            if body.n > 1:
+                opened, ended = await self._reopen_choices(record, body, events)
+            else:
+                generation = await self.open_generation(
+                    body, f"resume-{record.session_id}", model=stored["model"],
+                    resume_after=sent_token_ids(events),
+                )  # fmt: skip
+                opened, ended = [(0, generation)], {}
         except (KeyError, VlmserveError, ValueError) as exc:
             log.warning("cannot continue session %s: %s", record.session_id, exc)
             return None
         ids = CompletionIds(id=stored["id"], created=stored["created"], model=stored["model"])
-        emits = _emits(generation.chunks, ids, body.stream_options, first=not events)
-        return Resumption(producer=_leased(generation.lease, emits), on_cancel=_on_cancel(ids),
+        chunks = opened[0][1].chunks if body.n == 1 else merge_choices(
+            [(i, generation.chunks) for i, generation in opened]
+        )  # fmt: skip
+        emits = _emits(chunks, ids, body.stream_options, first=not events, n=body.n, ended=ended)
+        leases = [generation.lease for _, generation in opened]
+        return Resumption(producer=_leased(leases, emits), on_cancel=_on_cancel(ids),
                           on_error=_on_error)  # fmt: skip
+
+    async def _reopen_choices(
+        self, record: SessionRecord, body: ChatCompletionRequest, events: list[Event]
+    ) -> tuple[list[tuple[int, Generation]], dict[int, int]]:
+        """Each unfinished choice of a stored ``n`` > 1 stream as a generation of its own
+        (``n`` = 1, ``seed + i``, its own tokens as the prefix), and the finished choices with
+        their completion tokens."""
+        tokens, finished = sent_by_choice(events)
+        if len(finished) >= body.n:
+            raise ValueError("every choice had ended; nothing is left to generate")
+        opened: list[tuple[int, Generation]] = []
+        try:
+            for i in range(body.n):
+                if i in finished:
+                    continue
+                seed = None if body.seed is None else body.seed + i
+                alone = body.model_copy(update={"n": 1, "seed": seed})
+                opened.append((i, await self.open_generation(
+                    alone, f"resume-{record.session_id}-choice{i}",
+                    model=record.request["model"], resume_after=tokens.get(i, []),
+                )))  # fmt: skip
+        except BaseException:
+            for _, generation in opened:
+                await generation.abandon()
+            raise
+        return opened, {i: len(tokens.get(i, [])) for i in finished}

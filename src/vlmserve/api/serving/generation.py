@@ -10,6 +10,7 @@ Responses API and the task endpoints all go through it.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, GenerateRequest, 
 from vlmserve.errors import UnsupportedFeature
 from vlmserve.registry.manager import Lease, ModelManager
 
-__all__ = ["Generation", "open_generation", "sent_token_ids"]
+__all__ = ["Generation", "open_generation", "sent_by_choice", "sent_token_ids"]
 
 
 @dataclass(slots=True)
@@ -50,6 +51,33 @@ class Generation:
 def sent_token_ids(events: list[Any]) -> list[int]:
     """The token ids a stored stream's events carry (what a client already has)."""
     return [t for e in events if e.meta for t in e.meta.get("token_ids", [])]
+
+
+def sent_by_choice(events: list[Any]) -> tuple[dict[int, list[int]], set[int]]:
+    """An ``n`` > 1 stream's stored events: the token ids each choice has sent (by index) and
+    the choices that already ended (their ``finish_reason`` chunk was sent)."""
+    tokens: dict[int, list[int]] = {}
+    finished: set[int] = set()
+    for event in events:
+        choice = _first_choice(event.data)
+        if choice is None:
+            continue
+        index = int(choice.get("index", 0))
+        tokens.setdefault(index, []).extend((event.meta or {}).get("token_ids", []))
+        if choice.get("finish_reason") is not None:
+            finished.add(index)
+    return tokens, finished
+
+
+def _first_choice(data: str) -> dict[str, Any] | None:
+    """The one choice of a ``chat.completion.chunk`` event (None: another kind of event)."""
+    try:
+        choices = json.loads(data).get("choices")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    return choices[0]
 
 
 async def open_generation(
