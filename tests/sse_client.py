@@ -92,3 +92,16 @@ def read_events(
 
 def text_of(events: list[SSEEvent]) -> str:
     return "".join(e.content for e in events)
+
+
+def texts_by_choice(events: list[SSEEvent]) -> dict[int, tuple[str, str | None]]:
+    """Each choice's text and finish reason (a stream of ``n`` > 1 choices)."""
+    out: dict[int, tuple[str, str | None]] = {}
+    for event in events:
+        if event.data == "[DONE]" or event.event == "error":
+            continue
+        for choice in event.json.get("choices") or []:
+            text, reason = out.get(choice["index"], ("", None))
+            content = (choice.get("delta") or {}).get("content") or ""
+            out[choice["index"]] = (text + content, choice.get("finish_reason") or reason)
+    return out

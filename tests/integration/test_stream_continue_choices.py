@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from sse_client import SSEEvent, read_events
+from sse_client import texts_by_choice as choices
 from support import MODEL
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,18 +36,6 @@ def body(**extra: Any) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
         **extra,
     }
-
-
-def choices(events: list[SSEEvent]) -> dict[int, tuple[str, str | None]]:
-    """Each choice's text and finish reason."""
-    out: dict[int, tuple[str, str | None]] = {}
-    for event in events:
-        for choice in _chunk_choices(event):
-            text, reason = out.get(choice["index"], ("", None))
-            delta = choice.get("delta") or {}
-            out[choice["index"]] = (text + (delta.get("content") or ""),
-                                    choice.get("finish_reason") or reason)  # fmt: skip
-    return out
 
 
 def _chunk_choices(event: SSEEvent) -> list[dict[str, Any]]:

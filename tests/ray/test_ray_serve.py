@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sse_client import SSEEvent, iter_events, read_events, text_of
+from sse_client import SSEEvent, iter_events, read_events, text_of, texts_by_choice
 from support import free_port
 from vlmserve.testing.media import data_url, image_bytes
 
@@ -204,17 +204,22 @@ def _start_streams(ray_serve: RayServe, pool: ThreadPoolExecutor, n: int) -> lis
     return futures
 
 
+# One choice, and two sampled choices (each goes on after its own tokens with seed + i).
+CHOICES = {"one choice": {}, "two choices": {"n": 2, "temperature": 1.0, "seed": 20261125}}
+
+
+@pytest.mark.parametrize("extra", CHOICES.values(), ids=list(CHOICES))
 def test_a_stream_whose_ingress_replica_died_is_continued_by_the_other(
-    ray_serve: RayServe,
+    ray_serve: RayServe, extra: dict[str, Any]
 ) -> None:
     with httpx.Client(base_url=ray_serve.url, timeout=120) as c:
-        reference, _ = read_events(c, "POST", "/v1/chat/completions", json=long_body())
+        reference, _ = read_events(c, "POST", "/v1/chat/completions", json=long_body(**extra))
     with (
         httpx.Client(base_url=ray_serve.url, timeout=120) as c,
         c.stream(
             "POST",
             "/v1/chat/completions",
-            json=long_body(),
+            json=long_body(**extra),
             headers={"Accept": "text/event-stream"},
         ) as started,
     ):
@@ -237,7 +242,8 @@ def test_a_stream_whose_ingress_replica_died_is_continued_by_the_other(
             time.sleep(0.5)  # routed to the dead replica before Serve noticed
     assert rest is not None, "the stream was not continued"
     assert_complete(first + rest)
-    assert text_of(first + rest) == text_of(reference)
+    assert texts_by_choice(first + rest) == texts_by_choice(reference)
+    assert len(texts_by_choice(reference)) == extra.get("n", 1)
     assert len(ray_serve.replicas("ingress", running=2)) == 2  # Ray replaced the dead one
 
 
