@@ -6,8 +6,9 @@ Up to ``_IN_FLIGHT`` events of a session are on their way to the store at once (
 group commit writes them together, in order), so a store's commit latency does not hold the
 producer back token by token; the terminal event waits for all of them. With a store whose
 ``append`` never waits (memory), an event is published inline: no task, no shield, no commit
-future per event (the default worker and the gateway run on it). Generation never
-waits for listeners. When the last listener leaves, a timer of
+future per event (the default worker and the gateway run on it); with one that takes events
+without a coroutine (SQLite's ``append_nowait``), the commit's future publishes the event from
+its done callback: no task per event. Generation never waits for listeners. When the last listener leaves, a timer of
 ``cancel_after_disconnect`` seconds is armed; a new listener disarms it.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -34,6 +36,7 @@ from vlmserve.streaming.events import (
     gap_event,
 )
 from vlmserve.streaming.rowgate import RowGate
+from vlmserve.streaming.signal import Signal
 from vlmserve.streaming.store.base import SessionStore
 
 __all__ = ["Session", "SessionOptions"]
@@ -57,7 +60,7 @@ class Session:
     listeners: int = 0
     finished_at: float | None = None  # time.time() when the terminal event was published
     ring: deque[Event] = field(init=False)
-    _cond: asyncio.Condition = field(init=False)
+    _changed: Signal = field(default_factory=Signal)  # an event published, or the end
     _producer: AsyncIterator[Emit] | None = None
     _on_cancel: OnCancel | None = None
     _on_error: OnError | None = None
@@ -75,7 +78,6 @@ class Session:
 
     def __post_init__(self) -> None:
         self.ring = deque(maxlen=max(1, self.options.ring_size))
-        self._cond = asyncio.Condition()
         self._instant = bool(getattr(self.store, "instant", False))
 
     @property
@@ -158,7 +160,8 @@ class Session:
         self._issued = index
         event = Event(index, emit.data, emit.event, emit.meta, terminal=final is not None)
         if self._instant and not self._pending:  # the memory store: nothing to wait for
-            await self._publish(event, final)
+            await self.store.append(self.session_id, event)
+            self._publish(event, final)
             await asyncio.sleep(0)  # listeners read before the next event, as below
             return
         publishing = self._start_publish(event, final)
@@ -187,18 +190,32 @@ class Session:
         return self._begin(event, final)
 
     def _begin(self, event: Event, final: SessionState | None) -> asyncio.Future[None]:
-        return asyncio.ensure_future(self._publish(event, final))
+        """The event's commit; once it is done (and before anyone awaiting it resumes) the
+        event is published. A store with ``append_nowait`` (SQLite) takes the event without a
+        task or a coroutine per event."""
+        append_nowait = getattr(self.store, "append_nowait", None)
+        if append_nowait is not None:
+            committing: asyncio.Future[None] = append_nowait(self.session_id, event)
+        else:
+            committing = asyncio.ensure_future(self.store.append(self.session_id, event))
+        committing.add_done_callback(functools.partial(self._committed, event, final))
+        return committing
 
-    async def _publish(self, event: Event, final: SessionState | None) -> None:
-        await self.store.append(self.session_id, event)
+    def _committed(
+        self, event: Event, final: SessionState | None, commit: asyncio.Future[None]
+    ) -> None:
+        if not commit.cancelled() and commit.exception() is None:
+            self._publish(event, final)
+
+    def _publish(self, event: Event, final: SessionState | None) -> None:
+        """The event is stored (or needs no store): into the ring, and listeners woken."""
         self.ring.append(event)
         self.record.last_index = event.index
         self.record.updated_at = time.time()
         if final is not None:  # whoever sees [DONE] sees the final state too
             self.record.state = final
             self.finished_at = self.record.updated_at
-        async with self._cond:
-            self._cond.notify_all()
+        self._changed.wake()
 
     async def finish(self, emits: list[Emit], state: SessionState) -> None:
         """Append ``emits`` and the terminal ``[DONE]`` event, then record ``state``."""
@@ -217,8 +234,7 @@ class Session:
 
     async def _end(self) -> None:
         self._ended = True
-        async with self._cond:
-            self._cond.notify_all()
+        self._changed.wake()
 
     def _error_emits(self, exc: BaseException) -> list[Emit]:
         logger.warning("session %s: producer failed: %r", self.session_id, exc)
@@ -285,8 +301,7 @@ class Session:
 
     async def wait(self) -> None:
         """Return once the session has ended (terminal event published, or closed)."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: self._ended)
+        await self._changed.until(lambda: self._ended)
 
     # -- listeners, timer, heartbeat ------------------------------------------------------
 
@@ -378,8 +393,7 @@ class Session:
         return events if events and events[0].index == nxt else None
 
     async def _wait_beyond(self, index: int) -> bool:
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.record.last_index > index or self._ended)
+        await self._changed.until(lambda: self.record.last_index > index or self._ended)
         return self.record.last_index > index
 
     def _gap(self, index: int) -> Event:

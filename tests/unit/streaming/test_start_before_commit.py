@@ -30,9 +30,9 @@ class GatedStore(SQLiteStore):
         await super().create(record)
         self.order.append(f"create {record.session_id}")
 
-    async def append(self, session_id: str, event: Event) -> None:
-        self.order.append(f"append {session_id} {event.index}")
-        await super().append(session_id, event)
+    def append_nowait(self, session_id: str, event: Event) -> asyncio.Future[None]:
+        self.order.append(f"append {session_id} {event.index}")  # ``append`` comes here too
+        return super().append_nowait(session_id, event)
 
 
 async def test_the_producer_runs_before_the_row_is_committed_and_events_follow_it(

@@ -43,13 +43,18 @@ class GroupCommit(Generic[T]):
 
     async def submit(self, item: T) -> None:
         """Queue ``item`` and wait until the write that carries it is done."""
+        await self.put(item)
+
+    def put(self, item: T) -> asyncio.Future[None]:
+        """Queue ``item``; the future is done when the write that carries it is (no task and
+        no coroutine per item: a session's events are handed over this way)."""
         loop = asyncio.get_running_loop()
         queue = self._queues.setdefault(loop, _Queue())
         done: asyncio.Future[None] = loop.create_future()
         queue.pending.append((item, done))
         if queue.draining is None:
             queue.draining = loop.create_task(self._drain(queue))
-        await done
+        return done
 
     async def _drain(self, queue: _Queue[T]) -> None:
         try:

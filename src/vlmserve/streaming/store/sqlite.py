@@ -57,16 +57,24 @@ CREATE TABLE IF NOT EXISTS aliases (
     session_id TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS aliases_by_session ON aliases (session_id);
+CREATE INDEX IF NOT EXISTS sessions_by_update ON sessions (updated_at);
+"""
+
+# Events in insertion (rowid) order with a (session, index) index: a group commit of one event
+# from each of many streams appends to the table's last page and touches only the index's
+# small entries. The first schema, ``PRIMARY KEY (session_id, idx) WITHOUT ROWID``, spread the
+# rows of concurrent streams over as many table pages (SQLite insert of one event per stream,
+# 8 streams: 15.6 us per row against 10.7). A file made with it is used as it is.
+_EVENTS = """
 CREATE TABLE IF NOT EXISTS events (
     session_id TEXT NOT NULL,
     idx        INTEGER NOT NULL,
     event      TEXT,
     data       TEXT NOT NULL,
     meta       TEXT,
-    terminal   INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (session_id, idx)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS sessions_by_update ON sessions (updated_at);
+    terminal   INTEGER NOT NULL DEFAULT 0
+);
+CREATE UNIQUE INDEX IF NOT EXISTS events_by_session ON events (session_id, idx);
 """
 
 
@@ -84,6 +92,8 @@ class SQLiteStore:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(_SCHEMA)
+        if not _has_table(self._conn, "events"):
+            self._conn.executescript(_EVENTS)
         self._conn.commit()
         self._appends: GroupCommit[_Item] = GroupCommit(self._append_rows)
         self._touched: dict[str, float] = {}  # session id -> when appends last set updated_at
@@ -97,6 +107,10 @@ class SQLiteStore:
         await self._appends.submit(record)
 
     async def append(self, session_id: str, event: Event) -> None:
+        await self.append_nowait(session_id, event)
+
+    def append_nowait(self, session_id: str, event: Event) -> asyncio.Future[None]:
+        """``append`` without a coroutine: the future is done once the event is committed."""
         row = (
             session_id,
             event.index,
@@ -105,7 +119,7 @@ class SQLiteStore:
             dump_meta(event.meta),
             int(event.terminal),
         )
-        await self._appends.submit(row)
+        return self._appends.put(row)
 
     async def _append_rows(self, items: list[_Item]) -> list[BaseException | None]:
         touch = self._to_touch(items)
@@ -236,6 +250,11 @@ def _insert_session(conn: sqlite3.Connection, record: SessionRecord) -> None:
         "INSERT INTO aliases VALUES (?, ?)",
         [(alias, record.session_id) for alias in record.aliases],
     )
+
+
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,))
+    return found.fetchone() is not None
 
 
 def _lookup(conn: sqlite3.Connection, name: str) -> SessionRecord | None:
