@@ -8,8 +8,8 @@ producer back token by token; the terminal event waits for all of them. With a s
 ``append`` never waits (memory), an event is published inline: no task, no shield, no commit
 future per event (the default worker and the gateway run on it); with one that takes events
 without a coroutine (SQLite's ``append_nowait``), the commit's future publishes the event from
-its done callback: no task per event. Generation never waits for listeners. When the last listener leaves, a timer of
-``cancel_after_disconnect`` seconds is armed; a new listener disarms it.
+its done callback. Generation never waits for listeners. When the last listener leaves, a
+timer of ``cancel_after_disconnect`` seconds is armed; a new listener disarms it.
 """
 
 from __future__ import annotations
