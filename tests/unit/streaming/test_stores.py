@@ -21,6 +21,7 @@ from vlmserve.streaming import (
 )
 
 pytestmark = pytest.mark.timeout(30)
+DONE_DATA = "[DONE]"
 
 
 def record(sid: str = "s1", aliases: tuple[str, ...] = ("a1",)) -> SessionRecord:
@@ -160,6 +161,44 @@ async def test_redis_keys_expire_after_ttl_refreshed_on_append(redis_store) -> N
     for kind, name in (("session", "s1"), ("events", "s1"), ("alias", "a1")):
         ttl = await client.ttl(f"{redis_store.prefix}:{kind}:{name}")
         assert 0 < ttl <= 60
+
+
+async def _calls(client, command: str) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def test_redis_an_event_is_one_xadd_and_the_record_is_refreshed_once_a_second(
+    redis_store,
+) -> None:
+    """A burst of appends writes each event, refreshes the session hash only with the first
+    (and the terminal) one, and ``get`` still reads the newest index at once."""
+    client = redis_store._redis
+    await redis_store.create(record())
+    xadds, hsets = await _calls(client, "xadd"), await _calls(client, "hset")
+    for i in range(20):
+        await redis_store.append("s1", Event(i, str(i)))
+    assert await _calls(client, "xadd") - xadds == 20
+    assert await _calls(client, "hset") - hsets == 1  # the first append's refresh only
+    assert (await redis_store.get("a1")).last_index == 19  # from the stream, not the hash
+    assert await client.hget(f"{redis_store.prefix}:session:s1", "last_index") == "0"
+    await redis_store.append("s1", Event(20, DONE_DATA, terminal=True))
+    assert await client.hget(f"{redis_store.prefix}:session:s1", "last_index") == "20"
+    await redis_store.set_state("s1", SessionState.FINISHED)
+    assert "s1" not in redis_store._touched and "s1" not in redis_store._aliases
+    assert (await redis_store.get("s1")).state is SessionState.FINISHED
+
+
+async def test_redis_appends_after_a_second_refresh_the_session_again(redis_store) -> None:
+    client = redis_store._redis
+    await redis_store.create(record())
+    await redis_store.append("s1", Event(0, "x"))
+    before = float(await client.hget(f"{redis_store.prefix}:session:s1", "updated_at"))
+    redis_store._touched["s1"] -= 1.0  # as if the last refresh were a second older
+    await redis_store.append("s1", Event(1, "y"))
+    after = float(await client.hget(f"{redis_store.prefix}:session:s1", "updated_at"))
+    assert after > before
+    assert await client.hget(f"{redis_store.prefix}:session:s1", "last_index") == "1"
 
 
 async def test_redis_rejects_a_duplicate_index(redis_store) -> None:
