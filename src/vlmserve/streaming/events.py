@@ -9,7 +9,7 @@ after a restart, replay or continue it.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -28,6 +28,7 @@ __all__ = [
     "error_emit",
     "error_event",
     "gap_event",
+    "ring_tail",
 ]
 
 DONE = "[DONE]"
@@ -117,3 +118,17 @@ class Resumption:
 
 # Given the stored record and its persisted events, continue the generation (or None).
 Resumer = Callable[[SessionRecord, list[Event]], Awaitable[Resumption | None]]
+
+
+def ring_tail(ring: Sequence[Event], last: int, nxt: int) -> list[Event] | None:
+    """The events from index ``nxt`` on in ``ring`` (ascending indices, the newest ``last``);
+    None when ``nxt`` is older than the ring holds."""
+    if nxt > last:
+        return []
+    first = ring[0].index if ring else last + 1
+    if nxt < first:
+        return None
+    n, k = len(ring), last - nxt + 1
+    if k <= n and ring[n - k].index == nxt:
+        return [ring[i] for i in range(n - k, n)]
+    return [e for e in ring if e.index >= nxt]  # past events a failed commit lost

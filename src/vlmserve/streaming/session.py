@@ -5,11 +5,10 @@ ring buffer, then wakes listeners; so anything a listener sees in the ring is al
 Up to ``_IN_FLIGHT`` events of a session are on their way to the store at once (the store's
 group commit writes them together, in order), so a store's commit latency does not hold the
 producer back token by token; the terminal event waits for all of them. With a store whose
-``append`` never waits (memory), an event is published inline: no task, no shield, no commit
-future per event (the default worker and the gateway run on it); with one that takes events
-without a coroutine (SQLite's ``append_nowait``), the commit's future publishes the event from
-its done callback. Generation never waits for listeners. When the last listener leaves, a
-timer of ``cancel_after_disconnect`` seconds is armed; a new listener disarms it.
+``append`` never waits (memory), an event is published inline: no task, shield or future per
+event; with SQLite (``append_nowait``) the commit's future publishes it from a done callback.
+Generation never waits for listeners. When the last listener leaves, a timer of
+``cancel_after_disconnect`` seconds is armed; a new listener disarms it.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from vlmserve.streaming.events import (
     SessionState,
     error_emit,
     gap_event,
+    ring_tail,
 )
 from vlmserve.streaming.rowgate import RowGate
 from vlmserve.streaming.signal import Signal
@@ -71,6 +71,7 @@ class Session:
     _pending: deque[asyncio.Future[None]] = field(default_factory=deque)  # commits in flight
     _issued: int | None = None  # the last index handed out (None: record.last_index)
     _store_error: BaseException | None = None  # a commit that failed in the background
+    _lost: tuple[int, int] | None = None  # a failed commit's index .. the last one issued then
     _finishing: bool = False  # the end (normal, cancel or error) has begun
     _ended: bool = False  # terminal published, or stopped for good without one (shutdown)
     _instant: bool = False  # the store's append completes at once (memory): publish inline
@@ -204,7 +205,12 @@ class Session:
     def _committed(
         self, event: Event, final: SessionState | None, commit: asyncio.Future[None]
     ) -> None:
-        if not commit.cancelled() and commit.exception() is None:
+        """Publish a committed event. After a failed commit, the events already on their way
+        are not published (a listener would get the text with a piece missing); the session's
+        ending events (issued later) are."""
+        if commit.cancelled() or commit.exception() is not None:
+            self._lost = self._lost or (event.index, self._issued or event.index)
+        elif self._lost is None or not self._lost[0] < event.index <= self._lost[1]:
             self._publish(event, final)
 
     def _publish(self, event: Event, final: SessionState | None) -> None:
@@ -378,15 +384,7 @@ class Session:
             self.detach()
 
     def _from_ring(self, nxt: int) -> list[Event] | None:
-        """Events from ``nxt`` on held in the ring; None when ``nxt`` is older than the ring."""
-        last = self.record.last_index
-        if nxt > last:
-            return []
-        first = self.ring[0].index if self.ring else last + 1
-        if nxt < first:
-            return None
-        n, k = len(self.ring), last - nxt + 1
-        return [self.ring[i] for i in range(n - k, n)]
+        return ring_tail(self.ring, self.record.last_index, nxt)
 
     async def _from_store(self, nxt: int) -> list[Event] | None:
         events = await self.store.events(self.session_id, nxt - 1)

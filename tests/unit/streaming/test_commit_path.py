@@ -1,0 +1,82 @@
+"""A durable session's events: published only once committed, and without a task each."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from session_fakes import stalled
+
+from vlmserve.streaming import DONE, Event, SessionManager, SessionState, SQLiteStore
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FailsAt(SQLiteStore):
+    """SQLite whose commit of event ``bad`` fails (a full disk, say); the others commit."""
+
+    def __init__(self, path: Path, bad: int) -> None:
+        super().__init__(path, ttl=60)
+        self.bad = bad
+
+    def append_nowait(self, session_id: str, event: Event) -> asyncio.Future[None]:
+        if event.index != self.bad:
+            return super().append_nowait(session_id, event)
+        failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        failed.set_exception(sqlite3.OperationalError("database or disk is full"))
+        return failed
+
+
+@pytest.mark.parametrize("waiting", [False, True], ids=["producing", "producer-waiting"])
+async def test_an_event_whose_commit_failed_is_never_sent_and_the_stream_ends_failed(
+    tmp_path: Path, producer, callbacks, drain, waiting: bool
+) -> None:
+    """Listeners never see the event the store lost; the session ends with the error event,
+    also when the producer was waiting for its next chunk (nothing else would end it)."""
+    store = FailsAt(tmp_path / "s.db", bad=5)
+    manager = SessionManager(store)
+    chunks = stalled(6)[1] if waiting else producer(40)
+    session = await manager.start("s1", {}, chunks, **callbacks)
+    events = await asyncio.wait_for(drain(manager.listen("s1")), 10)
+    sent = [json.loads(e.data).get("i") for e in events if e.data != DONE]
+    assert sent[:-1] == [0, 1, 2, 3, 4]  # nothing after the lost event 5 but the ending
+    assert [e.index for e in events] == sorted({e.index for e in events})
+    resumed = await asyncio.wait_for(drain(manager.listen("s1", after=3)), 10)
+    assert [e.index for e in resumed] == [4] + [e.index for e in events[-2:]]
+    assert events[-2].event == "error" and "disk is full" in events[-2].data
+    assert events[-1].data == DONE
+    await asyncio.wait_for(session.wait(), 5)
+    assert session.state is SessionState.FAILED
+    stored = [e.index for e in await store.events("s1", -1)]
+    assert 5 not in stored and stored[:5] == [0, 1, 2, 3, 4]
+    await manager.close()
+
+
+async def test_a_sqlite_session_makes_no_task_per_event(
+    sqlite_store: SQLiteStore, producer, callbacks, drain
+) -> None:
+    """Tasks: the producer's, the heartbeat's and one per group commit, not one per event."""
+    loop = asyncio.get_running_loop()
+    made = 0
+
+    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal made
+        made += 1
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        manager = SessionManager(sqlite_store)
+        session = await manager.start("s1", {}, producer(200), **callbacks)
+        events = await asyncio.wait_for(drain(manager.listen("s1")), 10)
+        await asyncio.wait_for(session.wait(), 5)
+    finally:
+        loop.set_task_factory(None)
+    assert len(events) == 201
+    writes = sqlite_store._appends.writes
+    assert writes < 100  # group commits carry several events
+    assert made <= writes + 10, f"{made} tasks for 201 events in {writes} commits"
+    await manager.close()
