@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +15,9 @@ from vlmserve.api.serving.choices import Answer, Usage, choice_chunk
 from vlmserve.api.serving.convert import Converter
 from vlmserve.api.serving.generation import (
     Generation,
+    SentChoices,
     open_generation,
+    seeded,
     sent_by_choice,
     sent_token_ids,
 )
@@ -56,16 +57,25 @@ async def _emits(
     counts, finished = Usage(completion=dict(ended or {})), len(ended or {})
     async for c in chunks:
         counts.add(c)
+        ending = _ending(c)  # in the meta: a stream cut right here is ended on resume
         if c.text or c.token_ids or c.reasoning or c.tool_calls:
             now = usage(c.prompt_tokens, c.completion_tokens) if running else None
             delta = delta_of(c.text, c.reasoning, c.tool_calls) or {"content": ""}
             content = choice_chunk(ids, c.index, delta, usage_=now, logprobs=c.logprobs)
-            yield Emit(content, meta={"token_ids": c.token_ids})
+            yield Emit(content, meta={"token_ids": c.token_ids, **ending})
         if c.finish_reason is not None:
             finished += 1
-            yield Emit(choice_chunk(ids, c.index, {}, c.finish_reason.value))
+            yield Emit(choice_chunk(ids, c.index, {}, c.finish_reason.value), meta=ending)
             if include_usage and finished >= n:
                 yield Emit(choice_chunk(ids, 0, None, usage_=counts.body()))
+
+
+def _ending(chunk: Chunk) -> dict[str, Any]:
+    """How a choice ended (stored with its last chunks; nothing while it goes on)."""
+    if chunk.finish_reason is None:
+        return {}
+    return {"finish_reason": chunk.finish_reason.value, "prompt_tokens": chunk.prompt_tokens,
+            "completion_tokens": chunk.completion_tokens}  # fmt: skip
 
 
 async def _leased(leases: list[Lease], emits: AsyncIterator[Emit]) -> AsyncIterator[Emit]:
@@ -139,10 +149,7 @@ class ChatService:
                 param="session_id",
                 code="session_exists",
             )
-        if body.seed is None and self.sessions.durable:
-            # A restarted server then continues a sampled stream as this run would have
-            # (the seed is stored with the request body in the session record).
-            body = body.model_copy(update={"seed": secrets.randbits(63)})
+        body = seeded(body, self.sessions.durable)
         generation = await self.open_generation(body, request_id)
         try:
             ids = _new_ids(generation.model_id)
@@ -161,52 +168,87 @@ class ChatService:
     async def resume(self, record: SessionRecord, events: list[Event]) -> Resumption | None:
         """After a restart: continue a stored generation after exactly the tokens already sent
         (the SessionManager's resumer; None when it cannot be continued). An ``n`` > 1 stream
-        goes on choice by choice (``engine/choices.py``)."""
+        goes on choice by choice (``engine/choices.py``); one whose choices had all ended gets
+        only what was left to send (the usage chunk)."""
         stored = record.request
         try:
             body = ChatCompletionRequest.model_validate(stored["body"])
-            if body.n > 1:
-                opened, ended = await self._reopen_choices(record, body, events)
-            else:
-                generation = await self.open_generation(
-                    body, f"resume-{record.session_id}", model=stored["model"],
-                    resume_after=sent_token_ids(events),
-                )  # fmt: skip
-                opened, ended = [(0, generation)], {}
+            ids = CompletionIds(id=stored["id"], created=stored["created"], model=stored["model"])
+            sent = sent_by_choice(events)
+            finishes = _unsent_finishes(ids, sent)
+            if sent.ended(body.n):
+                emits = _replay([*finishes, *_usage_owed(ids, body.stream_options, sent)])
+                return Resumption(producer=emits, on_cancel=_on_cancel(ids), on_error=_on_error)
+            opened = await self._reopen(record, body, events, sent)
         except (KeyError, VlmserveError, ValueError) as exc:
             log.warning("cannot continue session %s: %s", record.session_id, exc)
             return None
-        ids = CompletionIds(id=stored["id"], created=stored["created"], model=stored["model"])
         chunks = opened[0][1].chunks if body.n == 1 else merge_choices(
             [(i, generation.chunks) for i, generation in opened]
         )  # fmt: skip
-        emits = _emits(chunks, ids, body.stream_options, first=not events, n=body.n, ended=ended)
+        emits = _replay(finishes, _emits(chunks, ids, body.stream_options, first=not events,
+                                         n=body.n, ended=sent.completion))  # fmt: skip
         leases = [generation.lease for _, generation in opened]
         return Resumption(producer=_leased(leases, emits), on_cancel=_on_cancel(ids),
                           on_error=_on_error)  # fmt: skip
 
-    async def _reopen_choices(
-        self, record: SessionRecord, body: ChatCompletionRequest, events: list[Event]
-    ) -> tuple[list[tuple[int, Generation]], dict[int, int]]:
-        """Each unfinished choice of a stored ``n`` > 1 stream as a generation of its own
-        (``n`` = 1, ``seed + i``, its own tokens as the prefix), and the finished choices with
-        their completion tokens."""
-        tokens, finished = sent_by_choice(events)
-        if len(finished) >= body.n:
-            raise ValueError("every choice had ended; nothing is left to generate")
+    async def _reopen(
+        self, record: SessionRecord, body: ChatCompletionRequest, events: list[Event],
+        sent: SentChoices,
+    ) -> list[tuple[int, Generation]]:  # fmt: skip
+        """Each unfinished choice as a generation of its own: ``n`` = 1 as stored; for ``n`` > 1
+        ``n`` = 1, ``seed + i`` and that choice's own tokens as the prefix."""
+        if body.n == 1:
+            generation = await self.open_generation(
+                body, f"resume-{record.session_id}", model=record.request["model"],
+                resume_after=sent_token_ids(events),
+            )  # fmt: skip
+            return [(0, generation)]
         opened: list[tuple[int, Generation]] = []
         try:
             for i in range(body.n):
-                if i in finished:
+                if i in sent.completion:
                     continue
                 seed = None if body.seed is None else body.seed + i
                 alone = body.model_copy(update={"n": 1, "seed": seed})
                 opened.append((i, await self.open_generation(
                     alone, f"resume-{record.session_id}-choice{i}",
-                    model=record.request["model"], resume_after=tokens.get(i, []),
+                    model=record.request["model"], resume_after=sent.tokens.get(i, []),
                 )))  # fmt: skip
         except BaseException:
             for _, generation in opened:
                 await generation.abandon()
             raise
-        return opened, {i: len(tokens.get(i, [])) for i in finished}
+        return opened
+
+
+def _unsent_finishes(ids: CompletionIds, sent: SentChoices) -> list[Emit]:
+    """The finish chunks of choices that had ended (their last text chunk was stored, with
+    how they end in its meta) when the stream was cut, in index order."""
+    return [
+        Emit(choice_chunk(ids, i, {}, reason), meta={
+            "finish_reason": reason, "prompt_tokens": sent.prompt_tokens,
+            "completion_tokens": sent.completion[i],
+        })
+        for i, reason in sorted(sent.unsent_finish.items())
+    ]  # fmt: skip
+
+
+def _usage_owed(ids: CompletionIds, options: StreamOptions | None, sent: SentChoices) -> list[Emit]:
+    """What a stream whose choices had all ended still owes: its usage chunk, when asked for
+    and not stored yet (``ValueError`` when the stored events lack the prompt's count)."""
+    if not (options and options.include_usage) or sent.usage_sent:
+        return []
+    if sent.prompt_tokens is None:
+        raise ValueError("the stored finish chunks do not carry the token counts")
+    counts = usage(sent.prompt_tokens, sum(sent.completion.values()))
+    return [Emit(choice_chunk(ids, 0, None, usage_=counts))]
+
+
+async def _replay(head: list[Emit], rest: AsyncIterator[Emit] | None = None) -> AsyncIterator[Emit]:
+    """``head``, then what ``rest`` yields."""
+    for emit in head:
+        yield emit
+    if rest is not None:
+        async for emit in rest:
+            yield emit

@@ -11,9 +11,10 @@ Responses API and the task endpoints all go through it.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vlmserve.api.metrics import Metrics
@@ -24,7 +25,14 @@ from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, GenerateRequest, 
 from vlmserve.errors import UnsupportedFeature
 from vlmserve.registry.manager import Lease, ModelManager
 
-__all__ = ["Generation", "open_generation", "sent_by_choice", "sent_token_ids"]
+__all__ = [
+    "Generation",
+    "SentChoices",
+    "open_generation",
+    "seeded",
+    "sent_by_choice",
+    "sent_token_ids",
+]
 
 
 @dataclass(slots=True)
@@ -48,36 +56,79 @@ class Generation:
         self.lease.release()
 
 
+def seeded(body: ChatCompletionRequest, durable: bool) -> ChatCompletionRequest:
+    """The body with a random seed when it has none and its stream is stored: a restarted
+    server then continues a sampled stream as this run would have (the seed is stored with
+    the request body in the session record)."""
+    if body.seed is not None or not durable:
+        return body
+    return body.model_copy(update={"seed": secrets.randbits(63)})
+
+
 def sent_token_ids(events: list[Any]) -> list[int]:
     """The token ids a stored stream's events carry (what a client already has)."""
     return [t for e in events if e.meta for t in e.meta.get("token_ids", [])]
 
 
-def sent_by_choice(events: list[Any]) -> tuple[dict[int, list[int]], set[int]]:
-    """An ``n`` > 1 stream's stored events: the token ids each choice has sent (by index) and
-    the choices that already ended (their ``finish_reason`` chunk was sent)."""
-    tokens: dict[int, list[int]] = {}
-    finished: set[int] = set()
+@dataclass(slots=True)
+class SentChoices:
+    """What a stored stream's events say about its choices (``sent_by_choice``)."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # token ids sent, by index
+    completion: dict[int, int] = field(default_factory=dict)  # ended choices: their tokens
+    prompt_tokens: int | None = None  # from a finish chunk's meta (None: not stored)
+    usage_sent: bool = False  # the usage-only chunk was stored
+    unsent_finish: dict[int, str] = field(default_factory=dict)  # ended; finish chunk not stored
+
+    def ended(self, n: int) -> bool:
+        return len(self.completion) >= n
+
+
+def sent_by_choice(events: list[Any]) -> SentChoices:
+    """A stored stream's events: the token ids each choice has sent (by index), the choices
+    that already ended (their ``finish_reason`` chunk was sent, with the counts ``_emits``
+    keeps in its meta) and whether the final usage chunk went out."""
+    sent = SentChoices()
     for event in events:
-        choice = _first_choice(event.data)
-        if choice is None:
+        chunk = _chunk(event.data)
+        choices = chunk.get("choices") if chunk else None
+        if not isinstance(choices, list):
             continue
-        index = int(choice.get("index", 0))
-        tokens.setdefault(index, []).extend((event.meta or {}).get("token_ids", []))
-        if choice.get("finish_reason") is not None:
-            finished.add(index)
-    return tokens, finished
+        if not choices:
+            sent.usage_sent = sent.usage_sent or bool(chunk and chunk.get("usage"))
+            continue
+        _fold(sent, int(choices[0].get("index", 0)), choices[0].get("finish_reason"), event.meta)
+    return sent
 
 
-def _first_choice(data: str) -> dict[str, Any] | None:
-    """The one choice of a ``chat.completion.chunk`` event (None: another kind of event)."""
+def _fold(sent: SentChoices, index: int, finish: str | None, meta: dict[str, Any] | None) -> None:
+    """One stored chunk of choice ``index``: its tokens, and whether it ended (its finish
+    chunk, or the last text chunk whose meta says how the choice ends)."""
+    meta = meta or {}
+    sent.tokens.setdefault(index, []).extend(meta.get("token_ids", []))
+    reason = finish or meta.get("finish_reason")
+    if reason is None:
+        return
+    sent.completion[index] = int(meta.get("completion_tokens", len(sent.tokens[index])))
+    sent.prompt_tokens = meta.get("prompt_tokens", sent.prompt_tokens)
+    if finish is None:
+        sent.unsent_finish[index] = reason
+    else:
+        sent.unsent_finish.pop(index, None)
+
+
+def _chunk(data: str) -> dict[str, Any] | None:
+    """A ``chat.completion.chunk`` event's JSON (None: another kind of event)."""
     try:
-        choices = json.loads(data).get("choices")
-    except (ValueError, AttributeError):
+        chunk = json.loads(data)
+    except ValueError:
         return None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    if not isinstance(chunk, dict):
         return None
-    return choices[0]
+    choices = chunk.get("choices")
+    if isinstance(choices, list) and choices and not isinstance(choices[0], dict):
+        return None
+    return chunk
 
 
 async def open_generation(

@@ -31,6 +31,7 @@ from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.protocol.responses_api import ResponsesRequest
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.files import FilesService
+from vlmserve.api.serving.generation import seeded
 from vlmserve.api.serving.responses_convert import (
     assistant_message,
     check_supported,
@@ -127,7 +128,7 @@ class ResponsesService:
         """Validate, prepare (every 4xx before a byte is sent), then run it as a session."""
         check_supported(body)
         conversation, files = await self._conversation(body, owner)
-        chat_body = to_chat_request(body, conversation)
+        chat_body = seeded(to_chat_request(body, conversation), self.sessions.durable)
         try:
             generation = await self.chat.open_generation(chat_body, request_id)
         except VlmserveError as exc:
@@ -167,7 +168,7 @@ class ResponsesService:
         """``store: false``, not streamed: ChatService's JSON answer, as a Response."""
         check_supported(body)
         conversation, _ = await self._conversation(body, owner)
-        chat_body = to_chat_request(body, conversation)
+        chat_body = seeded(to_chat_request(body, conversation), self.sessions.durable)
         try:
             answer = await self.chat.complete(chat_body, request_id, priority=priority)
         except VlmserveError as exc:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vlmserve.api.protocol.responses import sse_json
@@ -109,6 +109,7 @@ class ResponseLog:
     reasoning: str = ""
     sent: set[str] = field(default_factory=set)
     final: dict[str, Any] | None = None  # the response object of the terminal event
+    closing: dict[str, Any] | None = None  # how it was ending (a closing event's meta)
     foreign_error: dict[str, Any] | None = None  # a session error event (server_restart, gap)
 
     @classmethod
@@ -131,6 +132,8 @@ class ResponseLog:
         self.next_seq = event.index + 1
         if event.terminal:
             return
+        if event.meta and "closing" in event.meta:
+            self.closing = event.meta["closing"]
         data = json.loads(event.data)
         kind = event.event or ""
         self._mark(kind, data)
@@ -188,11 +191,11 @@ class ResponseLog:
         if not self._opened("reasoning") or self._closed("reasoning"):
             return []
         where = self._reasoning_where()
-        return [
-            self._emit("response.reasoning_text.done", **where, text=self.reasoning),
-            self._emit("response.output_item.done", output_index=0,
-                       item=self._reasoning_item("completed", self.reasoning)),
+        emits = [] if "response.reasoning_text.done" in self.sent else [
+            self._emit("response.reasoning_text.done", **where, text=self.reasoning)
         ]  # fmt: skip
+        item = self._reasoning_item("completed", self.reasoning)
+        return [*emits, self._emit("response.output_item.done", output_index=0, item=item)]
 
     def _open_message(self) -> list[Emit]:
         if self._opened("message"):
@@ -238,12 +241,16 @@ class ResponseLog:
         if self._opened("reasoning") and not self._opened("message"):
             return self._close_reasoning()  # cut off while thinking: no message
         emits = self._open_message()  # an empty answer is still a message
-        return [*emits,
-            self._emit("response.output_text.done", **self._where(), text=self.text, logprobs=[]),
-            self._emit("response.content_part.done", **self._where(), part=_part(self.text)),
-            self._emit("response.output_item.done", output_index=self._message_index(),
-                       item=self._item(item_status, self.text)),
-        ]  # fmt: skip
+        closing = {  # each only once (a stream continued after a restart may have sent some)
+            "response.output_text.done": lambda: self._emit(
+                "response.output_text.done", **self._where(), text=self.text, logprobs=[]),
+            "response.content_part.done": lambda: self._emit(
+                "response.content_part.done", **self._where(), part=_part(self.text)),
+            "response.output_item.done:message": lambda: self._emit(
+                "response.output_item.done", output_index=self._message_index(),
+                item=self._item(item_status, self.text)),
+        }  # fmt: skip
+        return [*emits, *(make() for kind, make in closing.items() if kind not in self.sent)]
 
     def response(self, status: str, usage_: dict[str, Any] | None = None,
                  error: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
@@ -266,18 +273,36 @@ class ResponseLog:
 
     def _end(self, status: str, usage_: dict[str, Any] | None = None,
              error: dict[str, str] | None = None) -> list[Emit]:  # fmt: skip
+        if self.final is not None:
+            return []
         item_status = "completed" if status == "completed" else "incomplete"
         emits = self._close(item_status)
         final = self.response(status, usage_, error)
         emits.append(self._emit(FINAL_EVENTS[status], response=final))
         self.final = final
-        return emits
+        closing = {"status": status, "usage": usage_, "error": error}
+        # how to end it again if a kill cuts it short here (``end_again``)
+        return [replace(e, meta={**(e.meta or {}), "closing": closing}) for e in emits]
+
+    def end_again(self) -> list[Emit]:
+        """The closing events a stream cut short while ending had not stored yet."""
+        if self.closing is None:
+            return []
+        return self._end(self.closing["status"], self.closing.get("usage"),
+                         self.closing.get("error"))  # fmt: skip
 
     def finish(self, chunk: Chunk) -> list[Emit]:
         """The closing events after the engine's last chunk."""
+        ending = self.ending(chunk)
+        return self._end(ending["status"], ending["usage"])
+
+    @staticmethod
+    def ending(chunk: Chunk) -> dict[str, Any]:
+        """How the engine's last chunk ends the response (the closing events' meta, also
+        kept with that chunk's own text events: ``end_again`` reads it back)."""
         assert chunk.finish_reason is not None
-        status = _STATUS[chunk.finish_reason]
-        return self._end(status, usage(chunk.prompt_tokens, chunk.completion_tokens))
+        return {"status": _STATUS[chunk.finish_reason], "error": None,
+                "usage": usage(chunk.prompt_tokens, chunk.completion_tokens)}  # fmt: skip
 
     def on_cancel(self) -> list[Emit]:
         return self._end("cancelled")

@@ -4,6 +4,7 @@ generation (``ChatService.open_generation``: lease, queue place, prepare, metric
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from vlmserve.api.protocol.chat import ChatCompletionRequest
@@ -28,20 +29,29 @@ async def produce(log: ResponseLog, generation: Generation) -> AsyncIterator[Emi
                 emits += log.delta(chunk.text, [] if emits else pending)
             if emits:
                 pending = []
+            if chunk.finish_reason is not None:  # a stream cut after its text ends on resume
+                closing = {"closing": log.ending(chunk)}
+                emits = [replace(e, meta={**(e.meta or {}), **closing}) for e in emits]
+                emits += log.finish(chunk)
             for emit in emits:
                 yield emit
-            if chunk.finish_reason is not None:
-                for emit in log.finish(chunk):
-                    yield emit
     finally:
         generation.lease.release()
 
 
 async def resumption(chat: ChatService, request: dict[str, Any], events: list[Event],
                      session_id: str) -> Resumption:  # fmt: skip
-    """Continue a stored response after a restart, after exactly the tokens already sent."""
+    """Continue a stored response after a restart, after exactly the tokens already sent (or,
+    cut short while ending, with the closing events it had not stored yet)."""
+    log = ResponseLog.restore(request, events)
+    if log.closing is not None or log.final is not None:
+        return Resumption(_replay(log.end_again()), log.on_cancel, log.on_error)
     body = ChatCompletionRequest.model_validate(request["body"])
     generation = await chat.open_generation(body, f"resume-{session_id}",
                                             resume_after=sent_token_ids(events))  # fmt: skip
-    log = ResponseLog.restore(request, events)
     return Resumption(produce(log, generation), log.on_cancel, log.on_error)
+
+
+async def _replay(emits: list[Emit]) -> AsyncIterator[Emit]:
+    for emit in emits:
+        yield emit
