@@ -3,7 +3,8 @@
 Pinned: a fatal engine error ends every request of the model (running, waiting, streaming)
 within a second with an error in the OpenAI shape, ``/health`` and ``/admin/state`` show it,
 and the model is reloaded and serves again; a poison request fails alone while its
-companions finish; degenerate sampling values are a 200 or a 4xx, never a 5xx.
+companions finish; a request out of memory is a 503 ``out_of_memory`` to retry, the engine
+lives; degenerate sampling values are a 200 or a 4xx, never a 5xx.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from support import MODEL, make_settings
 from vlmserve.api.app import build_app
@@ -164,6 +166,37 @@ async def test_a_poison_request_fails_alone_while_the_others_finish(
         got = r.json()["choices"][0]["message"]["content"]
         assert got == expected["choices"][0]["message"]["content"]
     assert backend.state.value == "ready" and backend.engine is engine  # no reload
+    assert backend.engine_failures == 0
+
+
+async def test_a_request_out_of_memory_is_a_503_to_retry_and_the_engine_lives(
+    app_client: tuple[httpx.AsyncClient, ModelManager],
+) -> None:
+    client, models = app_client
+    backend = backend_of(models)
+    engine = backend.engine
+    assert engine is not None
+    prefill = engine._prefill_forward
+
+    def short(items: list[Any]) -> list[int]:  # a prompt too big for the memory left
+        if any("HUGE" in str(s.prepared.request.messages) for s, _ in items):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return prefill(items)
+
+    engine._prefill_forward = short  # type: ignore[method-assign]
+    failed, events, fine = await asyncio.gather(
+        client.post("/v1/chat/completions", json=chat("HUGE")),
+        stream_events(client, chat("HUGE stream")),
+        client.post("/v1/chat/completions", json=chat("a normal one")),
+    )
+    assert failed.status_code == 503, failed.text
+    assert failed.headers["Retry-After"]
+    error = failed.json()["error"]
+    assert error["code"] == "out_of_memory" and error["type"] == "service_unavailable"
+    assert "other requests were not affected" in error["message"]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "out_of_memory"
+    assert fine.status_code == 200, fine.text
+    assert backend.state.value == "ready" and backend.engine is engine
     assert backend.engine_failures == 0
 
 

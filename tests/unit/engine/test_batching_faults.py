@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from vlmserve.engine.hf.batching import EngineFailed, RequestFailed
+from vlmserve.engine.hf.batching import EngineFailed, OutOfMemory, RequestFailed
 from vlmserve.engine.hf.batching.engine import BatchEngine
+from vlmserve.engine.hf.batching.faults import out_of_memory
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.lifecycle import ModelState
 from vlmserve.engine.hf.loading import LoadOptions
@@ -158,6 +160,70 @@ async def test_a_sampled_token_outside_the_vocabulary_fails_its_row_before_the_e
     assert len(got[0]) == 16
     assert isinstance(got[1], RequestFailed)
     assert engine.failure is None
+
+
+# --- running out of memory: a 503 for the request, never a dead engine ---------------------------
+CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes"
+
+
+async def test_a_request_out_of_memory_even_alone_gets_a_503_and_the_others_go_on(
+    backend: HFChatBackend,
+) -> None:
+    engine = engine_of(backend)
+    reqs = [request(f"companion {i}", max_tokens=12 + i) for i in range(3)]
+    alone = [await tokens(backend, r) for r in reqs]
+    decode = engine._decode_forward
+
+    def short(seqs: list[Any]) -> list[int]:
+        if is_poison(seqs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return decode(seqs)
+
+    engine._decode_forward = short  # type: ignore[method-assign]
+    got = await outcomes(backend, [reqs[0], request("POISON big"), *reqs[1:]])
+    assert isinstance(got[1], OutOfMemory), got[1]
+    assert got[1].status_code == 503 and got[1].code == "out_of_memory"
+    assert got[1].retry_after and "retry" in got[1].message.lower()
+    assert [got[0], got[2], got[3]] == alone
+    assert backend.state is ModelState.READY and engine.failure is None
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill", "embed"])
+async def test_every_row_out_of_memory_alone_is_no_engine_failure(
+    backend: HFChatBackend, phase: str
+) -> None:
+    """Unlike any other error (test below), every row of a batch failing alone for memory
+    says the memory is short, not that the engine is broken: each gets its 503, the engine
+    and the model stay up and serve the next request."""
+    engine = engine_of(backend)
+    after = await tokens(backend, request("after", max_tokens=8))
+    short = {"on": True}
+
+    def starved(original: Any) -> Any:
+        def run(*args: Any) -> Any:
+            if short["on"]:
+                raise RuntimeError(CPU_OOM)  # what the CPU allocator raises
+            return original(*args)
+
+        return run
+
+    target = {"decode": "_decode_forward", "prefill": "_prefill_forward"}.get(phase)
+    if target is None:
+        engine.embedder.build = starved(engine.embedder.build)  # type: ignore[method-assign]
+    else:
+        setattr(engine, target, starved(getattr(engine, target)))
+    got = await outcomes(backend, [request(f"r{i}", max_tokens=8) for i in range(3)])
+    assert all(isinstance(g, OutOfMemory) for g in got), got
+    assert backend.state is ModelState.READY and engine.failure is None
+    short["on"] = False
+    assert await tokens(backend, request("after", max_tokens=8)) == after
+
+
+def test_what_counts_as_out_of_memory() -> None:
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert out_of_memory(RuntimeError(CPU_OOM))
+    assert not out_of_memory(RuntimeError("shape mismatch"))
+    assert not out_of_memory(MemoryError("KV cache: 3 blocks needed, 0 free"))
 
 
 # --- fatal errors: everyone, at once ------------------------------------------------------------

@@ -10,7 +10,15 @@ into prompt embeddings, skipping the vision tower for content it has seen.
 
 from vlmserve.engine.hf.batching.architectures import supports
 from vlmserve.engine.hf.batching.engine import END, BatchEngine
-from vlmserve.engine.hf.batching.faults import EngineFailed, RequestFailed
+from vlmserve.engine.hf.batching.faults import EngineFailed, OutOfMemory, RequestFailed
 from vlmserve.engine.hf.batching.vision_cache import VisionCache
 
-__all__ = ["END", "BatchEngine", "EngineFailed", "RequestFailed", "VisionCache", "supports"]
+__all__ = [
+    "END",
+    "BatchEngine",
+    "EngineFailed",
+    "OutOfMemory",
+    "RequestFailed",
+    "VisionCache",
+    "supports",
+]

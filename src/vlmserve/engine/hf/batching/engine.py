@@ -33,6 +33,7 @@ from vlmserve.engine.hf.batching.detok_fast import fast_decoder
 from vlmserve.engine.hf.batching.faults import (
     EngineFailed,
     EngineStateError,
+    out_of_memory,
     request_error,
     retry_alone,
 )
@@ -237,10 +238,18 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         try:
             return items, forward(items)
         except Exception as exc:
+            self._after_oom(exc)
             return retry_alone(forward, items, exc, self._fail_alone)
+
+    def _after_oom(self, exc: BaseException) -> None:
+        """After a failed allocation on CUDA, give the allocator's cached blocks back so the
+        retries (each row alone) start from unfragmented memory."""
+        if out_of_memory(exc) and self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _fail_alone(self, item: Any, exc: BaseException) -> bool:
         """Fail a row found to be the cause; False when it had already left the batch."""
+        self._after_oom(exc)
         seq = item[0] if isinstance(item, tuple) else item
         if seq.status is not SeqStatus.RUNNING:
             return False
