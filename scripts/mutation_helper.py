@@ -46,6 +46,8 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/unit/gateway/test_proxy_bytes.py",
     ],
     "src/vlmserve/streaming/store/*.py": ["tests/unit/streaming"],
+    "src/vlmserve/engine/hf/batching/faults.py": ["tests/unit/engine/test_batching_faults.py"],
+    "src/vlmserve/engine/hf/batching/kv_cache.py": ["tests/unit/engine/test_paged_kv.py"],
     "src/vlmserve/engine/hf/batching/*.py": [
         "tests/unit/engine/test_batching.py",
         "tests/unit/engine/test_sampler*.py",

@@ -23,6 +23,7 @@ from test_batching import make_backend, request, run
 from vlmserve.engine.hf.batching.block_manager import NULL_BLOCK, BlockManager
 from vlmserve.engine.hf.batching.engine import END
 from vlmserve.engine.hf.batching.kv_cache import KVBudget, PagedKVCache
+from vlmserve.engine.hf.batching.profile import activation_peak, dummy_prefill
 from vlmserve.engine.hf.batching.scheduler import Scheduler
 from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
 from vlmserve.engine.hf.chat import HFChatBackend
@@ -96,6 +97,22 @@ def test_a_budget_below_two_blocks_is_refused_naming_the_setting() -> None:
 def test_the_auto_budget_is_bounded_on_cpu() -> None:
     budget = KVBudget.plan(None, 4096, 16, CPU)
     assert 0 < budget.budget <= 4 * 2**30
+
+
+def test_the_cuda_budget_is_what_the_utilization_leaves_less_a_prefills_activations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gib, mib = 2**30, 2**20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 16 * gib))
+    cuda = torch.device("cuda")
+    budget = KVBudget.plan(None, mib, 16, cuda, utilization=0.8, reserve=gib)
+    assert budget.budget == int(10 * gib - 0.2 * 16 * gib) - gib  # 5.8 GiB
+    assert budget.num_blocks == budget.budget // mib
+    assert KVBudget.plan(None, mib, 16, cuda, utilization=0.5).budget == 2 * gib
+    assert KVBudget.plan(3 * mib, mib, 16, cuda, reserve=gib).budget == 3 * mib  # as set
+    with pytest.raises(ValueError, match="GPU_MEMORY_UTILIZATION") as refused:
+        KVBudget.plan(None, mib, 16, cuda, utilization=0.5, reserve=2 * gib)
+    assert "1024.0 MiB" not in str(refused.value) and "2048.0 MiB kept for" in str(refused.value)
 
 
 def test_a_request_that_can_never_fit_is_a_400_naming_budget_and_setting() -> None:
@@ -280,3 +297,23 @@ async def test_a_preempted_row_cancelled_while_waiting_ends_its_stream_as_cancel
     assert not engine.scheduler.waiting and seq.status is SeqStatus.FINISHED
     assert items[-1] is END
     assert [c.finish_reason for c in items[:-1]] == [FinishReason.CANCELLED]
+
+
+def test_the_profiling_prefill_runs_on_its_own_cache_and_gives_the_runner_its_own_back(
+    ample: HFChatBackend,
+) -> None:
+    assert ample.engine is not None
+    runner = ample.engine.runner
+    own = runner.cache
+    logits = dummy_prefill(runner, 300, 16)  # more tokens than a block, not a whole number
+    assert logits.shape == (1, ample.engine.vocab) and torch.isfinite(logits).all()
+    assert runner.cache is own
+    assert activation_peak(runner, 300, 16) == 0  # measured on CUDA only
+
+
+def test_gpu_memory_utilization_reaches_the_engine(tiny_dir: Path) -> None:
+    backend = make_backend(tiny_dir, gpu_memory_utilization=0.55)
+    try:
+        assert backend.engine is not None and backend.engine.paging.utilization == 0.55
+    finally:
+        backend.close()

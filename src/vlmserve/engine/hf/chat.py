@@ -97,7 +97,7 @@ class HFChatBackend(HFModel):
             vision_cache_bytes=c.vision_cache_bytes, stream_interval=c.stream_interval,
             submit=lambda fn: self._executor.submit(fn), model_id=self.model_id,
             on_fatal=self._engine_failed, kv_cache_bytes=c.kv_cache_bytes or None,
-            logprobs_mode=c.logprobs_mode,
+            logprobs_mode=c.logprobs_mode, gpu_memory_utilization=c.gpu_memory_utilization,
         )  # fmt: skip
 
     def capabilities(self) -> frozenset[str] | None:

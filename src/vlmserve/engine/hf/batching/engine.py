@@ -38,7 +38,7 @@ from vlmserve.engine.hf.batching.faults import (
     retry_alone,
 )
 from vlmserve.engine.hf.batching.gauges import EngineGauges, StepTimer
-from vlmserve.engine.hf.batching.kv_cache import DEFAULT_BLOCK_SIZE
+from vlmserve.engine.hf.batching.kv_cache import DEFAULT_BLOCK_SIZE, GPU_MEMORY_UTILIZATION
 from vlmserve.engine.hf.batching.lifecycle import EngineLifecycle
 from vlmserve.engine.hf.batching.outbox import END, Outbox
 from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging
@@ -80,6 +80,7 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         kv_cache_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         logprobs_mode: str = "raw",
+        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     ):
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
@@ -89,8 +90,10 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         vocab = int(model.config.get_text_config().vocab_size)
         self.vocab = vocab
         self.sampler = Sampler(vocab, eos_ids, logprobs_mode)
-        # the KV budget (None/0: kv_cache.auto_budget), allocated once, in blocks
-        self.paging = KVPaging(self.runner, kv_cache_bytes, block_size)
+        # the KV budget (None/0: kv_cache.auto_budget less a prefill's activations on CUDA),
+        # allocated once, in blocks
+        self.paging = KVPaging(self.runner, kv_cache_bytes, block_size, gpu_memory_utilization,
+                               max_prefill_tokens=max_num_batched_tokens)  # fmt: skip
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks)
         self.model_id = model_id  # in messages

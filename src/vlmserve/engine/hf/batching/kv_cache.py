@@ -51,17 +51,19 @@ def _available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def auto_budget(device: torch.device) -> int:
+def auto_budget(device: torch.device, utilization: float = GPU_MEMORY_UTILIZATION) -> int:
     """The KV budget when none is set: on CPU min(4 GiB, 1/4 of available RAM) (vLLM's
     ``VLLM_CPU_KVCACHE_SPACE`` is a fixed 4 GiB); on CUDA what ``mem_get_info`` says is
-    free beyond 10% of the card (the weights are loaded already)."""
+    free beyond ``1 - utilization`` of the card (``--gpu-memory-utilization``; the weights are
+    loaded already, so they count in it)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return max(0, int(free - (1 - GPU_MEMORY_UTILIZATION) * total))
+        return max(0, int(free - (1 - utilization) * total))
     return int(min(CPU_BUDGET_CAP, CPU_BUDGET_RAM_FRACTION * _available_ram()))
 
 
 _SETTING = "--kv-cache-memory / VLMSERVE_KV_CACHE_MEMORY"
+_GPU_SETTING = "--gpu-memory-utilization / VLMSERVE_GPU_MEMORY_UTILIZATION"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,18 +77,16 @@ class KVBudget:
 
     @classmethod
     def plan(
-        cls, requested: int | None, block_bytes: int, block_size: int, device: torch.device
-    ) -> KVBudget:
-        """``requested`` bytes (None or 0: ``auto_budget``) -> whole blocks. At least two
-        (the null block and one), else a ``ValueError`` naming the setting."""
-        budget = int(requested) if requested else auto_budget(device)
+        cls, requested: int | None, block_bytes: int, block_size: int, device: torch.device,
+        utilization: float = GPU_MEMORY_UTILIZATION, reserve: int = 0,
+    ) -> KVBudget:  # fmt: skip
+        """``requested`` bytes (None or 0: ``auto_budget`` less ``reserve``, the profiled
+        activation peak) -> whole blocks. At least two (the null block and one), else a
+        ``ValueError`` naming the setting."""
+        budget = int(requested) if requested else max(0, auto_budget(device, utilization) - reserve)
         num_blocks = budget // block_bytes
         if num_blocks < 2:
-            raise ValueError(
-                f"KV cache budget of {_mib(budget)} MiB is too small: a block of {block_size} "
-                f"tokens takes {block_bytes} bytes and at least 2 are needed; raise {_SETTING} "
-                "(bytes)"
-            )
+            raise ValueError(_too_small(budget, block_bytes, block_size, device, reserve))
         return cls(budget, block_size, block_bytes, num_blocks)
 
     @property
@@ -112,6 +112,17 @@ class KVBudget:
             param="max_tokens",
             code="kv_cache_too_small",
         )
+
+
+def _too_small(budget: int, block_bytes: int, block_size: int, device: torch.device,
+               reserve: int) -> str:  # fmt: skip
+    settings = _SETTING + (f", or {_GPU_SETTING}" if device.type == "cuda" else "")
+    reserved = f" (after {_mib(reserve)} MiB kept for a prefill's activations)" if reserve else ""
+    return (
+        f"KV cache budget of {_mib(budget)} MiB{reserved} is too small: a block of "
+        f"{block_size} tokens takes {block_bytes} bytes and at least 2 are needed; raise "
+        f"{settings}"
+    )
 
 
 def _mib(n: int) -> str:

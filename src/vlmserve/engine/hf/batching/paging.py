@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from vlmserve.engine.hf.batching.block_manager import BlockManager
-from vlmserve.engine.hf.batching.kv_cache import KVBudget
+from vlmserve.engine.hf.batching.kv_cache import GPU_MEMORY_UTILIZATION, KVBudget
+from vlmserve.engine.hf.batching.profile import activation_peak
 from vlmserve.engine.hf.batching.runner import DecoderRunner
 from vlmserve.engine.hf.batching.sequence import Sequence
 
@@ -28,11 +29,21 @@ NOT_SAMPLED = -1  # a forward's "token" for a row that is recomputing tokens it 
 
 
 class KVPaging:
-    def __init__(self, runner: DecoderRunner, kv_cache_bytes: int | None, block_size: int):
+    def __init__(
+        self, runner: DecoderRunner, kv_cache_bytes: int | None, block_size: int,
+        utilization: float = GPU_MEMORY_UTILIZATION, max_prefill_tokens: int = 0,
+    ) -> None:  # fmt: skip
+        """``kv_cache_bytes`` None: the automatic budget, less (on CUDA) the activations of
+        a ``max_prefill_tokens`` prefill (``profile.activation_peak``)."""
         self.runner = runner
+        self.utilization = utilization
+        reserve = 0
+        if not kv_cache_bytes and max_prefill_tokens > 0:
+            reserve = activation_peak(runner, max_prefill_tokens, block_size)
         self.budget = KVBudget.plan(
-            kv_cache_bytes, runner.block_bytes(block_size), block_size, runner.device
-        )
+            kv_cache_bytes, runner.block_bytes(block_size), block_size, runner.device,
+            utilization=utilization, reserve=reserve,
+        )  # fmt: skip
         runner.allocate_cache(self.budget.num_blocks, block_size)
         self.blocks = BlockManager(self.budget.num_blocks, block_size)
 
