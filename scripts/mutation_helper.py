@@ -48,6 +48,17 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     "src/vlmserve/streaming/store/*.py": ["tests/unit/streaming"],
     "src/vlmserve/engine/hf/batching/faults.py": ["tests/unit/engine/test_batching_faults.py"],
     "src/vlmserve/engine/hf/batching/kv_cache.py": ["tests/unit/engine/test_paged_kv.py"],
+    "src/vlmserve/engine/hf/batching/block_manager.py": [
+        "tests/unit/engine/test_block_books.py",
+        "tests/unit/engine/test_prefix_cache.py",
+        "tests/unit/engine/test_paged_kv.py",
+    ],
+    "src/vlmserve/engine/hf/batching/prefix.py": ["tests/unit/engine/test_prefix_cache.py"],
+    "src/vlmserve/engine/hf/batching/scheduler.py": [
+        "tests/unit/engine/test_scheduler*.py",
+        "tests/unit/engine/test_block_books.py",
+        "tests/unit/engine/test_prefix_cache.py",
+    ],
     "src/vlmserve/engine/hf/batching/*.py": [
         "tests/unit/engine/test_batching.py",
         "tests/unit/engine/test_sampler*.py",

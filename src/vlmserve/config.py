@@ -56,6 +56,13 @@ class ModelConfig(BaseSettings):
     reasoning_parser: str | None = None  # None: the server's --reasoning-parser
     tool_call_parser: str | None = None
     chat_template: str | None = None  # a .jinja file or the template; None: the server's
+    kv_cache_memory: int | None = Field(default=None, ge=0)  # this model's KV budget; 0 auto
+    enable_prefix_caching: bool | None = None  # None: the server's --enable-prefix-caching
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> object:
+        return parse_size(value) if isinstance(value, str) else value
 
     @property
     def served_name(self) -> str:
@@ -118,6 +125,7 @@ class Settings(BaseSettings):
     # the RAM (docs/engine.md), on GPU what --gpu-memory-utilization leaves after the weights
     kv_cache_memory: int = Field(default=0, ge=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    enable_prefix_caching: bool = False  # reuse the K/V of a prompt's cached full blocks
     embed_max_batch_size: int = Field(default=16, ge=1)  # embedding items in one forward pass
     embed_batch_wait_ms: float = Field(default=5.0, ge=0)  # wait for concurrent requests
 

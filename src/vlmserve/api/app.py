@@ -125,7 +125,8 @@ def _scrape(metrics: Metrics, models: ModelManager) -> Any:
         running, waiting, usage = _load_numbers(h)
         metrics.set_load(h.name, running=running, waiting=waiting, usage=usage)
         stats = h.backend.stats()
-        metrics.set_kv_cache(h.name, preemptions=stats.preemptions, nbytes=stats.kv_cache_bytes)
+        metrics.set_kv_cache(h.name, preemptions=stats.preemptions, nbytes=stats.kv_cache_bytes,
+                             prefix=stats.prefix_cache)  # fmt: skip
         metrics.set_engine(
             h.name, step_seconds=stats.step_seconds or {}, weights_bytes=stats.weights_bytes,
             device_memory_bytes=stats.device_memory_bytes,

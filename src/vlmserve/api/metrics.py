@@ -84,7 +84,15 @@ class Metrics:
         self.kv_cache_bytes = make(
             Gauge, "kv_cache_bytes", "memory allocated for the KV cache (the budget)", ["model"]
         )
-        self._seen_preemptions: dict[str, int] = {}
+        self.prefix_queries = make(
+            Counter, "prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+            ["model"],
+        )  # fmt: skip
+        self.prefix_hits = make(
+            Counter, "prefix_cache_hits", "prompt tokens whose K/V came from the prefix cache",
+            ["model"],
+        )  # fmt: skip
+        self._seen: dict[tuple[str, str], int] = {}  # running totals read at the last scrape
         self._add_vllm_aliases()
 
     def _add_vllm_aliases(self) -> None:
@@ -198,14 +206,23 @@ class Metrics:
         self.vllm_waiting.labels(model_name=model).set(waiting)
         self.vllm_cache_usage.labels(model_name=model).set(usage)
 
-    def set_kv_cache(self, model: str, *, preemptions: int, nbytes: int) -> None:
-        """The engine's running total of preemptions (a counter: only increases are added;
-        a reloaded engine starts again from 0) and its KV cache size."""
-        seen = self._seen_preemptions.get(model, 0)
-        if preemptions > seen:
-            self.preemptions.labels(model=model).inc(preemptions - seen)
-        self._seen_preemptions[model] = preemptions
+    def set_kv_cache(self, model: str, *, preemptions: int, nbytes: int,
+                     prefix: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
+        """The engine's running totals of preemptions and of prefix-cache (queried, hit)
+        tokens, and its KV cache size."""
+        self._add_total("preemptions", model, preemptions)
+        self._add_total("prefix_queries", model, prefix[0])
+        self._add_total("prefix_hits", model, prefix[1])
         self.kv_cache_bytes.labels(model=model).set(nbytes)
+
+    def _add_total(self, counter: str, model: str, total: int) -> None:
+        """The counter attribute ``counter`` fed from an engine's running total: only
+        increases are added (a reloaded engine starts again from 0)."""
+        key = (counter, model)
+        seen = self._seen.get(key, 0)
+        if total > seen:
+            getattr(self, counter).labels(model=model).inc(total - seen)
+        self._seen[key] = total
 
     def set_engine(
         self,

@@ -106,7 +106,10 @@ HELP = {
     "kv_cache_memory": (ENGINE, "KV cache budget per model: bytes or a size (512MiB, 4GiB); "
                                 "0 = auto (docs/engine.md). A prompt that can never fit is a "
                                 "400."),
-    "gpu_memory_utilization": (ENGINE, "Share of the GPU a model may use (weights + KV cache)."),
+    "gpu_memory_utilization": (ENGINE, "Share of the GPU a model may use: weights, KV cache "
+                                       "and a prefill's activations (measured at load)."),
+    "enable_prefix_caching": (ENGINE, "Reuse the K/V of prompts' cached full blocks (a shared "
+                                      "system prompt, the same image again): less prefill."),
     "max_tokens": (REQUESTS, "`max_tokens` of a request that gives none."),
     "temperature": (REQUESTS, "`temperature` of a request that gives none."),
     "max_body_bytes": (REQUESTS, "Request body limit (413 before parsing)."),
@@ -176,6 +179,8 @@ def command(
     stream_interval: Annotated[Int, _opt("stream_interval")] = None,
     kv_cache_memory: Annotated[Str, _opt("kv_cache_memory")] = None,
     gpu_memory_utilization: Annotated[Float, _opt("gpu_memory_utilization")] = None,
+    enable_prefix_caching: Annotated[Bool, _opt("enable_prefix_caching",
+                                                "--enable-prefix-caching")] = None,
     max_tokens: Annotated[Int, _opt("max_tokens")] = None,
     temperature: Annotated[Float, _opt("temperature")] = None,
     max_body_bytes: Annotated[Int, _opt("max_body_bytes")] = None,

@@ -208,6 +208,7 @@ class Chunk:
     # top_logprobs}); None when the request did not ask for logprobs
     logprobs: list[dict[str, Any]] | None = None
     index: int = 0  # the choice this chunk belongs to (``n`` > 1)
+    cached_tokens: int | None = None  # prompt tokens from the prefix cache (None: not caching)
 
     def merged(self, then: Chunk) -> Chunk:
         """This chunk followed by ``then`` (same choice) as one chunk."""
@@ -223,6 +224,7 @@ class Chunk:
             reasoning=self.reasoning + then.reasoning,
             tool_calls=(self.tool_calls or []) + (then.tool_calls or []) or None,
             logprobs=logprobs,
+            cached_tokens=then.cached_tokens,
             index=self.index,
         )
 
@@ -248,6 +250,7 @@ class BackendStats:
     waiting: int | None = None
     kv_usage: float = 0.0
     preemptions: int = 0
+    prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens (queried, hit) in the prefix cache
     kv_cache_bytes: int = 0
     vision_cache: dict[str, int] | None = None
     processor_cache: dict[str, int] | None = None

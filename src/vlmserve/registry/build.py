@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from vlmserve.config import ModelConfig, Settings
 from vlmserve.engine.configs import ChatEngineConfig, EmbedConfig
@@ -61,9 +62,20 @@ def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
         settings,
         reasoning_parser=cfg.reasoning_parser or settings.reasoning_parser,
         tool_call_parser=cfg.tool_call_parser or settings.tool_call_parser,
+        **_per_model(cfg),
     )
     check_parser_names(config.reasoning_parser, config.tool_call_parser)
     return HFChatBackend(cfg.served_name, options, config)
+
+
+def _per_model(cfg: ModelConfig) -> dict[str, Any]:
+    """The engine settings a ``[[models]]`` table (or registry entry) sets for its model."""
+    changes: dict[str, Any] = {}
+    if cfg.kv_cache_memory is not None:
+        changes["kv_cache_bytes"] = cfg.kv_cache_memory
+    if cfg.enable_prefix_caching is not None:
+        changes["prefix_caching"] = cfg.enable_prefix_caching
+    return changes
 
 
 def hf_handle(cfg: ModelConfig, settings: Settings) -> ModelHandle:

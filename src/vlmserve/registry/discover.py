@@ -28,8 +28,10 @@ _VIDEO_FILES = ("video_preprocessor_config.json",)
 def discover(root: Path) -> list[ModelEntry]:
     """One entry per checkpoint directory under ``root``, sorted by name."""
     found = {}
-    for config in sorted(root.glob("config.json")) + sorted(root.glob("*/config.json")) + sorted(
-        root.glob("*/*/config.json")
+    for config in (
+        sorted(root.glob("config.json"))
+        + sorted(root.glob("*/config.json"))
+        + sorted(root.glob("*/*/config.json"))
     ):
         entry = _entry(root, config.parent)
         if entry is not None:

@@ -215,6 +215,8 @@ class ModelEntry(_Strict):
     reasoning_parser: str | None = None  # hf entries: as --reasoning-parser, for this model
     tool_call_parser: str | None = None
     chat_template: str | None = None  # hf entries: as --chat-template (a file or the text)
+    kv_cache_memory: int | str | None = None  # hf entries: this model's KV budget (bytes/size)
+    enable_prefix_caching: bool | None = None  # hf entries: as --enable-prefix-caching
     # written by `registry discover` (facts about the files, for people and tools)
     architecture: str | None = None
     quantization: str | None = None
@@ -316,6 +318,8 @@ class ModelEntry(_Strict):
             reasoning_parser=self.reasoning_parser,
             tool_call_parser=self.tool_call_parser,
             chat_template=self.chat_template,
+            kv_cache_memory=self.kv_cache_memory,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
 

@@ -49,14 +49,14 @@ def test_the_invariant_check_names_what_is_wrong() -> None:
     a: list[int] = []
     blocks.allocate(a, 4)
     blocks.check([a])  # consistent: passes
-    with pytest.raises(AssertionError, match="overlap or hold free blocks"):
-        blocks.check([a, list(a)])  # a block owned twice
-    with pytest.raises(AssertionError, match="overlap or hold free blocks"):
+    with pytest.raises(AssertionError, match="reference counts disagree"):
+        blocks.check([a, list(a)])  # a block owned twice, but counted once
+    with pytest.raises(AssertionError, match="overlap the free blocks or hold the null one"):
         blocks.check([a, [NULL_BLOCK]])  # the null block is never owned
-    with pytest.raises(AssertionError, match="overlap or hold free blocks"):
+    with pytest.raises(AssertionError, match="overlap the free blocks or hold the null one"):
         blocks.check([a, [blocks.free[-1]]])  # owned and free at once
     blocks.free.pop()  # a block lost from the books
-    with pytest.raises(AssertionError, match="1 owned \\+ 2 free != 4"):
+    with pytest.raises(AssertionError, match="1 owned \\+ 2 spare != 4"):
         blocks.check([a])
 
 

@@ -29,9 +29,7 @@ async def encode_video(worker: WorkerDep, body: EncodeVideoRequest) -> Embedding
 @router.post("/encode-text")
 async def encode_text(worker: WorkerDep, body: EncodeTextRequest) -> EmbeddingResponse:
     """Embed a search query for retrieving video clips."""
-    return EmbeddingResponse(
-        embedding=await worker.encode_text(body.text, body.model)
-    )
+    return EmbeddingResponse(embedding=await worker.encode_text(body.text, body.model))
 
 
 @router.post("/caption")

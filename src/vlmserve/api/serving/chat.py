@@ -59,7 +59,7 @@ async def _emits(
         counts.add(c)
         ending = _ending(c)  # in the meta: a stream cut right here is ended on resume
         if c.text or c.token_ids or c.reasoning or c.tool_calls:
-            now = usage(c.prompt_tokens, c.completion_tokens) if running else None
+            now = usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens) if running else None
             delta = delta_of(c.text, c.reasoning, c.tool_calls) or {"content": ""}
             content = choice_chunk(ids, c.index, delta, usage_=now, logprobs=c.logprobs)
             yield Emit(content, meta={"token_ids": c.token_ids, **ending})
@@ -74,8 +74,12 @@ def _ending(chunk: Chunk) -> dict[str, Any]:
     """How a choice ended (stored with its last chunks; nothing while it goes on)."""
     if chunk.finish_reason is None:
         return {}
-    return {"finish_reason": chunk.finish_reason.value, "prompt_tokens": chunk.prompt_tokens,
-            "completion_tokens": chunk.completion_tokens}  # fmt: skip
+    return {
+        "finish_reason": chunk.finish_reason.value,
+        "prompt_tokens": chunk.prompt_tokens,
+        "completion_tokens": chunk.completion_tokens,
+        "cached_tokens": chunk.cached_tokens,
+    }
 
 
 async def _leased(leases: list[Lease], emits: AsyncIterator[Emit]) -> AsyncIterator[Emit]:
@@ -241,7 +245,7 @@ def _usage_owed(ids: CompletionIds, options: StreamOptions | None, sent: SentCho
         return []
     if sent.prompt_tokens is None:
         raise ValueError("the stored finish chunks do not carry the token counts")
-    counts = usage(sent.prompt_tokens, sum(sent.completion.values()))
+    counts = usage(sent.prompt_tokens, sum(sent.completion.values()), sent.cached_tokens)
     return [Emit(choice_chunk(ids, 0, None, usage_=counts))]
 
 

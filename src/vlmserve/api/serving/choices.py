@@ -58,13 +58,16 @@ class Usage:
 
     prompt: int = 0
     completion: dict[int, int] = field(default_factory=dict)  # by choice index
+    cached: int | None = None  # prompt tokens from the prefix cache (None: not caching)
 
     def add(self, chunk: Chunk) -> None:
         self.prompt = chunk.prompt_tokens
         self.completion[chunk.index] = chunk.completion_tokens
+        if chunk.cached_tokens is not None and chunk.index == 0:
+            self.cached = chunk.cached_tokens
 
-    def body(self) -> dict[str, int]:
-        return usage(self.prompt, sum(self.completion.values()))
+    def body(self) -> dict[str, Any]:
+        return usage(self.prompt, sum(self.completion.values()), self.cached)
 
 
 @dataclass(slots=True)

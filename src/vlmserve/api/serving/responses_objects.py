@@ -52,10 +52,10 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + completion_tokens,
@@ -302,7 +302,8 @@ class ResponseLog:
         kept with that chunk's own text events: ``end_again`` reads it back)."""
         assert chunk.finish_reason is not None
         return {"status": _STATUS[chunk.finish_reason], "error": None,
-                "usage": usage(chunk.prompt_tokens, chunk.completion_tokens)}  # fmt: skip
+                "usage": usage(chunk.prompt_tokens, chunk.completion_tokens,
+                               chunk.cached_tokens)}  # fmt: skip
 
     def on_cancel(self) -> list[Emit]:
         return self._end("cancelled")

@@ -98,6 +98,7 @@ class HFChatBackend(HFModel):
             submit=lambda fn: self._executor.submit(fn), model_id=self.model_id,
             on_fatal=self._engine_failed, kv_cache_bytes=c.kv_cache_bytes or None,
             logprobs_mode=c.logprobs_mode, gpu_memory_utilization=c.gpu_memory_utilization,
+            prefix_caching=c.prefix_caching,
         )  # fmt: skip
 
     def capabilities(self) -> frozenset[str] | None:
@@ -170,6 +171,7 @@ class HFChatBackend(HFModel):
         out.step_seconds = engine.step_seconds
         out.kv_usage = engine.kv_usage  # KV blocks in use
         out.preemptions = engine.preemptions
+        out.prefix_cache = (engine.scheduler.prefix_queried, engine.scheduler.prefix_hits)
         out.kv_cache_bytes = engine.kv_cache_bytes
         return out
 

@@ -210,6 +210,7 @@ class _Run:
         self.completion = len(req.prefix_token_ids)
         self.stopped = False
         self.last_token: int | None = None
+        self.cached_tokens: int | None = None  # set by an engine that caches prefixes
 
     def on_token(self, token_id: int, logprobs: Any = None) -> None:
         """``logprobs``: the sampler's (logprob, [(id, logprob)] best first) for this token."""
@@ -246,6 +247,7 @@ class _Run:
             completion_tokens=self.completion,
             logprobs=[] if self.tokens is not None else None,
             index=self.index,
+            cached_tokens=self.cached_tokens,
         )
 
 

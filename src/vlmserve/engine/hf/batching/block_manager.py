@@ -1,5 +1,5 @@
-"""Which KV-cache blocks each sequence owns (nano-vllm's ``BlockManager``, without prefix
-hashing): fixed-size blocks, a free list, a block table per sequence.
+"""Which KV-cache blocks each sequence owns (nano-vllm's ``BlockManager``): fixed-size
+blocks, a free list, a block table per sequence, and (optionally) prefix caching.
 
 Token ``i`` of a sequence lives in block ``table[i // block_size]`` at offset
 ``i % block_size``; its flat *slot* in the cache is ``block * block_size + offset``.
@@ -10,10 +10,19 @@ by 0, and ``0 * NaN`` would be NaN).
 Freed blocks go back on top of the free list and are handed out first (LIFO): the cache
 tensors are allocated once for the whole budget, and on CPU their pages are only touched
 (resident) once a block is first used, so a light load keeps a small working set.
+
+**Prefix caching** (``prefix_caching=True``, vLLM's automatic prefix caching): a full block
+of a prompt is *registered* under the hash of everything before and in it
+(``prefix.block_hashes``) once its K/V is computed. A later prompt that starts the same way
+*shares* those blocks (reference counts) instead of computing them again. A registered block
+whose last owner leaves is *idle*: still findable, and handed out again (its hash dropped)
+only when no never-registered block is free, least recently used first. Idle blocks count
+as available for admission.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 __all__ = ["NULL_BLOCK", "BlockManager", "blocks_for"]
@@ -26,13 +35,18 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         if num_blocks < 2:
             raise ValueError(f"a paged KV cache needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks  # including the null block
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.free: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() -> 1, 2, ..
         self.fresh: list[int] = []  # handed out since the runner last zeroed them
+        self.refs = [0] * num_blocks  # tables owning each block
+        self.by_hash: dict[bytes, int] = {}  # registered blocks by prefix hash
+        self.hash_of: dict[int, bytes] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()  # registered, unowned; LRU first
 
     @property
     def usable(self) -> int:
@@ -40,8 +54,13 @@ class BlockManager:
         return self.num_blocks - 1
 
     @property
+    def available(self) -> int:
+        """Blocks that can be handed out now: free, or idle in the prefix cache."""
+        return len(self.free) + len(self.idle)
+
+    @property
     def used(self) -> int:
-        return self.usable - len(self.free)
+        return self.usable - self.available
 
     @property
     def usage(self) -> float:
@@ -55,19 +74,19 @@ class BlockManager:
         return self.blocks_for(tokens) <= self.usable
 
     def can_allocate(self, tokens: int) -> bool:
-        return self.blocks_for(tokens) <= len(self.free)
+        return self.blocks_for(tokens) <= self.available
 
     def allocate(self, table: list[int], tokens: int) -> None:
         """Grow ``table`` (in place) to hold ``tokens`` tokens."""
         need = self.blocks_for(tokens) - len(table)
-        if need > len(self.free):
-            raise MemoryError(f"KV cache: {need} blocks needed, {len(self.free)} free")
+        if need > self.available:
+            raise MemoryError(f"KV cache: {need} blocks needed, {self.available} free")
         for _ in range(need):
             table.append(self._take())
 
     def can_append(self, table: list[int], length: int) -> bool:
         """Whether token ``length`` (0-based) can be written: its block exists or one is free."""
-        return length < len(table) * self.block_size or bool(self.free)
+        return length < len(table) * self.block_size or self.available > 0
 
     def append_slot(self, table: list[int], length: int) -> int:
         """Make room for token ``length``; return its slot."""
@@ -79,8 +98,16 @@ class BlockManager:
         return table[index // self.block_size] * self.block_size + index % self.block_size
 
     def free_table(self, table: list[int]) -> None:
-        """Give back every block of ``table`` (emptied in place); last block on top."""
-        self.free.extend(table)
+        """Give back every block of ``table`` (emptied in place); last block on top. A
+        registered block left without owners stays findable (idle)."""
+        for block in table:
+            self.refs[block] -= 1
+            if self.refs[block] > 0:
+                continue
+            if block in self.hash_of:
+                self.idle[block] = None
+            else:
+                self.free.append(block)
         table.clear()
 
     def take_fresh(self) -> list[int]:
@@ -89,14 +116,59 @@ class BlockManager:
         return fresh
 
     def _take(self) -> int:
-        block = self.free.pop()
+        if self.free:
+            block = self.free.pop()
+        else:  # reuse the least recently used idle block: its cached prefix is forgotten
+            block, _ = self.idle.popitem(last=False)
+            del self.by_hash[self.hash_of.pop(block)]
+        self.refs[block] = 1
         self.fresh.append(block)
         return block
 
+    # --- prefix caching -------------------------------------------------------------------
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The registered blocks of the longest run of ``hashes`` from the first (nothing
+        changes: ``share`` takes them)."""
+        found: list[int] = []
+        for h in hashes if self.prefix_caching else ():
+            block = self.by_hash.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def idle_among(self, blocks: list[int]) -> int:
+        return sum(1 for b in blocks if b in self.idle)
+
+    def share(self, table: list[int], blocks: list[int]) -> None:
+        """Start an empty ``table`` with ``blocks`` (found by ``lookup``): owned, not fresh."""
+        for block in blocks:
+            self.idle.pop(block, None)
+            self.refs[block] += 1
+            table.append(block)
+
+    def register(self, table: list[int], hashes: list[bytes]) -> None:
+        """After a prefill: the full prompt blocks of ``table`` are findable by ``hashes``
+        (a hash already registered keeps its first block; this one stays private)."""
+        if not self.prefix_caching:
+            return
+        for block, h in zip(table, hashes, strict=False):
+            if h in self.by_hash or block in self.hash_of:
+                continue
+            self.by_hash[h] = block
+            self.hash_of[block] = h
+
     def check(self, tables: Iterable[list[int]]) -> None:
-        """No block owned twice, none both owned and free (an invariant; O(blocks))."""
+        """Every block owned as often as ``refs`` says, none both owned and available, and
+        the books balance (an invariant; O(blocks))."""
         owned = [b for table in tables for b in table]
-        if len(set(owned)) != len(owned) or set(owned) & set(self.free) or NULL_BLOCK in owned:
-            raise AssertionError("KV block tables overlap or hold free blocks")
-        if len(owned) + len(self.free) != self.usable:
-            raise AssertionError(f"{len(owned)} owned + {len(self.free)} free != {self.usable}")
+        counts: dict[int, int] = {}
+        for b in owned:
+            counts[b] = counts.get(b, 0) + 1
+        spare = set(self.free) | set(self.idle)
+        if set(counts) & spare or NULL_BLOCK in counts or len(spare) != self.available:
+            raise AssertionError("KV block tables overlap the free blocks or hold the null one")
+        if any(self.refs[b] != n for b, n in counts.items()):
+            raise AssertionError("KV block reference counts disagree with the tables")
+        if len(counts) + self.available != self.usable:
+            raise AssertionError(f"{len(counts)} owned + {self.available} spare != {self.usable}")

@@ -41,7 +41,8 @@ from vlmserve.engine.hf.batching.gauges import EngineGauges, StepTimer
 from vlmserve.engine.hf.batching.kv_cache import DEFAULT_BLOCK_SIZE, GPU_MEMORY_UTILIZATION
 from vlmserve.engine.hf.batching.lifecycle import EngineLifecycle
 from vlmserve.engine.hf.batching.outbox import END, Outbox
-from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging
+from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging, caches_prefixes
+from vlmserve.engine.hf.batching.prefix import block_hashes
 from vlmserve.engine.hf.batching.runner import PrefillRow
 from vlmserve.engine.hf.batching.sampler import Sampler
 from vlmserve.engine.hf.batching.scheduler import Scheduler
@@ -81,6 +82,7 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         block_size: int = DEFAULT_BLOCK_SIZE,
         logprobs_mode: str = "raw",
         gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+        prefix_caching: bool = False,
     ):
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
@@ -92,10 +94,12 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self.sampler = Sampler(vocab, eos_ids, logprobs_mode)
         # the KV budget (None/0: kv_cache.auto_budget less a prefill's activations on CUDA),
         # allocated once, in blocks
+        prefix_caching = prefix_caching and caches_prefixes(self.runner, model_id)
         self.paging = KVPaging(self.runner, kv_cache_bytes, block_size, gpu_memory_utilization,
-                               max_prefill_tokens=max_num_batched_tokens)  # fmt: skip
+                               max_num_batched_tokens, prefix_caching)  # fmt: skip
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks)
+        self.scheduler.prefix_hasher = self._block_hashes
         self.model_id = model_id  # in messages
         self._submit = submit  # runs a callable on the model's executor thread
         self._on_fatal = on_fatal  # (cause, an event loop of a failed request or None)
@@ -260,9 +264,16 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self._fail(seq, request_error(exc))
         return True
 
+    def _block_hashes(self, seq: Sequence) -> list[bytes]:
+        """The prefix-cache keys of ``seq``'s full prompt blocks (``prefix.py``)."""
+        inputs = seq.prepared.inputs
+        media = self.embedder.media_signature(inputs)
+        return block_hashes(inputs["input_ids"][0].tolist(), self.blocks.block_size, media)
+
     def _prefill_forward(self, items: list[tuple[Sequence, PrefillRow]]) -> list[int]:
         for seq, row in items:
             row.slots = self.paging.prompt_slots(seq)
+            self.paging.after_cached_prefix(seq, row)
         logits = self.runner.prefill([row for _, row in items])
         seqs = [seq for seq, _ in items]
         self.prefilled_rows += len(seqs)
@@ -271,6 +282,9 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         tokens = self.paging.sample(self.sampler, logits, seqs)
         for seq in seqs:  # only now: a failed attempt leaves nothing to undo
             self.paging.after_prefill(seq)
+            self.paging.register(seq)
+            if self.blocks.prefix_caching and seq.run is not None and not seq.output_ids:
+                seq.run.cached_tokens = seq.cached  # in the usage (cached_tokens)
         if shared is not None:  # start their other choices; first tokens accepted in `step`
             heads_ = [seqs[i] for i in heads]
             forked, failed = fork(self.scheduler, self.paging, self.sampler, heads_, shared)

@@ -13,6 +13,7 @@ differently from the decode steps', so greedy output could change after a preemp
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -20,18 +21,31 @@ import torch
 from vlmserve.engine.hf.batching.block_manager import BlockManager
 from vlmserve.engine.hf.batching.kv_cache import GPU_MEMORY_UTILIZATION, KVBudget
 from vlmserve.engine.hf.batching.profile import activation_peak
-from vlmserve.engine.hf.batching.runner import DecoderRunner
+from vlmserve.engine.hf.batching.runner import DecoderRunner, PrefillRow
 from vlmserve.engine.hf.batching.sequence import Sequence
 
-__all__ = ["NOT_SAMPLED", "KVPaging"]
+__all__ = ["NOT_SAMPLED", "KVPaging", "caches_prefixes"]
+
+log = logging.getLogger(__name__)
 
 NOT_SAMPLED = -1  # a forward's "token" for a row that is recomputing tokens it streamed
+
+
+def caches_prefixes(runner: DecoderRunner, model_id: str) -> bool:
+    """Whether the family's prefill can start after a cached prefix: not with attention
+    masks of its own (Gemma 3's sliding window and image blocks); then it is off, logged."""
+    if type(runner)._prefill_masks is DecoderRunner._prefill_masks:
+        return True
+    log.warning("model %s: prefix caching is not available for %s; it stays off",
+                model_id, type(runner).__name__)  # fmt: skip
+    return False
 
 
 class KVPaging:
     def __init__(
         self, runner: DecoderRunner, kv_cache_bytes: int | None, block_size: int,
         utilization: float = GPU_MEMORY_UTILIZATION, max_prefill_tokens: int = 0,
+        prefix_caching: bool = False,
     ) -> None:  # fmt: skip
         """``kv_cache_bytes`` None: the automatic budget, less (on CUDA) the activations of
         a ``max_prefill_tokens`` prefill (``profile.activation_peak``)."""
@@ -45,7 +59,7 @@ class KVPaging:
             utilization=utilization, reserve=reserve,
         )  # fmt: skip
         runner.allocate_cache(self.budget.num_blocks, block_size)
-        self.blocks = BlockManager(self.budget.num_blocks, block_size)
+        self.blocks = BlockManager(self.budget.num_blocks, block_size, prefix_caching)
 
     def oversized(self, waiting: Any) -> list[tuple[Sequence, BaseException]]:
         """Waiting rows the whole cache can never hold, each with its 400 (``check_fits``
@@ -64,9 +78,35 @@ class KVPaging:
         return out
 
     def prompt_slots(self, seq: Sequence) -> list[int]:
-        """Cache slots of the prompt's tokens (its blocks were allocated at admission)."""
+        """Cache slots of the prompt's tokens to compute: all of them, or those after its
+        cached prefix (its blocks were allocated, or shared, at admission)."""
         self.clear_fresh()
-        return [self.blocks.slot(seq.block_table, i) for i in range(seq.prompt_len)]
+        return [self.blocks.slot(seq.block_table, i) for i in range(seq.cached, seq.prompt_len)]
+
+    @staticmethod
+    def after_cached_prefix(seq: Sequence, row: PrefillRow) -> None:
+        """A row whose prompt starts with ``seq.cached`` tokens from the prefix cache computes
+        only the rest: its embeddings and rotary positions from there on, attending to the
+        cached K/V through its block table."""
+        c = seq.cached
+        if c == 0 or row.cached == c:  # nothing cached, or trimmed already (a retried step)
+            return
+        t = row.embeds.shape[0]
+        positions = row.positions
+        if positions is None:
+            positions = torch.arange(t, device=row.embeds.device).expand(3, t)
+        row.embeds, row.positions = row.embeds[c:], positions[:, c:]
+        row.cached, row.table = c, list(seq.block_table)
+        if row.visual is not None and row.deepstack is not None:  # Qwen3-VL: from c on
+            keep = row.visual >= c
+            row.visual, row.deepstack = row.visual[keep] - c, row.deepstack[:, keep]
+            if not row.visual.numel():
+                row.visual = row.deepstack = None
+
+    def register(self, seq: Sequence) -> None:
+        """After its prefill: the row's full prompt blocks are findable by later prompts."""
+        if seq.block_hashes:
+            self.blocks.register(seq.block_table, seq.block_hashes)
 
     def clear_fresh(self) -> None:
         """Zero the blocks handed out since the last forward (before they are read)."""

@@ -51,6 +51,8 @@ class PrefillRow:
     visual: torch.Tensor | None = None  # [M] indices of the visual tokens (DeepStack only)
     deepstack: torch.Tensor | None = None  # [layers k, M, hidden]: added after layers 0..k-1
     blocks: torch.Tensor | None = None  # [T] image block of each token, -1 text (Gemma 3)
+    cached: int = 0  # prompt tokens before ``embeds`` whose K/V are in the cache already
+    table: list[int] | None = None  # the row's block table (when ``cached``)
 
 
 @dataclass(slots=True)
@@ -206,11 +208,19 @@ class DecoderRunner:
         starts = [sum(lengths[:i]) for i in range(len(rows))]
         visual, deep = self._deepstack(rows, starts)
         masks = [self._prefill_masks(row) for row in rows]
+        tables = [  # rows after a cached prefix attend to their blocks: [1, MB] each
+            torch.tensor([row.table], device=self.device) if row.cached and row.table else None
+            for row in rows
+        ]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [N, H, D], k/v [N, KVH, D]
             cache.write(li, slots, k, v)
             outs = []
-            for start, t, row_masks in zip(starts, lengths, masks, strict=True):
+            for row, start, t, row_masks, table in zip(rows, starts, lengths, masks, tables,
+                                                        strict=True):  # fmt: skip
+                if table is not None:
+                    outs.append(self._after_cached(li, q[start : start + t], row.cached, table))
+                    continue
                 mask = row_masks.get(layer.kind)  # None: plain causal
                 o = F.scaled_dot_product_attention(
                     q[start : start + t].transpose(0, 1)[None],
@@ -229,6 +239,23 @@ class DecoderRunner:
             [s + t - 1 for s, t in zip(starts, lengths, strict=True)], device=self.device
         )
         return self._logits(x[last])
+
+    def _after_cached(
+        self, li: int, q: torch.Tensor, cached: int, table: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of a row that computes only the tokens after its ``cached`` prefix: q
+        [t, H, D] (tokens c..c+t-1, their K/V written already) over the row's blocks (table
+        [1, MB]) -> [t, H * D]. Query i sees keys 0..c+i (the padding past them is masked)."""
+        keys, values = self._kv().gather(li, table)  # [1, KVH, L, D]
+        t = q.shape[0]
+        seen = torch.arange(keys.shape[2], device=self.device)[None] <= (
+            cached + torch.arange(t, device=self.device)[:, None]
+        )  # [t, L]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys, values, attn_mask=seen[None, None],
+            scale=self.scale, enable_gqa=True,
+        )  # fmt: skip  # [1, H, t, D]
+        return o[0].transpose(0, 1).reshape(t, -1)
 
     def _deepstack(
         self, rows: list[PrefillRow], starts: list[int]

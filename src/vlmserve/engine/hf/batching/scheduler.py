@@ -24,6 +24,7 @@ dense.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from vlmserve.engine.hf.batching.block_manager import BlockManager
 from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
@@ -47,6 +48,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self._admissions = 0
+        # prefix caching (``blocks.prefix_caching``): a row's block keys (``prefix.py``)
+        self.prefix_hasher: Callable[[Sequence], list[bytes]] | None = None
+        self.prefix_queried = 0  # prompt tokens of fresh admissions (vLLM's prefix_cache_queries)
+        self.prefix_hits = 0  # of those, tokens whose K/V came from the prefix cache
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``: at the back, or ahead of the lower-priority requests (higher value)
@@ -74,18 +79,46 @@ class Scheduler:
             seq = self.waiting[0]
             if admitted and tokens + seq.prompt_len > self.max_num_batched_tokens:
                 break
-            if self.blocks is not None:
-                # headroom: one block per running row, for its next decode tokens (admitting
-                # into the last free blocks would only preempt someone at the next step)
-                need = self.blocks.blocks_for(seq.kv_need) + len(self.running)
-                if need > len(self.blocks.free):
-                    break
-                self.blocks.allocate(seq.block_table, seq.kv_need)
+            if self.blocks is not None and not self._reserve(seq):
+                break
             self.waiting.popleft()
-            tokens += seq.prompt_len
+            tokens += seq.prompt_len - seq.cached
             self._start(seq)
             admitted.append(seq)
         return admitted
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Give ``seq`` the blocks it needs (its cached prefix shared, the rest allocated) if
+        they are available with headroom: one block per running row, for its next decode
+        tokens (admitting into the last free blocks would only preempt someone next step)."""
+        assert self.blocks is not None
+        hit = self._prefix_hit(seq)
+        need = self.blocks.blocks_for(seq.kv_need) - len(hit) + len(self.running)
+        if need > self.blocks.available - self.blocks.idle_among(hit):
+            return False
+        self.blocks.share(seq.block_table, hit)
+        self.blocks.allocate(seq.block_table, seq.kv_need)
+        seq.cached = len(hit) * self.blocks.block_size
+        if self.blocks.prefix_caching and not seq.output_ids:
+            self.prefix_queried += seq.prompt_len
+            self.prefix_hits += seq.cached
+        return True
+
+    def _prefix_hit(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``seq``'s prompt starts with, leaving at least one prompt token
+        to compute (its logits give the first token). A row recomputed after a preemption
+        takes none: its prompt is prefilled whole, so its output stays exactly the
+        uninterrupted run's."""
+        seq.cached = 0
+        blocks = self.blocks
+        if blocks is None or not blocks.prefix_caching or self.prefix_hasher is None:
+            return []
+        if seq.output_ids:
+            return []
+        if seq.block_hashes is None:
+            seq.block_hashes = self.prefix_hasher(seq)
+        usable = (seq.prompt_len - 1) // blocks.block_size
+        return blocks.lookup(seq.block_hashes[:usable])
 
     def fork(self, seq: Sequence, tokens: int) -> bool:
         """Start ``seq`` (another choice of a request just prefilled) with blocks for
@@ -94,7 +127,7 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs:
             return False
         if self.blocks is not None:
-            if self.blocks.blocks_for(tokens) + len(self.running) > len(self.blocks.free):
+            if self.blocks.blocks_for(tokens) + len(self.running) > self.blocks.available:
                 return False
             self.blocks.allocate(seq.block_table, tokens)
         self._start(seq)

@@ -70,6 +70,8 @@ class Sequence:
     # a thinking model's reasoning end (token ids) while it reasons: the grammar starts
     # after it (then None)
     think_end: list[int] | None = None
+    block_hashes: list[bytes] | None = None  # prefix-cache keys of its full prompt blocks
+    cached: int = 0  # prompt tokens whose K/V came from the prefix cache at this admission
 
     @property
     def prompt_len(self) -> int:

@@ -16,6 +16,7 @@ cached tensor ``[tokens, hidden * (1 + deepstack)]`` and are handed to the runne
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,20 @@ class PromptEmbedder:
         return None, 0
 
     # --- shared ---------------------------------------------------------------------------
+    def media_signature(self, inputs: dict[str, Any]) -> tuple[int, bytes] | None:
+        """(index of the first placeholder token, a digest of every image and video in
+        prompt order) for the prefix cache (``prefix.block_hashes``); None: a text prompt."""
+        ids = inputs["input_ids"][0]
+        digest, first = hashlib.sha256(), None
+        for kind in self.kinds:
+            where = (ids == self.tokens[kind]).nonzero()
+            if where.numel():
+                at = int(where[0, 0])
+                first = at if first is None else min(first, at)
+            for item in self.items(inputs, kind):
+                digest.update(item.key or _key(kind, item))
+        return None if first is None else (first, digest.digest())
+
     def build(self, inputs: dict[str, Any], slot: int = -1) -> RowInputs:
         """``slot`` (the row's place in the batch) is not needed by a paged cache; kept
         for callers."""

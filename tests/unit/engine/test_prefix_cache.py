@@ -1,0 +1,174 @@
+"""Prefix caching (``--enable-prefix-caching``): a prompt's full blocks are computed once.
+
+Pinned on the real tiny checkpoints: a shared system prompt and a second turn about the same
+image take their K/V from the cache (the scheduler counts the tokens), a different image
+shares only the text before it, the answers are the ones the engine gives without the
+cache, and under a small budget idle cached blocks are handed out again with the books
+balanced. The keys and the block manager's sharing are pinned directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_batching import make_backend, run
+from test_families_batched import backend_for
+from test_paged_kv import crowd
+
+from vlmserve.engine.hf.batching.block_manager import BlockManager
+from vlmserve.engine.hf.batching.prefix import block_hashes
+from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, SamplingParams, TextPart
+from vlmserve.testing.media import gradient_image
+
+SYSTEM = "You read identity cards and answer with the fields asked for. " * 6
+
+
+def ask(*turns: tuple[str, list[Any]], max_tokens: int = 16) -> GenerateRequest:
+    """A conversation: (role, parts) turns; the last is the user's question."""
+    messages = [ChatMessage("system", [TextPart(SYSTEM)])]
+    messages += [ChatMessage(role, parts) for role, parts in turns]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return GenerateRequest("t", messages, params)
+
+
+def card(seed: int) -> ImagePart:
+    return ImagePart(gradient_image(112, 112, seed=seed))
+
+
+@pytest.fixture(scope="module")
+def off(tiny_dir: Path) -> Iterator[HFChatBackend]:
+    b = make_backend(tiny_dir, max_num_seqs=8)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def on(tiny_dir: Path) -> Iterator[HFChatBackend]:
+    b = make_backend(tiny_dir, max_num_seqs=8, prefix_caching=True)
+    yield b
+    b.close()
+
+
+def hits(backend: HFChatBackend) -> int:
+    assert backend.engine is not None
+    return backend.engine.scheduler.prefix_hits
+
+
+# --- keys and books -----------------------------------------------------------------------------
+def test_a_block_key_covers_everything_before_it_and_the_media_from_their_block_on() -> None:
+    ids = list(range(100, 164))  # 4 blocks of 16
+    base = block_hashes(ids, 16)
+    assert len(base) == 4 and len(set(base)) == 4
+    assert block_hashes(ids[:40], 16) == base[:2]  # a partial block has no key
+    changed = block_hashes([*ids[:20], 7, *ids[21:]], 16)
+    assert changed[0] == base[0] and changed[1:] != base[1:] and changed[2] != base[2]
+    one, other = block_hashes(ids, 16, (33, b"image A")), block_hashes(ids, 16, (33, b"image B"))
+    assert one[:2] == other[:2] == base[:2]  # text before the image's block: shared
+    assert one[2] != other[2] and one[3] != other[3] and one[2] != base[2]
+
+
+def test_registered_blocks_are_shared_counted_and_reused_least_recently_used_first() -> None:
+    blocks = BlockManager(7, 4, prefix_caching=True)  # 6 usable
+    first: list[int] = []
+    blocks.allocate(first, 12)
+    keys = block_hashes(list(range(12)), 4)
+    blocks.register(first, keys)
+    second: list[int] = []
+    blocks.share(second, blocks.lookup(keys[:2]))
+    blocks.allocate(second, 10)
+    assert second[:2] == first[:2] and second[2] not in first
+    assert blocks.refs[first[0]] == 2 and blocks.available == 2
+    blocks.check([first, second])
+    blocks.free_table(first)  # its shared blocks stay owned, its own third block goes idle
+    assert blocks.lookup(keys) == [second[0], second[1], *blocks.idle] and blocks.available == 3
+    blocks.free_table(second)
+    assert blocks.available == 6 and len(blocks.idle) == 3  # all findable, all available
+    taken: list[int] = []
+    blocks.allocate(taken, 24)  # the 3 never-registered first, then idle ones, oldest first
+    assert blocks.lookup(keys) == [] and not blocks.idle and blocks.by_hash == {}
+    blocks.check([taken])
+
+
+def test_without_prefix_caching_nothing_is_found() -> None:
+    blocks = BlockManager(7, 4)
+    table: list[int] = []
+    blocks.allocate(table, 8)
+    keys = block_hashes(list(range(8)), 4)
+    blocks.register(table, keys)
+    assert blocks.lookup(keys) == [] and not blocks.hash_of
+
+
+# --- on the engine ------------------------------------------------------------------------------
+async def test_a_shared_system_prompt_is_computed_once_and_answers_do_not_change(
+    off: HFChatBackend, on: HFChatBackend
+) -> None:
+    questions = [ask(("user", [TextPart(q)])) for q in ("Name?", "Date of birth?", "Number?")]
+    got = [await run(on, q) for q in questions]
+    assert hits(on) >= 2 * 6 * 16  # the system prompt's blocks, twice
+    assert [g.tokens for g in got] == [(await run(off, q)).tokens for q in questions]
+
+
+async def test_a_second_turn_about_the_same_image_reuses_it_another_image_only_the_text(
+    off: HFChatBackend, on: HFChatBackend
+) -> None:
+    first = ask(("user", [card(1), TextPart("Read the card.")]))
+    answer = await run(on, first)
+    prepared = await on.prepare(first)
+    prompt = prepared.prompt_tokens
+    await on.discard(prepared)
+    turn = ("user", [card(1), TextPart("Read the card.")])
+    follow = ask(turn, ("assistant", [TextPart(answer.text)]), ("user", [TextPart("Name?")]))
+    before = hits(on)
+    again = await run(on, follow)
+    assert hits(on) - before == (prompt // 16) * 16  # every full block of the first turn
+    other = ask(("user", [card(2), TextPart("Read the card.")]))
+    before = hits(on)
+    await run(on, other)
+    shared = hits(on) - before
+    assert 0 < shared < (prompt // 16) * 16  # the system prompt, not the image's blocks
+    assert again.tokens == (await run(off, follow)).tokens
+
+
+async def test_qwen3_vl_deepstack_rows_answer_the_same_from_the_cache() -> None:
+    """Qwen3-VL adds DeepStack features at the image's tokens: a row whose cached prefix ends
+    before its image (the system prompt) gets them at the right places of what it computes."""
+    plain, cached = backend_for("qwen3_vl"), backend_for("qwen3_vl", prefix_caching=True)
+    try:
+        turn = ("user", [card(3), TextPart("Read the card.")])
+        follow = ask(turn, ("assistant", [TextPart("A card.")]), ("user", [TextPart("Name?")]))
+        requests = [ask(("user", [card(seed), TextPart("Read the card.")])) for seed in (3, 4, 5)]
+        every = [*requests, follow]
+        got = [await run(cached, r) for r in every]
+        assert hits(cached) > 0
+        assert [g.tokens for g in got] == [(await run(plain, r)).tokens for r in every]
+        assert len({tuple(g.tokens) for g in got}) > 1  # the images change the answers
+    finally:
+        plain.close()
+        cached.close()
+
+
+async def test_a_small_budget_reuses_idle_blocks_and_preempts_with_the_same_answers(
+    tiny_dir: Path, off: HFChatBackend
+) -> None:
+    assert off.engine is not None
+    requests = crowd()[:16]
+    alone = [await run(off, r) for r in requests]
+    tight = make_backend(tiny_dir, max_num_seqs=16, prefix_caching=True,
+                         kv_cache_bytes=40 * off.engine.kv.block_bytes)  # fmt: skip
+    try:
+        assert tight.engine is not None
+        got = await asyncio.gather(*(run(tight, r) for r in requests))
+        again = await asyncio.gather(*(run(tight, r) for r in requests[:4]))
+        engine = tight.engine
+        assert engine.scheduler.preemptions > 0 and hits(tight) > 0
+        assert [g.tokens for g in got] == [a.tokens for a in alone]
+        assert [g.tokens for g in again] == [a.tokens for a in alone[:4]]
+        assert len(engine.blocks.by_hash) <= engine.blocks.usable
+        engine.blocks.check([])  # everyone left: every block free or idle, none lost
+    finally:
+        tight.close()
