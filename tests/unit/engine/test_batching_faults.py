@@ -268,7 +268,7 @@ async def test_a_scheduler_that_admits_nothing_fails_fast_instead_of_spinning(
     backend: HFChatBackend,
 ) -> None:
     engine = engine_of(backend)
-    engine.scheduler.schedule = list  # type: ignore[method-assign]  # admits nobody, ever
+    engine.scheduler.schedule = lambda used=0: []  # type: ignore[method-assign]  # nobody, ever
     got = await outcomes(backend, [request("stuck")])
     assert isinstance(got[0], EngineFailed)
     assert "admitted none" in (backend.error or "")
@@ -278,8 +278,8 @@ async def test_a_broken_slot_invariant_is_fatal(backend: HFChatBackend) -> None:
     engine = engine_of(backend)
     schedule = engine.scheduler.schedule
 
-    def misplaced() -> list[Any]:
-        admitted = schedule()
+    def misplaced(used: int = 0) -> list[Any]:
+        admitted = schedule(used)
         for seq in admitted:
             seq.slot += 1  # rows no longer dense: the KV cache would mix requests up
         return admitted

@@ -113,3 +113,27 @@ def test_a_cancelled_waiting_request_leaves_the_queue() -> None:
     scheduler.drop_waiting(b)
     assert list(scheduler.waiting) == [a, c] and b.status is SeqStatus.FINISHED
     assert scheduler.schedule() == [a]
+
+
+def test_a_step_with_chunks_in_progress_admits_only_what_is_left_of_the_budget() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=8)
+    a, b = queue(scheduler, 3, 5)
+    assert scheduler.schedule(used=8) == []  # the chunks took the whole step
+    assert scheduler.schedule(used=5) == [a]  # 5 + 3 == 8; b waits
+    assert scheduler.schedule(used=3) == [b]
+
+
+def test_rows_between_chunks_continue_oldest_first_within_the_budget() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=8)
+    a, b, c, d = queue(scheduler, 30, 20, 4, 30)
+    for s in (a, b, c, d):
+        scheduler.waiting.remove(s)
+        scheduler._start(s)
+    a.chunk_row, a.prefilled = object(), 24  # 6 tokens left
+    b.chunk_row, b.prefilled = object(), 8  # 12 left: a chunk of 8
+    d.chunk_row, d.prefilled = object(), 0
+    assert scheduler.continuing(8) == ([a], 6)  # b's chunk would make 14 > 8
+    a.chunk_row = None  # a finished its prompt
+    assert scheduler.continuing(8) == ([b], 8)  # at least one, even when it fills the step
+    b.prefilled = 16
+    assert scheduler.continuing(8) == ([b], 4)  # 4 left; d's 8 would make 12

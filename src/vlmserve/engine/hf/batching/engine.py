@@ -41,7 +41,7 @@ from vlmserve.engine.hf.batching.gauges import EngineGauges, StepTimer
 from vlmserve.engine.hf.batching.kv_cache import DEFAULT_BLOCK_SIZE, GPU_MEMORY_UTILIZATION
 from vlmserve.engine.hf.batching.lifecycle import EngineLifecycle
 from vlmserve.engine.hf.batching.outbox import END, Outbox
-from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging, caches_prefixes
+from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging, prefill_plan
 from vlmserve.engine.hf.batching.prefix import block_hashes
 from vlmserve.engine.hf.batching.runner import PrefillRow
 from vlmserve.engine.hf.batching.sampler import Sampler
@@ -94,7 +94,10 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self.sampler = Sampler(vocab, eos_ids, logprobs_mode)
         # the KV budget (None/0: kv_cache.auto_budget less a prefill's activations on CUDA),
         # allocated once, in blocks
-        prefix_caching = prefix_caching and caches_prefixes(self.runner, model_id)
+        # a prompt longer than chunk_size is computed in chunks of it, one per step
+        prefix_caching, self.chunk_size = prefill_plan(
+            self.runner, prefix_caching, max_num_batched_tokens, model_id
+        )
         self.paging = KVPaging(self.runner, kv_cache_bytes, block_size, gpu_memory_utilization,
                                max_num_batched_tokens, prefix_caching)  # fmt: skip
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
@@ -168,11 +171,15 @@ class BatchEngine(EngineGauges, EngineLifecycle):
     def step(self) -> None:
         self._reap_cancelled()
         self._refuse_oversized()
-        admitted = self.scheduler.schedule()
-        if admitted:
+        continuing, used = self.scheduler.continuing(self.chunk_size)
+        admitted = self.scheduler.schedule(used)
+        if admitted or continuing:
             with self.timer.phase("vision"):
                 ready = self._start_rows(admitted)
+            ready += [(seq, seq.chunk_row) for seq in continuing]
             if ready:
+                size = self.chunk_size
+                ready = [(seq, self.paging.next_chunk(seq, row, size)) for seq, row in ready]
                 with self.timer.phase("prefill"):
                     rows, tokens = self._forward(self._prefill_forward, ready)
                 self._advance([seq for seq, _ in rows], tokens)
@@ -180,13 +187,13 @@ class BatchEngine(EngineGauges, EngineLifecycle):
                 self._advance([seq for seq, _ in forked], [token for _, token in forked])
             self._flush()  # first tokens out now, not after the decode step
         preempted = self.scheduler.reserve_decode()  # may preempt the newest rows
-        running = list(self.scheduler.running)
+        running = [seq for seq in self.scheduler.running if seq.chunk_row is None]
         if running:
             self.peak_running = max(self.peak_running, len(running))
             with self.timer.phase("decode"):
                 decoded = self._forward(self._decode_forward, running)
             self._advance(*decoded)
-        elif not admitted and not preempted and self.scheduler.waiting:
+        elif not admitted and not continuing and not preempted and self.scheduler.waiting:
             raise EngineStateError(
                 f"the scheduler admitted none of {len(self.scheduler.waiting)} waiting "
                 "requests while no row runs"
@@ -228,6 +235,7 @@ class BatchEngine(EngineGauges, EngineLifecycle):
             try:
                 built = self.embedder.build(seq.prepared.inputs, seq.slot)
                 seq.rope_delta = built.rope_delta
+                seq.prefilled = seq.cached  # the prompt is computed from here on
                 if not seq.output_ids:  # a recomputed row keeps its RNG, grammar, penalty
                     seq.start_sampling(self.vocab, self.runner.device)
             except Exception as exc:
@@ -271,20 +279,19 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         return block_hashes(inputs["input_ids"][0].tolist(), self.blocks.block_size, media)
 
     def _prefill_forward(self, items: list[tuple[Sequence, PrefillRow]]) -> list[int]:
+        """Prompts (or this step's chunks of long ones) -> the first tokens of the rows whose
+        prompt this completes (``NOT_SAMPLED`` for the others)."""
         for seq, row in items:
             row.slots = self.paging.prompt_slots(seq)
-            self.paging.after_cached_prefix(seq, row)
         logits = self.runner.prefill([row for _, row in items])
         seqs = [seq for seq, _ in items]
-        self.prefilled_rows += len(seqs)
-        heads = [i for i, seq in enumerate(seqs) if seq.pending]
+        heads = [i for i, seq in enumerate(seqs) if seq.pending and not seq.prefilling]
         shared = logits[heads].clone() if heads else None  # [h, V]: the sampler edits logits
         tokens = self.paging.sample(self.sampler, logits, seqs)
         for seq in seqs:  # only now: a failed attempt leaves nothing to undo
-            self.paging.after_prefill(seq)
-            self.paging.register(seq)
-            if self.blocks.prefix_caching and seq.run is not None and not seq.output_ids:
-                seq.run.cached_tokens = seq.cached  # in the usage (cached_tokens)
+            if self.paging.chunk_done(seq):  # its whole prompt is in: it decodes next step
+                self.prefilled_rows += 1
+                self.paging.prompt_done(seq)
         if shared is not None:  # start their other choices; first tokens accepted in `step`
             heads_ = [seqs[i] for i in heads]
             forked, failed = fork(self.scheduler, self.paging, self.sampler, heads_, shared)
@@ -310,8 +317,8 @@ class BatchEngine(EngineGauges, EngineLifecycle):
     def _advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
         """Record each row's new token, stream it, and retire rows that are done."""
         for seq, token in zip(seqs, tokens, strict=True):
-            if token == NOT_SAMPLED and seq.output_ids:
-                continue  # recomputing after a preemption: nothing new yet
+            if token == NOT_SAMPLED and (seq.output_ids or seq.chunk_row is not None):
+                continue  # recomputing after a preemption, or prefilling: nothing new yet
             try:
                 done = self._accept(seq, token)
             except Exception as exc:  # the grammar refused a token, an id out of range

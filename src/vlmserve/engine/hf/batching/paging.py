@@ -24,21 +24,28 @@ from vlmserve.engine.hf.batching.profile import activation_peak
 from vlmserve.engine.hf.batching.runner import DecoderRunner, PrefillRow
 from vlmserve.engine.hf.batching.sequence import Sequence
 
-__all__ = ["NOT_SAMPLED", "KVPaging", "caches_prefixes"]
+__all__ = ["NOT_SAMPLED", "WHOLE", "KVPaging", "prefill_plan"]
 
 log = logging.getLogger(__name__)
 
+
+WHOLE = 2**62  # a chunk size that never splits a prompt
 NOT_SAMPLED = -1  # a forward's "token" for a row that is recomputing tokens it streamed
 
 
-def caches_prefixes(runner: DecoderRunner, model_id: str) -> bool:
-    """Whether the family's prefill can start after a cached prefix: not with attention
-    masks of its own (Gemma 3's sliding window and image blocks); then it is off, logged."""
+def prefill_plan(
+    runner: DecoderRunner, prefix_caching: bool, max_num_batched_tokens: int, model_id: str
+) -> tuple[bool, int]:
+    """(prefix caching on, the chunk size of a long prompt's prefill). Both need a prefill
+    that can start after K/V already in the cache; a family with attention masks of its own
+    (Gemma 3's sliding window and image blocks) has neither: it prefills a prompt whole, and
+    prefix caching stays off (logged when it was asked for)."""
     if type(runner)._prefill_masks is DecoderRunner._prefill_masks:
-        return True
-    log.warning("model %s: prefix caching is not available for %s; it stays off",
-                model_id, type(runner).__name__)  # fmt: skip
-    return False
+        return prefix_caching, max_num_batched_tokens
+    if prefix_caching:
+        log.warning("model %s: prefix caching is not available for %s; it stays off",
+                    model_id, type(runner).__name__)  # fmt: skip
+    return False, WHOLE
 
 
 class KVPaging:
@@ -78,35 +85,53 @@ class KVPaging:
         return out
 
     def prompt_slots(self, seq: Sequence) -> list[int]:
-        """Cache slots of the prompt's tokens to compute: all of them, or those after its
-        cached prefix (its blocks were allocated, or shared, at admission)."""
+        """Cache slots of the prompt tokens this forward computes: ``seq.prefilled`` (its
+        cached prefix, or the chunks done) to ``seq.chunk_end`` (blocks allocated, or shared,
+        at admission)."""
         self.clear_fresh()
-        return [self.blocks.slot(seq.block_table, i) for i in range(seq.cached, seq.prompt_len)]
+        return [self.blocks.slot(seq.block_table, i) for i in range(seq.prefilled, seq.chunk_end)]
 
     @staticmethod
-    def after_cached_prefix(seq: Sequence, row: PrefillRow) -> None:
-        """A row whose prompt starts with ``seq.cached`` tokens from the prefix cache computes
-        only the rest: its embeddings and rotary positions from there on, attending to the
-        cached K/V through its block table."""
-        c = seq.cached
-        if c == 0 or row.cached == c:  # nothing cached, or trimmed already (a retried step)
-            return
-        t = row.embeds.shape[0]
+    def next_chunk(seq: Sequence, row: PrefillRow, size: int) -> PrefillRow:
+        """What this step computes of ``seq``'s prompt (``row``, all of it): from
+        ``seq.prefilled`` (its cached prefix, or the chunks done) on, at most ``size`` tokens
+        (a longer prompt keeps ``row`` in ``seq.chunk_row`` for the next steps). A part after
+        the start attends to the K/V before it through the row's block table."""
+        start, total = seq.prefilled, seq.prompt_len
+        seq.chunk_end = end = min(total, start + size)
+        seq.chunk_row = row if (end < total or seq.chunk_row is not None) else None
+        if start == 0 and end == total:
+            return row
         positions = row.positions
         if positions is None:
-            positions = torch.arange(t, device=row.embeds.device).expand(3, t)
-        row.embeds, row.positions = row.embeds[c:], positions[:, c:]
-        row.cached, row.table = c, list(seq.block_table)
-        if row.visual is not None and row.deepstack is not None:  # Qwen3-VL: from c on
-            keep = row.visual >= c
-            row.visual, row.deepstack = row.visual[keep] - c, row.deepstack[:, keep]
-            if not row.visual.numel():
-                row.visual = row.deepstack = None
+            positions = torch.arange(total, device=row.embeds.device).expand(3, total)
+        part = PrefillRow(row.embeds[start:end], positions[:, start:end], cached=start,
+                          table=list(seq.block_table) if start else None)  # fmt: skip
+        if row.visual is not None and row.deepstack is not None:  # Qwen3-VL: this part's
+            keep = (row.visual >= start) & (row.visual < end)
+            if keep.any():
+                part.visual, part.deepstack = row.visual[keep] - start, row.deepstack[:, keep]
+        return part
 
-    def register(self, seq: Sequence) -> None:
-        """After its prefill: the row's full prompt blocks are findable by later prompts."""
+    @staticmethod
+    def chunk_done(seq: Sequence) -> bool:
+        """After a prefill forward: the prompt is computed up to ``chunk_end``; True when
+        that was its end (the row samples and starts decoding)."""
+        seq.prefilled = seq.chunk_end
+        if seq.prefilled < seq.prompt_len:
+            return False
+        seq.chunk_row = None
+        return True
+
+    def prompt_done(self, seq: Sequence) -> None:
+        """After the prefill of its whole prompt: the row decodes from its length on (after
+        feeding back what it had streamed, if recomputed), its full prompt blocks are
+        findable by later prompts, and its usage says how much came from the cache."""
+        self.after_prefill(seq)
         if seq.block_hashes:
             self.blocks.register(seq.block_table, seq.block_hashes)
+        if self.blocks.prefix_caching and seq.run is not None and not seq.output_ids:
+            seq.run.cached_tokens = seq.cached
 
     def clear_fresh(self) -> None:
         """Zero the blocks handed out since the last forward (before they are read)."""
@@ -130,9 +155,10 @@ class KVPaging:
 
     @staticmethod
     def recomputing(seq: Sequence) -> bool:
-        """Whether this forward's logits for ``seq`` give a token it already streamed:
-        its prefill after a preemption (tokens out, none in the cache) or a replay step."""
-        return bool(seq.replay) or (bool(seq.output_ids) and seq.length == 0)
+        """Whether this forward's logits for ``seq`` give no new token: a token it already
+        streamed (its prefill after a preemption, a replay step), or a chunk of a prompt
+        before its last."""
+        return bool(seq.replay) or (bool(seq.output_ids) and seq.length == 0) or seq.prefilling
 
     @staticmethod
     def after_prefill(seq: Sequence) -> None:

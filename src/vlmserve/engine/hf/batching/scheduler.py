@@ -71,18 +71,21 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> list[Sequence]:
-        """Move the requests that fit from ``waiting`` to ``running``; return them (to prefill)."""
+    def schedule(self, used: int = 0) -> list[Sequence]:
+        """Move the requests that fit from ``waiting`` to ``running``; return them (to prefill).
+        ``used``: prompt tokens this step already computes (chunks of long prompts). A prompt
+        longer than ``max_num_batched_tokens`` costs one chunk of that size per step."""
         admitted: list[Sequence] = []
-        tokens = 0
+        tokens = used
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if admitted and tokens + seq.prompt_len > self.max_num_batched_tokens:
+            cost = min(seq.prompt_len, self.max_num_batched_tokens)
+            if (admitted or used) and tokens + cost > self.max_num_batched_tokens:
                 break
             if self.blocks is not None and not self._reserve(seq):
                 break
             self.waiting.popleft()
-            tokens += seq.prompt_len - seq.cached
+            tokens += cost
             self._start(seq)
             admitted.append(seq)
         return admitted
@@ -120,6 +123,22 @@ class Scheduler:
         usable = (seq.prompt_len - 1) // blocks.block_size
         return blocks.lookup(seq.block_hashes[:usable])
 
+    def continuing(self, chunk: int) -> tuple[list[Sequence], int]:
+        """Running rows in the middle of a chunked prefill whose next chunks (of at most
+        ``chunk`` tokens) fit one step's ``max_num_batched_tokens``, the oldest first (at
+        least one), and their tokens."""
+        rows: list[Sequence] = []
+        used = 0
+        for seq in sorted(self.running, key=lambda s: s.admitted):
+            if seq.chunk_row is None:
+                continue
+            cost = min(chunk, seq.prompt_len - seq.prefilled)
+            if rows and used + cost > self.max_num_batched_tokens:
+                break
+            rows.append(seq)
+            used += cost
+        return rows, used
+
     def fork(self, seq: Sequence, tokens: int) -> bool:
         """Start ``seq`` (another choice of a request just prefilled) with blocks for
         ``tokens`` (its prompt, copied from its head), under the same bounds as an
@@ -146,8 +165,8 @@ class Scheduler:
             return []
         preempted: list[Sequence] = []
         for seq in sorted(self.running, key=lambda s: s.admitted):  # oldest first
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted for an older row just now
+            if seq.status is not SeqStatus.RUNNING or seq.chunk_row is not None:
+                continue  # preempted for an older row just now, or still prefilling
             while not self.blocks.can_append(seq.block_table, seq.length):
                 victim = max(self.running, key=lambda s: (s.priority, s.admitted))
                 self.preempt(victim)
@@ -164,6 +183,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.slot = -1
         seq.length = 0
+        seq.chunk_row, seq.prefilled = None, 0  # a chunked prefill starts over
         seq.preempted += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)

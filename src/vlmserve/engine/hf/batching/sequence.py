@@ -72,6 +72,11 @@ class Sequence:
     think_end: list[int] | None = None
     block_hashes: list[bytes] | None = None  # prefix-cache keys of its full prompt blocks
     cached: int = 0  # prompt tokens whose K/V came from the prefix cache at this admission
+    # chunked prefill (a prompt longer than max_num_batched_tokens): the whole prompt's
+    # PrefillRow while it is computed chunk by chunk, the tokens done, the current chunk's end
+    chunk_row: Any = None
+    prefilled: int = 0
+    chunk_end: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -112,6 +117,12 @@ class Sequence:
     def cancelled_now(self) -> bool:
         """Cancelled itself, or its request was (the consumer holds choice 0 only)."""
         return self.cancelled or (self.group is not None and self.group.head.cancelled)
+
+    @property
+    def prefilling(self) -> bool:
+        """In the middle of a chunked prefill: this forward's chunk is not its prompt's last
+        (its logits give no token)."""
+        return self.chunk_row is not None and self.chunk_end < self.prompt_len
 
     @property
     def kv_need(self) -> int:
