@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +22,8 @@ from test_paged_kv import crowd
 
 from vlmserve.engine.hf.batching.block_manager import BlockManager
 from vlmserve.engine.hf.batching.prefix import block_hashes
+from vlmserve.engine.hf.batching.scheduler import Scheduler
+from vlmserve.engine.hf.batching.sequence import Sequence
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, SamplingParams, TextPart
 from vlmserve.testing.media import gradient_image
@@ -54,6 +57,11 @@ def on(tiny_dir: Path) -> Iterator[HFChatBackend]:
     b.close()
 
 
+def sized(prompt_tokens: int) -> Sequence:
+    """A row whose prepared input only carries a prompt length (all the scheduler reads)."""
+    return Sequence(SimpleNamespace(prompt_tokens=prompt_tokens), None, None, 8)  # type: ignore[arg-type]
+
+
 def hits(backend: HFChatBackend) -> int:
     assert backend.engine is not None
     return backend.engine.scheduler.prefix_hits
@@ -65,11 +73,15 @@ def test_a_block_key_covers_everything_before_it_and_the_media_from_their_block_
     base = block_hashes(ids, 16)
     assert len(base) == 4 and len(set(base)) == 4
     assert block_hashes(ids[:40], 16) == base[:2]  # a partial block has no key
+    assert block_hashes(ids[:47], 16) == base[:2] and block_hashes(ids[:48], 16) == base[:3]
     changed = block_hashes([*ids[:20], 7, *ids[21:]], 16)
     assert changed[0] == base[0] and changed[1:] != base[1:] and changed[2] != base[2]
     one, other = block_hashes(ids, 16, (33, b"image A")), block_hashes(ids, 16, (33, b"image B"))
     assert one[:2] == other[:2] == base[:2]  # text before the image's block: shared
     assert one[2] != other[2] and one[3] != other[3] and one[2] != base[2]
+    at_32 = block_hashes(ids, 16, (32, b"image A")), block_hashes(ids, 16, (32, b"image B"))
+    assert at_32[0][:2] == at_32[1][:2] == base[:2]  # the image starts the third block
+    assert at_32[0][2] != at_32[1][2]
 
 
 def test_registered_blocks_are_shared_counted_and_reused_least_recently_used_first() -> None:
@@ -92,6 +104,62 @@ def test_registered_blocks_are_shared_counted_and_reused_least_recently_used_fir
     blocks.allocate(taken, 24)  # the 3 never-registered first, then idle ones, oldest first
     assert blocks.lookup(keys) == [] and not blocks.idle and blocks.by_hash == {}
     blocks.check([taken])
+
+
+def test_idle_blocks_go_least_recently_freed_first_and_a_shared_one_is_owned_again() -> None:
+    blocks = BlockManager(4, 4, prefix_caching=True)  # 3 usable
+    old, new = [], []
+    blocks.allocate(old, 4)
+    blocks.allocate(new, 4)
+    k_old, k_new = block_hashes([1] * 4, 4), block_hashes([2] * 4, 4)
+    blocks.register(old, k_old)
+    blocks.register(new, k_new)
+    kept = new[0]
+    blocks.free_table(old)  # idle first: the least recently used
+    blocks.free_table(new)
+    again: list[int] = []
+    blocks.share(again, blocks.lookup(k_new))  # an idle block owned again
+    assert again == [kept] and kept not in blocks.idle and blocks.available == 2
+    blocks.check([again])
+    taken: list[int] = []
+    blocks.allocate(taken, 8)  # the free block, then the idle one
+    assert blocks.lookup(k_old) == [] and blocks.lookup(k_new) == [kept]
+
+
+def test_a_prompt_registers_after_a_block_someone_else_registered_first() -> None:
+    blocks = BlockManager(9, 4, prefix_caching=True)
+    first, second = [], []
+    blocks.allocate(first, 8)
+    blocks.allocate(second, 16)  # prompt of 3 full blocks + a decode block: 4 in the table
+    shared = block_hashes([7] * 8, 4)
+    mine = block_hashes([7] * 4 + [8] * 8, 4)  # same first block, then its own
+    blocks.register(first, shared)
+    blocks.register(second, mine)  # fewer keys than blocks: the rest stays private
+    assert blocks.lookup(mine) == [first[0], second[1], second[2]]
+    assert blocks.lookup(shared) == first
+    assert second[0] not in blocks.hash_of and second[3] not in blocks.hash_of
+
+
+def test_admission_counts_a_cached_prefix_once_and_idle_blocks_as_taken() -> None:
+    blocks = BlockManager(7, 4, prefix_caching=True)  # 6 usable
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=100, blocks=blocks)
+    scheduler.prefix_hasher = lambda seq: block_hashes([3] * seq.prompt_len, 4)
+    owner = sized(9)  # 2 full blocks + 1
+    scheduler.add(owner)
+    assert scheduler.schedule() == [owner]
+    blocks.register(owner.block_table, scheduler.prefix_hasher(owner))
+    reader = sized(13)  # 4 blocks, its first 2 cached and owned by a running row
+    scheduler.add(reader)
+    assert scheduler.schedule() == [reader]  # 2 new + 1 spare for the running row == 3 free
+    assert reader.cached == 8 and reader.block_table[:2] == owner.block_table[:2]
+    assert scheduler.prefix_hits == 8 and scheduler.prefix_queried == 9 + 13
+    blocks.check([owner.block_table, reader.block_table])
+    scheduler.remove(owner)
+    scheduler.remove(reader)  # the 2 cached blocks are idle now, 4 free
+    whole = sized(24)  # 6 blocks: its 2 idle cached ones and all 4 free ones
+    scheduler.add(whole)
+    assert scheduler.schedule() == [whole] and whole.cached == 8
+    blocks.check([whole.block_table])
 
 
 def test_without_prefix_caching_nothing_is_found() -> None:
