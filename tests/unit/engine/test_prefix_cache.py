@@ -117,13 +117,13 @@ def test_idle_blocks_go_least_recently_freed_first_and_a_shared_one_is_owned_aga
     kept = new[0]
     blocks.free_table(old)  # idle first: the least recently used
     blocks.free_table(new)
+    taken: list[int] = []
+    blocks.allocate(taken, 8)  # the never-registered free block, then the oldest idle one
+    assert blocks.lookup(k_old) == [] and blocks.lookup(k_new) == [kept]
     again: list[int] = []
     blocks.share(again, blocks.lookup(k_new))  # an idle block owned again
-    assert again == [kept] and kept not in blocks.idle and blocks.available == 2
-    blocks.check([again])
-    taken: list[int] = []
-    blocks.allocate(taken, 8)  # the free block, then the idle one
-    assert blocks.lookup(k_old) == [] and blocks.lookup(k_new) == [kept]
+    assert again == [kept] and kept not in blocks.idle and blocks.available == 0
+    blocks.check([again, taken])
 
 
 def test_a_prompt_registers_after_a_block_someone_else_registered_first() -> None:
@@ -156,10 +156,38 @@ def test_admission_counts_a_cached_prefix_once_and_idle_blocks_as_taken() -> Non
     blocks.check([owner.block_table, reader.block_table])
     scheduler.remove(owner)
     scheduler.remove(reader)  # the 2 cached blocks are idle now, 4 free
+    too_big = sized(28)  # 7 blocks: more than the cache, its 2 cached ones included
+    scheduler.add(too_big)
+    assert scheduler.schedule() == [] and list(scheduler.waiting) == [too_big]
+    scheduler.waiting.clear()
     whole = sized(24)  # 6 blocks: its 2 idle cached ones and all 4 free ones
     scheduler.add(whole)
     assert scheduler.schedule() == [whole] and whole.cached == 8
+    assert scheduler.prefix_hits == 16
     blocks.check([whole.block_table])
+
+
+def test_a_cached_prompt_always_leaves_its_last_token_to_compute() -> None:
+    blocks = BlockManager(9, 4, prefix_caching=True)
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=100, blocks=blocks)
+    scheduler.prefix_hasher = lambda seq: block_hashes([5] * seq.prompt_len, 4)
+    first = sized(9)
+    scheduler.add(first)
+    scheduler.schedule()
+    blocks.register(first.block_table, scheduler.prefix_hasher(first))
+    same, exact = sized(9), sized(8)  # 2 full blocks + 1 token; exactly 2 blocks
+    for seq in (same, exact):
+        scheduler.add(seq)
+    assert scheduler.schedule() == [same, exact]
+    assert same.cached == 8 and exact.cached == 4  # its last block is computed again
+
+
+def test_nothing_is_counted_without_prefix_caching() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=100, blocks=BlockManager(9, 4))
+    scheduler.prefix_hasher = lambda seq: block_hashes([5] * seq.prompt_len, 4)
+    scheduler.add(sized(9))
+    scheduler.schedule()
+    assert scheduler.prefix_queried == scheduler.prefix_hits == 0
 
 
 def test_without_prefix_caching_nothing_is_found() -> None:

@@ -137,3 +137,17 @@ def test_rows_between_chunks_continue_oldest_first_within_the_budget() -> None:
     assert scheduler.continuing(8) == ([b], 8)  # at least one, even when it fills the step
     b.prefilled = 16
     assert scheduler.continuing(8) == ([b], 4)  # 4 left; d's 8 would make 12
+
+
+def test_several_short_chunks_share_a_step_up_to_the_budget_inclusive() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=8)
+    rows = queue(scheduler, 20, 20, 20)
+    for s in rows:
+        scheduler.waiting.remove(s)
+        scheduler._start(s)
+        s.chunk_row = object()
+    a, b, c = rows
+    a.prefilled = b.prefilled = 16  # 4 left each: 8 together, inclusive
+    assert scheduler.continuing(8) == ([a, b], 8)
+    a.prefilled = b.prefilled = c.prefilled = 17  # 3 left each: a third would make 9
+    assert scheduler.continuing(8) == ([a, b], 6)
