@@ -92,12 +92,12 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         vocab = int(model.config.get_text_config().vocab_size)
         self.vocab = vocab
         self.sampler = Sampler(vocab, eos_ids, logprobs_mode)
-        # the KV budget (None/0: kv_cache.auto_budget less a prefill's activations on CUDA),
-        # allocated once, in blocks
         # a prompt longer than chunk_size is computed in chunks of it, one per step
         prefix_caching, self.chunk_size = prefill_plan(
             self.runner, prefix_caching, max_num_batched_tokens, model_id
         )
+        # the KV budget (None/0: kv_cache.auto_budget less a prefill's activations on CUDA),
+        # allocated once, in blocks
         self.paging = KVPaging(self.runner, kv_cache_bytes, block_size, gpu_memory_utilization,
                                max_num_batched_tokens, prefix_caching)  # fmt: skip
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
