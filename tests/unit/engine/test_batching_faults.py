@@ -183,7 +183,7 @@ async def test_a_request_out_of_memory_even_alone_gets_a_503_and_the_others_go_o
     got = await outcomes(backend, [reqs[0], request("POISON big"), *reqs[1:]])
     assert isinstance(got[1], OutOfMemory), got[1]
     assert got[1].status_code == 503 and got[1].code == "out_of_memory"
-    assert got[1].retry_after and "retry" in got[1].message.lower()
+    assert got[1].retry_after == 5 and "OutOfMemoryError" in got[1].message
     assert [got[0], got[2], got[3]] == alone
     assert backend.state is ModelState.READY and engine.failure is None
 
@@ -251,13 +251,32 @@ async def test_an_error_outside_a_forward_ends_every_request_within_seconds(
         await tokens(backend, request("after"))
 
 
-async def test_every_row_failing_alone_is_the_engines_fault_not_the_requests(
+async def test_a_lone_request_whose_decode_fails_fails_alone_not_the_engine(
     backend: HFChatBackend,
 ) -> None:
     engine = engine_of(backend)
-    jobs = asyncio.gather(*(tokens(backend, request(f"r{i}", 300)) for i in range(3)),
+    decode = engine._decode_forward
+
+    def poisoned(seqs: list[Any]) -> list[int]:
+        if is_poison(seqs):
+            raise RuntimeError("poison")
+        return decode(seqs)
+
+    engine._decode_forward = poisoned  # type: ignore[method-assign]
+    got = await outcomes(backend, [request("POISON alone")])
+    assert isinstance(got[0], RequestFailed)
+    assert backend.state is ModelState.READY and engine.failure is None
+    assert len(await tokens(backend, request("after", max_tokens=4))) == 4
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+async def test_every_row_failing_alone_is_the_engines_fault_not_the_requests(
+    backend: HFChatBackend, rows: int
+) -> None:
+    engine = engine_of(backend)
+    jobs = asyncio.gather(*(tokens(backend, request(f"r{i}", 300)) for i in range(rows)),
                           return_exceptions=True)  # fmt: skip
-    await until_running(engine, 3)
+    await until_running(engine, rows)
     engine._decode_forward = raising  # type: ignore[method-assign]
     got = await asyncio.wait_for(jobs, FAST)
     assert all(isinstance(g, EngineFailed) for g in got), got
