@@ -74,11 +74,8 @@ def is_poison(seqs: list[Any]) -> bool:
     return any(s.prepared.request.request_id.startswith("POISON") for s in seqs)
 
 
-# --- one request's error: that request alone ---------------------------------------------------
-async def test_a_request_whose_decode_always_fails_fails_alone(backend: HFChatBackend) -> None:
-    engine = engine_of(backend)
-    reqs = [request(f"companion {i}", max_tokens=12 + i) for i in range(4)]
-    alone = [await tokens(backend, r) for r in reqs]
+def poison_decode(engine: BatchEngine) -> None:
+    """Every decode step with a POISON row in it raises (also when that row runs alone)."""
     decode = engine._decode_forward
 
     def poisoned(seqs: list[Any]) -> list[int]:
@@ -87,6 +84,14 @@ async def test_a_request_whose_decode_always_fails_fails_alone(backend: HFChatBa
         return decode(seqs)
 
     engine._decode_forward = poisoned  # type: ignore[method-assign]
+
+
+# --- one request's error: that request alone ---------------------------------------------------
+async def test_a_request_whose_decode_always_fails_fails_alone(backend: HFChatBackend) -> None:
+    engine = engine_of(backend)
+    reqs = [request(f"companion {i}", max_tokens=12 + i) for i in range(4)]
+    alone = [await tokens(backend, r) for r in reqs]
+    poison_decode(engine)
     got = await outcomes(backend, [*reqs[:2], request("POISON here"), *reqs[2:]])
     assert isinstance(got[2], RequestFailed) and got[2].status_code == 500
     assert [got[0], got[1], got[3], got[4]] == alone  # greedy: the same tokens as undisturbed
@@ -255,14 +260,7 @@ async def test_a_lone_request_whose_decode_fails_fails_alone_not_the_engine(
     backend: HFChatBackend,
 ) -> None:
     engine = engine_of(backend)
-    decode = engine._decode_forward
-
-    def poisoned(seqs: list[Any]) -> list[int]:
-        if is_poison(seqs):
-            raise RuntimeError("poison")
-        return decode(seqs)
-
-    engine._decode_forward = poisoned  # type: ignore[method-assign]
+    poison_decode(engine)
     got = await outcomes(backend, [request("POISON alone")])
     assert isinstance(got[0], RequestFailed)
     assert backend.state is ModelState.READY and engine.failure is None
