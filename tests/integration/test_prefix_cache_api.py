@@ -18,9 +18,11 @@ from typing import Any
 import httpx
 
 from support import MODEL, make_settings
+from upstreams import serve_asgi
 from vlmserve.api.app import build_app
-from vlmserve.config import ModelConfig
-from vlmserve.registry.manager import ModelManager
+from vlmserve.config import ModelConfig, Settings
+from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
+from vlmserve.registry.manager import ModelHandle, ModelManager
 
 SYSTEM = "You extract the fields of identity cards and answer in one short line. " * 6
 
@@ -104,3 +106,52 @@ async def test_a_models_table_sets_its_own_budget_and_prefix_caching(tiny_dir: P
             answer = await cached.post("/v1/chat/completions", json=chat(question))
             assert answer.status_code == 200, answer.text
         assert engine.scheduler.prefix_hits > 0
+
+
+async def test_a_cache_salt_shares_cached_blocks_only_within_its_tenant(tiny_dir: Path) -> None:
+    """vLLM's ``cache_salt``: the same system prompt under another salt is computed again; a
+    Responses request takes the same field."""
+    tenant_a, tenant_b = "a" * 43, "b" * 43  # 256-bit salts, base64-sized
+
+    async def cached_tokens(client: httpx.AsyncClient, question: str, salt: str) -> int:
+        r = await client.post("/v1/chat/completions", json={**chat(question), "cache_salt": salt})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    settings = make_settings(tiny_dir, enable_prefix_caching=True)
+    async with serving(settings) as (cached, _):
+        assert await cached_tokens(cached, "Name?", tenant_a) == 0
+        assert await cached_tokens(cached, "Date of birth?", tenant_b) == 0
+        assert await cached_tokens(cached, "Card number?", tenant_a) >= 5 * 16
+        ask = {"model": MODEL, "instructions": SYSTEM, "input": "Date?", "max_output_tokens": 4}
+        other = await cached.post("/v1/responses", json={**ask, "cache_salt": "c" * 43})
+        same = await cached.post("/v1/responses", json={**ask, "cache_salt": tenant_b})
+        assert other.json()["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        assert same.json()["usage"]["input_tokens_details"]["cached_tokens"] >= 5 * 16
+        empty = await cached.post("/v1/chat/completions", json={**chat("Name?"), "cache_salt": ""})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
+
+
+async def test_the_gateway_passes_an_upstreams_cached_tokens_on(tiny_dir: Path) -> None:
+    """A proxied model's usage keeps the worker's ``prompt_tokens_details``."""
+    worker_settings = make_settings(tiny_dir, enable_prefix_caching=True)
+    async with serving(worker_settings) as (_, worker_models):
+        worker = build_app(worker_settings, models=worker_models)
+        async with serve_asgi(worker) as url:
+            config = UpstreamConfig(model=MODEL, base_urls=[url], health_interval=0)
+            gateway_models = ModelManager([
+                ModelHandle("gw", ["chat"], UpstreamBackend("gw", config))
+            ])  # fmt: skip
+            gateway = build_app(Settings(device="cpu"), models=gateway_models)
+            async with gateway.router.lifespan_context(gateway):
+                transport = httpx.ASGITransport(app=gateway)
+                async with httpx.AsyncClient(transport=transport, base_url="http://gw",
+                                             timeout=60) as client:  # fmt: skip
+                    first = await client.post("/v1/chat/completions",
+                                              json={**chat("Name?"), "model": "gw"})  # fmt: skip
+                    again = await client.post("/v1/chat/completions",
+                                              json={**chat("Date?"), "model": "gw"})  # fmt: skip
+            await gateway_models.aclose()
+    assert first.status_code == again.status_code == 200, again.text
+    assert first.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 5 * 16

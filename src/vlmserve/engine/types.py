@@ -174,6 +174,9 @@ class GenerateRequest:
     # Admission class (lower first): the scheduler lets waiting interactive requests overtake
     # waiting batch work, a bounded number of times each (never starving it).
     priority: int = INTERACTIVE_PRIORITY
+    # Prefix caching: only requests with the same salt share cached K/V blocks (vLLM's
+    # ``cache_salt``, against another tenant timing the cache to guess prompts).
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

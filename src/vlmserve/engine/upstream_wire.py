@@ -96,6 +96,7 @@ class ChunkReader:
     finish: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | None = None  # the upstream's ``prompt_tokens_details.cached_tokens``
     pieces: int = 0  # content chunks seen: the completion count when no usage comes
     done: bool = False
     _event: str | None = None
@@ -144,6 +145,7 @@ class ChunkReader:
         if usage:
             self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            self.cached_tokens = _cached_tokens(usage)
         out: list[Chunk] = []
         for choice in data.get("choices") or []:
             delta = choice.get("delta") or {}
@@ -178,7 +180,16 @@ class ChunkReader:
             return []
         self.done = True
         completion = self.completion_tokens or self.pieces
-        return [Chunk("", [], self.finish, self.prompt_tokens, completion)]
+        return [Chunk("", [], self.finish, self.prompt_tokens, completion,
+                      cached_tokens=self.cached_tokens)]  # fmt: skip
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    """An upstream's cached prompt tokens (vLLM with prefix caching, a vlmserve worker), or
+    None when it reports none (the answer then has no ``prompt_tokens_details``)."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return int(cached) if isinstance(cached, int) and cached >= 0 else None
 
 
 def _stream_error(data: dict[str, Any]) -> VlmserveError:

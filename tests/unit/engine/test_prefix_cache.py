@@ -84,6 +84,16 @@ def test_a_block_key_covers_everything_before_it_and_the_media_from_their_block_
     assert at_32[0][2] != at_32[1][2]
 
 
+def test_a_cache_salt_starts_its_own_chain() -> None:
+    ids = list(range(100, 164))
+    base, salted = block_hashes(ids, 16), block_hashes(ids, 16, salt="tenant-a")
+    assert len(salted) == 4 and not set(salted) & set(base)  # no block shared with unsalted
+    assert block_hashes(ids, 16, salt="tenant-a") == salted  # the same salt: the same keys
+    assert not set(block_hashes(ids, 16, salt="tenant-b")) & set(salted)
+    with_media = block_hashes(ids, 16, (33, b"image A"), salt="tenant-a")
+    assert with_media[:2] == salted[:2] and with_media[2] != salted[2]
+
+
 def test_registered_blocks_are_shared_counted_and_reused_least_recently_used_first() -> None:
     blocks = BlockManager(7, 4, prefix_caching=True)  # 6 usable
     first: list[int] = []
@@ -207,6 +217,25 @@ async def test_a_shared_system_prompt_is_computed_once_and_answers_do_not_change
     got = [await run(on, q) for q in questions]
     assert hits(on) >= 2 * 6 * 16  # the system prompt's blocks, twice
     assert [g.tokens for g in got] == [(await run(off, q)).tokens for q in questions]
+
+
+async def test_only_requests_with_the_same_cache_salt_share_cached_blocks(
+    off: HFChatBackend, on: HFChatBackend
+) -> None:
+    def salted(question: str, salt: str | None) -> GenerateRequest:
+        request = ask(("user", [TextPart(question)]))
+        request.cache_salt = salt
+        return request
+
+    await run(on, salted("Name?", None))
+    before = hits(on)
+    answer = await run(on, salted("Date of birth?", "tenant-a"))
+    assert hits(on) == before  # the unsalted system prompt is not the salted one
+    await run(on, salted("Number?", "tenant-b"))
+    assert hits(on) == before
+    await run(on, salted("Address?", "tenant-a"))
+    assert hits(on) - before >= 6 * 16  # tenant a's own earlier blocks
+    assert answer.tokens == (await run(off, salted("Date of birth?", "tenant-a"))).tokens
 
 
 async def test_a_second_turn_about_the_same_image_reuses_it_another_image_only_the_text(

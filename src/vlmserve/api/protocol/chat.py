@@ -167,6 +167,9 @@ class ChatCompletionRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     # seed 003: resumable streams
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
+    # vLLM's: a secret that keeps this request's prefix-cache entries apart from other
+    # tenants' (only requests with the same salt share cached blocks)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

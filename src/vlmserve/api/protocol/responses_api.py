@@ -142,6 +142,7 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # vLLM's
 
     @field_validator("input", mode="before")
     @classmethod

@@ -240,6 +240,7 @@ class Converter:
             sampling=self.sampling(body),
             response_format=response_format(body),
             output=output_options(body),
+            cache_salt=body.cache_salt,
         )
 
     async def _message(self, index: int, message: ChatMessageIn) -> ChatMessage:

@@ -138,6 +138,7 @@ def to_chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]
         "min_tokens": body.min_tokens,
         "response_format": _response_format(body),
         "user": body.user,
+        "cache_salt": body.cache_salt,
     }
     try:
         return ChatCompletionRequest.model_validate(

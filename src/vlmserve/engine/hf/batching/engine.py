@@ -276,7 +276,8 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         """The prefix-cache keys of ``seq``'s full prompt blocks (``prefix.py``)."""
         inputs = seq.prepared.inputs
         media = self.embedder.media_signature(inputs)
-        return block_hashes(inputs["input_ids"][0].tolist(), self.blocks.block_size, media)
+        salt = seq.prepared.request.cache_salt
+        return block_hashes(inputs["input_ids"][0].tolist(), self.blocks.block_size, media, salt)
 
     def _prefill_forward(self, items: list[tuple[Sequence, PrefillRow]]) -> list[int]:
         """Prompts (or this step's chunks of long ones) -> the first tokens of the rows whose

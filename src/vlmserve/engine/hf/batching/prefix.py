@@ -11,6 +11,10 @@ so from the block that holds the first placeholder on, the key also covers a dig
 request's media (their content keys, in prompt order): text before the first image (a
 system prompt, say) is shared across requests with different images; what follows an image
 is shared only by requests with the same images, whose rotary positions are the same too.
+
+A request's ``cache_salt`` (vLLM's field) starts the chain: salted requests share blocks only
+with requests that carry the same salt, so a tenant cannot time the cache to learn whether
+another tenant sent a prompt.
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ __all__ = ["block_hashes"]
 
 
 def block_hashes(
-    ids: list[int], block_size: int, media: tuple[int, bytes] | None = None
+    ids: list[int],
+    block_size: int,
+    media: tuple[int, bytes] | None = None,
+    salt: str | None = None,
 ) -> list[bytes]:
     """Keys of the full blocks of ``ids``. ``media``: (index of the first placeholder token,
-    digest of all media) or None for a text prompt."""
+    digest of all media) or None for a text prompt; ``salt``: the request's cache salt."""
     keys: list[bytes] = []
-    previous = b""
+    previous = b"" if salt is None else hashlib.sha256(b"cache_salt:" + salt.encode()).digest()
     for start in range(0, len(ids) - block_size + 1, block_size):
         h = hashlib.sha256(previous)
         h.update(array("q", ids[start : start + block_size]).tobytes())
