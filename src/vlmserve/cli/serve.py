@@ -110,6 +110,9 @@ HELP = {
                                        "and a prefill's activations (measured at load)."),
     "enable_prefix_caching": (ENGINE, "Reuse the K/V of prompts' cached full blocks (a shared "
                                       "system prompt, the same image again): less prefill."),
+    "engine_process": (ENGINE, "Run each chat model's engine in its own process: HTTP and "
+                               "streaming no longer share the GIL with it, and a crashed "
+                               "engine is restarted (docs/engine.md)."),
     "max_tokens": (REQUESTS, "`max_tokens` of a request that gives none."),
     "temperature": (REQUESTS, "`temperature` of a request that gives none."),
     "max_body_bytes": (REQUESTS, "Request body limit (413 before parsing)."),
@@ -181,6 +184,7 @@ def command(
     gpu_memory_utilization: Annotated[Float, _opt("gpu_memory_utilization")] = None,
     enable_prefix_caching: Annotated[Bool, _opt("enable_prefix_caching",
                                                 "--enable-prefix-caching")] = None,
+    engine_process: Annotated[Bool, _opt("engine_process", "--engine-process")] = None,
     max_tokens: Annotated[Int, _opt("max_tokens")] = None,
     temperature: Annotated[Float, _opt("temperature")] = None,
     max_body_bytes: Annotated[Int, _opt("max_body_bytes")] = None,

@@ -5,6 +5,7 @@ subprocesses). Everything else talks to them through ``engine.protocol.Backend``
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from vlmserve.engine.hf.embed import HFEmbedBackend
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.hf.templates import read_chat_template
 from vlmserve.engine.outputs import check_parser_names
+from vlmserve.engine.proc import EngineProcClient
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.supervisor import Supervisor, SupervisorConfig
 from vlmserve.engine.types import Serves
@@ -65,6 +67,9 @@ def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
         **_per_model(cfg),
     )
     check_parser_names(config.reasoning_parser, config.tool_call_parser)
+    if settings.engine_process:
+        return EngineProcClient(cfg.served_name, partial(HFChatBackend, cfg.served_name,
+                                                         options, config))  # fmt: skip
     return HFChatBackend(cfg.served_name, options, config)
 
 

@@ -45,7 +45,7 @@ def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_pat
         "--max-media-per-request", "2", "--max-media-bytes", "13", "--max-image-pixels", "14",
         "--allowed-local-media-path", "/srv/media", "--lazy-load", "--keep-alive", "15",
         "--max-loaded-models", "3", "--persist-sessions", "--redis-url", "redis://r:6379/0",
-        "--no-ui",
+        "--no-ui", "--engine-process",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     s = captured[0]
@@ -58,6 +58,7 @@ def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_pat
     assert s.api_keys == ["k1", "k2"] and s.admin_keys == ["a1"]
     assert (s.model, s.served_model_name, s.host, s.port) == ("some/model", "m", "0.0.0.0", 9)
     assert (s.device, s.dtype, s.max_model_len) == ("cpu", "float32", 77)
+    assert s.engine_process is True
     assert s.cors_allow_origins == ["http://a.test"]
     assert (s.max_tokens, s.temperature, s.max_body_bytes) == (11, 0.1, 12)
     assert (s.max_media_per_request, s.max_media_bytes, s.max_image_pixels) == (2, 13, 14)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+from vlmserve.engine.coalesce import coalesced
 from vlmserve.engine.configs import ChatEngineConfig
 from vlmserve.engine.hf.batching import END, BatchEngine, supports
 from vlmserve.engine.hf.batching.faults import describe
@@ -37,8 +38,6 @@ from vlmserve.errors import InvalidRequest, Overloaded
 __all__ = ["HFChatBackend", "ModelState"]
 
 log = logging.getLogger(__name__)
-_MERGE_BACKLOG = 32  # chunks waiting for the consumer before they are merged into one
-_MERGE_CROWDED = 2  # the same while the engine decodes several streams
 
 
 class HFChatBackend(HFModel):
@@ -275,7 +274,7 @@ class HFChatBackend(HFModel):
             stop, crowded = self._start_alone(prepared, loop, queue), lambda: False
         self.in_flight += 1
         try:
-            async for chunk in _coalesced(queue, crowded):
+            async for chunk in coalesced(queue, crowded):
                 yield chunk
         finally:
             stop()  # read by the engine at its next step boundary
@@ -304,33 +303,6 @@ class HFChatBackend(HFModel):
 
         self._executor.submit(job)
         return cancel.set
-
-
-async def _coalesced(
-    queue: asyncio.Queue[Any], crowded: Callable[[], bool]
-) -> AsyncIterator[Chunk]:
-    """The queue's chunks until END (exceptions re-raised), one token per chunk while the
-    consumer keeps up. When chunks pile up they are merged into one, as vLLM's output
-    collector does, so a saturated event loop pays one SSE event per wake-up instead of
-    one per token and catches up: as soon as two are waiting while the engine decodes
-    several streams (``crowded``), or once ``_MERGE_BACKLOG`` are waiting for a lone one."""
-    pending: Any = None
-    while True:
-        item = pending if pending is not None else await queue.get()
-        pending = None
-        if item is END:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        waiting = queue.qsize()
-        merge = waiting >= _MERGE_BACKLOG or (waiting >= _MERGE_CROWDED and crowded())
-        while merge and not queue.empty() and item.finish_reason is None:
-            nxt = queue.get_nowait()
-            if not isinstance(nxt, Chunk) or nxt.index != item.index:  # n > 1: one choice each
-                pending = nxt
-                break
-            item = item.merged(nxt)
-        yield item
 
 
 def _eos_ids(model: Any) -> set[int]:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from vlmserve.engine.coalesce import END
 from vlmserve.engine.hf.batching.sequence import Sequence
 
 __all__ = ["END", "Outbox", "deliver"]
-
-END = object()  # the last item a consumer receives
 
 
 def deliver(items: list[tuple[Any, Any]]) -> None:

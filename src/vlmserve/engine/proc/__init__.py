@@ -1,0 +1,6 @@
+"""A model's engine in its own process (``--engine-process``): ``client.py`` in the API
+process, ``core.py`` in the engine process, ``wire.py`` between them."""
+
+from vlmserve.engine.proc.client import EngineProcClient
+
+__all__ = ["EngineProcClient"]

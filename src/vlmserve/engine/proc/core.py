@@ -1,0 +1,167 @@
+"""The engine process: one model's in-process backend (``engine/hf``) served over a connection.
+
+Started by ``EngineProcClient`` (``client.py``) as ``python -m vlmserve.engine.proc FD``. Its
+event loop runs the backend exactly as the API process would (``prepare``, ``generate``), so
+batching, grammars, stop strings and the caches behave the same; what it sends back is the
+chunks, one list per loop turn (a decode step's chunks of every stream in one send), and the
+backend's stats twice a second. It exits when the API process says ``close`` or goes away
+(end of file on the connection), and ignores Ctrl-C: the API process decides when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Callable, Coroutine
+from multiprocessing.connection import Connection
+from typing import Any
+
+from vlmserve.engine.proc.wire import Ready, encode_error, read_forever
+from vlmserve.engine.protocol import Backend
+
+__all__ = ["EngineCore", "run"]
+
+log = logging.getLogger(__name__)
+STATS_EVERY = 0.5  # seconds between the stats the API process shows in /metrics
+
+
+def run(conn: Connection) -> None:
+    """The engine process's entry point: the first message says what to build."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    factory, log_level = conn.recv()
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
+    )
+    asyncio.run(EngineCore(conn, factory).serve())
+
+
+class EngineCore:
+    def __init__(self, conn: Connection, factory: Callable[[], Backend]):
+        self.conn = conn
+        self.factory = factory
+        self.backend: Backend | None = None
+        self.prepared: dict[int, Any] = {}  # rid -> what backend.prepare returned
+        self.preparing: dict[int, asyncio.Task[None]] = {}  # rid -> its prepare, until done
+        self.tasks: dict[int, asyncio.Task[None]] = {}  # rid -> its generate task
+        self.outbox: list[Any] = []
+        self.closing = asyncio.Event()
+
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        backend = self.factory()
+        try:
+            await backend.aload()
+        except Exception as exc:
+            self.conn.send([("load_failed", encode_error(exc))])
+            return
+        self.backend = backend
+        backend.watch_failures(lambda _: self.loop.call_soon_threadsafe(self._failed))
+        config = getattr(backend, "config", None)
+        ready = Ready(backend.capabilities(), backend.memory_bytes, backend.load_seconds,
+                      int(getattr(config, "max_queued", 0)))  # fmt: skip
+        self.conn.send([("ready", ready)])
+        reader = threading.Thread(target=read_forever, args=(self.conn, self._receive),
+                                  name="engine-reader", daemon=True)  # fmt: skip
+        reader.start()
+        stats = self.loop.create_task(self._stats())
+        await self.closing.wait()
+        for task in [stats, *self.tasks.values()]:
+            task.cancel()
+        await backend.aclose()
+
+    def _receive(self, message: Any) -> None:
+        """On the reader thread."""
+        self.loop.call_soon_threadsafe(self._handle, message)
+
+    def _handle(self, message: Any) -> None:
+        kind = "close" if message is None else message[0]
+        if kind == "close":
+            self.closing.set()
+        elif kind == "prepare":
+            self.preparing[message[1]] = self._spawn(
+                message[1], self._prepare(message[1], message[2])
+            )
+        elif kind == "generate":
+            self.tasks[message[1]] = self.loop.create_task(self._generate(message[1]))
+        elif kind == "cancel":
+            self._cancel(message[1])
+        elif kind == "discard":
+            self._spawn(message[1], self._discard(message[1]))
+
+    def _spawn(self, rid: int, work: Coroutine[Any, Any, Any]) -> asyncio.Task[None]:
+        """Run ``work``; its result (or error) goes back as ``done`` (or ``error``)."""
+
+        async def answer() -> None:
+            try:
+                result = await work
+            except Exception as exc:
+                self._emit(("error", rid, encode_error(exc)))
+            else:
+                self._emit(("done", rid, result))
+
+        return self.loop.create_task(answer())
+
+    async def _prepare(self, rid: int, request: Any) -> None:
+        assert self.backend is not None
+        try:
+            self.prepared[rid] = await self.backend.prepare(request)
+        finally:
+            self.preparing.pop(rid, None)
+
+    async def _discard(self, rid: int) -> None:
+        """``rid``'s prepared request dropped (after its prepare, if that still runs: the API
+        process gave up waiting for it)."""
+        pending = self.preparing.get(rid)
+        if pending is not None:
+            await asyncio.wait([pending])
+        prepared = self.prepared.pop(rid, None)
+        if prepared is not None and self.backend is not None:
+            await self.backend.discard(prepared)
+
+    async def _generate(self, rid: int) -> None:
+        assert self.backend is not None
+        prepared = self.prepared.pop(rid)
+        try:
+            async for chunk in self.backend.generate(prepared):
+                self._emit(("chunk", rid, chunk))
+        except asyncio.CancelledError:
+            return  # the API process cancelled it and expects nothing more
+        except Exception as exc:
+            self._emit(("error", rid, encode_error(exc)))
+        else:
+            self._emit(("end", rid))
+        finally:
+            self.tasks.pop(rid, None)
+
+    def _cancel(self, rid: int) -> None:
+        task = self.tasks.pop(rid, None)
+        if task is not None:
+            task.cancel()  # before it started, too: then its request is still prepared
+        if rid in self.prepared:
+            self._spawn(rid, self._discard(rid))
+
+    def _emit(self, message: Any) -> None:
+        """Queue ``message``; everything queued in this loop turn goes in one send."""
+        self.outbox.append(message)
+        if len(self.outbox) == 1:
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        batch, self.outbox = self.outbox, []
+        try:
+            self.conn.send(batch)
+        except (OSError, ValueError):  # the API process is gone
+            self.closing.set()
+
+    async def _stats(self) -> None:
+        assert self.backend is not None
+        while True:
+            self._emit(("stats", self.backend.stats(), self.backend.memory_bytes))
+            await asyncio.sleep(STATS_EVERY)
+
+    def _failed(self) -> None:
+        error = self.backend.error if self.backend is not None else None
+        log.error("engine failed: %s", error)
+        self._emit(("failed", error or "engine failed"))
