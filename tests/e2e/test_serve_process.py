@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 from PIL import Image
@@ -141,3 +142,26 @@ def test_mismatched_adapter_fails_start_up_naming_both_bases(
         out = server.stop()
     assert server.proc.returncode not in (0, None)
     assert "Phi-3.5-vision-instruct" in out and str(tiny_dir) in out
+
+
+@pytest.mark.parametrize("how", ["terminate", "kill"])
+def test_the_engine_process_ends_with_the_server(tiny_dir: Path, how: str) -> None:
+    """``--engine-process``: the real CLI answers through its engine process, which exits when
+    the server stops (SIGTERM: the model unloads) or dies (SIGKILL: its connection closes)."""
+    server = ServerProcess(["serve", "--model", str(tiny_dir), "--served-model-name", "tiny",
+                            "--device", "cpu", "--engine-process"])  # fmt: skip
+    try:
+        server.wait_ready()
+        [engine] = psutil.Process(server.proc.pid).children()
+        assert "vlmserve.engine.proc" in engine.cmdline()
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        if how == "kill":
+            server.proc.kill()
+        else:
+            server.proc.terminate()
+        server.proc.wait(30)
+        engine.wait(30)  # psutil.TimeoutExpired if it outlived the server
+    finally:
+        server.stop()

@@ -172,7 +172,10 @@ class EngineProcClient(Backend):
         return self._chunks(prepared)
 
     async def _chunks(self, rid: int) -> AsyncIterator[Chunk]:
-        self.check_ready()
+        if self.state is not ModelState.READY:  # failed since it was prepared
+            if self._sender is not None:
+                self._sender.send(("discard", rid))
+            self.check_ready()
         stream = _Stream(asyncio.get_running_loop())
         self._streams[rid] = stream
         self._send(("generate", rid))
