@@ -89,7 +89,7 @@ def gateway_registry(path: Path, worker_url: str) -> Path:
 
 
 def overhead_specs(cfg: BenchConfig, ports: list[int], work: Path) -> list[ServerSpec]:
-    proc = cfg.engine_process  # the workers' engines in their own processes
+    proc = not cfg.in_process  # the workers' engines in their own processes (the default)
     memory = _renamed(vlmserve_spec(cfg.model_dir, ports[0], cfg.dtype, engine_process=proc),
                       BASE)  # fmt: skip
     sqlite = _renamed(vlmserve_spec(cfg.model_dir, ports[1], cfg.dtype, engine_process=proc),
@@ -239,9 +239,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="which servers (memory always runs)",
     )
     p.add_argument(
-        "--engine-process",
+        "--in-process",
         action="store_true",
-        help="the workers run their engines in their own processes (--engine-process)",
+        help="the workers run their engines in their own process (--no-engine-process)",
     )
     p.add_argument("--json", dest="json_path")
     return p.parse_args(argv)
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     forwarded = ["--concurrency", *map(str, ns.concurrency), "--rounds", str(ns.rounds),
                  "--requests", str(ns.requests), "--max-tokens", str(ns.max_tokens),
                  "--no-sequential"]  # fmt: skip
-    forwarded += ["--engine-process"] if ns.engine_process else []
+    forwarded += ["--in-process"] if ns.in_process else []
     cfg = build_config(serve_args(forwarded + (["--model", ns.model] if ns.model else [])))
     console = Console(width=None if sys.stdout.isatty() else 140)
     if not cfg.model_dir:

@@ -92,7 +92,7 @@ class BenchConfig:
     cache_max_pixels: int = 1280 * 28 * 28  # Qwen2-VL's documented cap (the tiny one: 224x224)
     cache_rounds: int = 3
     cache_requests: int = 12
-    engine_process: bool = False  # also measure vlmserve --engine-process
+    in_process: bool = False  # also measure vlmserve --no-engine-process
 
 
 @dataclass(slots=True)
@@ -144,8 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "own default (auto) for --size medium (a bfloat16-saved checkpoint)",
     )  # fmt: skip
     p.add_argument("--no-sequential", action="store_true", help="skip vlmserve --max-num-seqs 1")
-    p.add_argument("--engine-process", action="store_true",
-                   help="also measure vlmserve --engine-process (vlmserve-proc)")  # fmt: skip
+    p.add_argument("--in-process", action="store_true",
+                   help="also measure vlmserve --no-engine-process (vlmserve-inproc)")  # fmt: skip
     p.add_argument("--one-at-a-time", action="store_true", help="stop each server after its turn")
     p.add_argument("--peers-dir", help="peer venvs (default: $VLMSERVE_PEERS_DIR or ~/.cache/...)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -201,7 +201,7 @@ def build_config(ns: argparse.Namespace) -> BenchConfig:
         cache_rounds=ns.cache_rounds,
         cache_requests=ns.cache_requests,
         cache_max_pixels=ns.cache_max_pixels,
-        engine_process=ns.engine_process,
+        in_process=ns.in_process,
     )
 
 
@@ -210,9 +210,9 @@ def plan_specs(cfg: BenchConfig, ports: list[int]) -> list[ServerSpec]:
     specs = [vlmserve_spec(cfg.model_dir, ports[0], cfg.dtype)]
     if cfg.sequential:
         specs.append(vlmserve_spec(cfg.model_dir, ports[len(specs)], cfg.dtype, max_num_seqs=1))
-    if cfg.engine_process:
+    if cfg.in_process:
         specs.append(vlmserve_spec(cfg.model_dir, ports[len(specs)], cfg.dtype,
-                                   engine_process=True))  # fmt: skip
+                                   engine_process=False))  # fmt: skip
     for name in cfg.peers:
         specs.append(PEERS[name](cfg.model_dir, ports[len(specs)], cfg.dtype, cfg.peers_dir))
     return specs

@@ -22,7 +22,10 @@ MODEL = "tiny"
 
 
 def make_settings(tiny_dir: Path, **overrides: Any) -> Settings:
-    base: dict[str, Any] = {"model": str(tiny_dir), "served_model_name": MODEL, "device": "cpu"}
+    # in process: tests reach into the engine (tests/integration/test_engine_process.py and
+    # the real servers of tests/e2e run the default, an engine process)
+    base: dict[str, Any] = {"model": str(tiny_dir), "served_model_name": MODEL, "device": "cpu",
+                            "engine_process": False}  # fmt: skip
     return Settings(**{**base, **overrides})
 
 

@@ -27,8 +27,8 @@ import httpx
 __all__ = [
     "PEERS",
     "VLMSERVE",
+    "VLMSERVE_INPROC",
     "VLMSERVE_ONE",
-    "VLMSERVE_PROC",
     "BodyRewrite",
     "Server",
     "ServerSpec",
@@ -41,7 +41,7 @@ __all__ = [
 
 VLMSERVE = "vlmserve"
 VLMSERVE_ONE = "vlmserve-1seq"  # --max-num-seqs 1: one sequence decoded at a time
-VLMSERVE_PROC = "vlmserve-proc"  # --engine-process: the engine in its own process
+VLMSERVE_INPROC = "vlmserve-inproc"  # --no-engine-process: the engine in the API's process
 SERVED_NAME = "tiny"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -111,7 +111,7 @@ def vlmserve_spec(
     port: int,
     dtype: str,
     max_num_seqs: int | None = None,
-    engine_process: bool = False,
+    engine_process: bool = True,
 ) -> ServerSpec:
     argv = [*vlmserve_cmd(), "serve", "--model", model_dir, "--served-model-name", SERVED_NAME]
     argv += ["--device", "cpu", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
@@ -121,9 +121,9 @@ def vlmserve_spec(
         argv += ["--max-num-seqs", str(max_num_seqs)]
         env["VLMSERVE_MAX_NUM_SEQS"] = str(max_num_seqs)  # for builds without the flag
     name = VLMSERVE_ONE if max_num_seqs == 1 else VLMSERVE
-    if engine_process:
-        argv.append("--engine-process")
-        name = VLMSERVE_PROC if name == VLMSERVE else name
+    if not engine_process:
+        argv.append("--no-engine-process")
+        name = VLMSERVE_INPROC if name == VLMSERVE else name
     return ServerSpec(name=name, argv=argv, port=port, model=SERVED_NAME, env=env)
 
 

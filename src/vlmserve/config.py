@@ -127,8 +127,9 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     enable_prefix_caching: bool = False  # reuse the K/V of a prompt's cached full blocks
     # each hf chat model's engine in its own process (vLLM V1's EngineCore split): the API's
-    # HTTP, media and stream work and the engine share no GIL; a crashed engine is reloaded
-    engine_process: bool = False
+    # HTTP, media and stream work and the engine share no GIL; a crashed engine is reloaded.
+    # False: in this process (embedded use; the tests that reach into the engine)
+    engine_process: bool = True
     embed_max_batch_size: int = Field(default=16, ge=1)  # embedding items in one forward pass
     embed_batch_wait_ms: float = Field(default=5.0, ge=0)  # wait for concurrent requests
 

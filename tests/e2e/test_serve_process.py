@@ -146,10 +146,10 @@ def test_mismatched_adapter_fails_start_up_naming_both_bases(
 
 @pytest.mark.parametrize("how", ["terminate", "kill"])
 def test_the_engine_process_ends_with_the_server(tiny_dir: Path, how: str) -> None:
-    """``--engine-process``: the real CLI answers through its engine process, which exits when
+    """By default the real CLI answers through an engine process, which exits when
     the server stops (SIGTERM: the model unloads) or dies (SIGKILL: its connection closes)."""
     server = ServerProcess(["serve", "--model", str(tiny_dir), "--served-model-name", "tiny",
-                            "--device", "cpu", "--engine-process"])  # fmt: skip
+                            "--device", "cpu"])  # fmt: skip
     try:
         server.wait_ready()
         [engine] = psutil.Process(server.proc.pid).children()

@@ -1,4 +1,4 @@
-"""``--engine-process``: the chat model's engine in its own process, through the API.
+"""The chat model's engine in its own process (the default; ``engine_process``), through the API.
 
 Pinned on the tiny Qwen2-VL with a real engine process (``python -m vlmserve.engine.proc``):
 the answers are the in-process engine's (greedy text and image, a stream, n = 2 with a seed,

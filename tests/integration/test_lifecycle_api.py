@@ -22,10 +22,8 @@ ADMIN = {"Authorization": "Bearer admin-secret"}
 
 
 def manager(tiny_dir: Path, **policy: Any) -> ModelManager:
-    handles = [
-        hf_handle(ModelConfig(name=name, source=str(tiny_dir)), Settings(device="cpu"))
-        for name in ("a", "b")
-    ]
+    settings = Settings(device="cpu", engine_process=False)
+    handles = [hf_handle(ModelConfig(name=name, source=str(tiny_dir)), settings) for name in "ab"]
     return ModelManager(handles, LifecyclePolicy(**policy))
 
 

@@ -36,7 +36,7 @@ vision = false
 @pytest.fixture(scope="module")
 def text_only_models(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     registry = text_only_registry(tmp_path_factory.mktemp("reg"), tiny_dir)
-    settings = Settings(registry=str(registry), device="cpu")
+    settings = Settings(registry=str(registry), device="cpu", engine_process=False)
     manager = ModelManager.from_settings(settings)
     for handle in manager.handles:
         handle.backend.load()

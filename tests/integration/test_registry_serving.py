@@ -40,7 +40,8 @@ video = false
 
 @pytest.fixture
 async def client(tmp_path: Path, tiny_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
-    settings = Settings(registry=str(registry_file(tmp_path, tiny_dir)), device="cpu")
+    settings = Settings(registry=str(registry_file(tmp_path, tiny_dir)), device="cpu",
+                        engine_process=False)  # fmt: skip
     models = ModelManager.from_settings(settings)
     app = build_app(settings, models=models)
     async with app.router.lifespan_context(app):

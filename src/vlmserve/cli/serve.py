@@ -110,9 +110,9 @@ HELP = {
                                        "and a prefill's activations (measured at load)."),
     "enable_prefix_caching": (ENGINE, "Reuse the K/V of prompts' cached full blocks (a shared "
                                       "system prompt, the same image again): less prefill."),
-    "engine_process": (ENGINE, "Run each chat model's engine in its own process: HTTP and "
-                               "streaming no longer share the GIL with it, and a crashed "
-                               "engine is restarted (docs/engine.md)."),
+    "engine_process": (ENGINE, "Each chat model's engine in its own process: HTTP and "
+                               "streaming do not share its GIL, a crashed one is restarted "
+                               "(--no-engine-process: in this process)."),
     "max_tokens": (REQUESTS, "`max_tokens` of a request that gives none."),
     "temperature": (REQUESTS, "`temperature` of a request that gives none."),
     "max_body_bytes": (REQUESTS, "Request body limit (413 before parsing)."),
@@ -184,7 +184,7 @@ def command(
     gpu_memory_utilization: Annotated[Float, _opt("gpu_memory_utilization")] = None,
     enable_prefix_caching: Annotated[Bool, _opt("enable_prefix_caching",
                                                 "--enable-prefix-caching")] = None,
-    engine_process: Annotated[Bool, _opt("engine_process", "--engine-process")] = None,
+    no_engine_process: Annotated[Bool, _opt("engine_process", "--no-engine-process")] = None,
     max_tokens: Annotated[Int, _opt("max_tokens")] = None,
     temperature: Annotated[Float, _opt("temperature")] = None,
     max_body_bytes: Annotated[Int, _opt("max_body_bytes")] = None,
@@ -210,6 +210,7 @@ def command(
     flags: dict[str, Any] = {k: v for k, v in locals().items() if k != "config"}
     flags["load_on_startup"] = False if flags.pop("lazy_load") else None
     flags["ui"] = False if flags.pop("no_ui") else None
+    flags["engine_process"] = False if flags.pop("no_engine_process") else None
     for flag, field in LIST_FLAGS.items():
         values = flags.pop(flag)
         flags[field] = [v.strip() for item in values for v in item.split(",")] if values else None

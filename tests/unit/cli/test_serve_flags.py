@@ -45,7 +45,7 @@ def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_pat
         "--max-media-per-request", "2", "--max-media-bytes", "13", "--max-image-pixels", "14",
         "--allowed-local-media-path", "/srv/media", "--lazy-load", "--keep-alive", "15",
         "--max-loaded-models", "3", "--persist-sessions", "--redis-url", "redis://r:6379/0",
-        "--no-ui", "--engine-process",
+        "--no-ui", "--no-engine-process",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     s = captured[0]
@@ -58,7 +58,7 @@ def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_pat
     assert s.api_keys == ["k1", "k2"] and s.admin_keys == ["a1"]
     assert (s.model, s.served_model_name, s.host, s.port) == ("some/model", "m", "0.0.0.0", 9)
     assert (s.device, s.dtype, s.max_model_len) == ("cpu", "float32", 77)
-    assert s.engine_process is True
+    assert s.engine_process is False
     assert s.cors_allow_origins == ["http://a.test"]
     assert (s.max_tokens, s.temperature, s.max_body_bytes) == (11, 0.1, 12)
     assert (s.max_media_per_request, s.max_media_bytes, s.max_image_pixels) == (2, 13, 14)
@@ -76,7 +76,7 @@ def test_unset_flags_keep_the_defaults(captured: list[Settings]) -> None:
     assert captured[0].api_keys == [] and captured[0].admin_keys == []
     assert captured[0].cors_allow_origins == []
     assert captured[0].load_on_startup is True and captured[0].trust_remote_code is False
-    assert captured[0].ui is True
+    assert captured[0].ui is True and captured[0].engine_process is True
 
 
 def test_unset_flags_leave_the_environment_in_force(captured: list[Settings]) -> None:
@@ -113,7 +113,7 @@ def test_an_invalid_flag_value_is_a_clear_error(captured: list[Settings]) -> Non
 
 def test_every_setting_is_a_flag_or_listed_as_env_only() -> None:
     renamed = {"api_key": "api_keys", "admin_key": "admin_keys", "lazy_load": "load_on_startup",
-               "no_ui": "ui"}  # fmt: skip
+               "no_ui": "ui", "no_engine_process": "engine_process"}  # fmt: skip
     flags = {renamed.get(p.name, p.name) for p in _serve_params() if p.name not in ("config",)}
     flags.discard("help")
     fields = set(Settings.model_fields)

@@ -22,7 +22,7 @@ CUSTOM = (
 
 
 def backend(tiny_dir: Path, template: str | None) -> object:
-    settings = Settings(device="cpu", chat_template=template)
+    settings = Settings(device="cpu", chat_template=template, engine_process=False)
     return hf_backend(ModelConfig(name="tiny", source=str(tiny_dir)), settings)
 
 

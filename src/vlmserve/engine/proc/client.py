@@ -1,4 +1,4 @@
-"""``EngineProcClient``: a chat model whose engine runs in its own process (``--engine-process``).
+"""``EngineProcClient``: a chat model whose engine runs in its own process (the default).
 
 vLLM V1's split: the API process does HTTP, media, streaming and the stream store; the engine
 process (``core.py``) holds the model, schedules and detokenises. They share no GIL, so the
