@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def served(tiny_dir: Path) -> Iterator[ServerProcess]:
     server = ServerProcess(
-        ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu"]
+        ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu"],
+        engine_process=True,  # the default
     )
     try:
         server.wait_ready()
@@ -149,7 +150,7 @@ def test_the_engine_process_ends_with_the_server(tiny_dir: Path, how: str) -> No
     """By default the real CLI answers through an engine process, which exits when
     the server stops (SIGTERM: the model unloads) or dies (SIGKILL: its connection closes)."""
     server = ServerProcess(["serve", "--model", str(tiny_dir), "--served-model-name", "tiny",
-                            "--device", "cpu"])  # fmt: skip
+                            "--device", "cpu"], engine_process=True)  # fmt: skip
     try:
         server.wait_ready()
         [engine] = psutil.Process(server.proc.pid).children()

@@ -60,9 +60,14 @@ CASES = {"greedy": {}, "seeded temperature 1": {"temperature": 1.0, "seed": 2026
 def test_kill_9_mid_stream_then_restart_continues_the_generation(
     tiny_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    trials = 20 if request.config.getoption("--long") else 10  # release checks: 20 kills
+    long = request.config.getoption("--long")
+    trials = 20 if long else 10  # release checks: 20 kills
     db = tmp_path / "streams.db"
-    env = {"VLMSERVE_PERSIST_SESSIONS": "1", "VLMSERVE_SESSIONS_DB_PATH": str(db)}
+    env = {
+        "VLMSERVE_PERSIST_SESSIONS": "1",
+        "VLMSERVE_SESSIONS_DB_PATH": str(db),
+        "VLMSERVE_ENGINE_PROCESS": "1" if long else "0",
+    }  # release checks: the default
     server = start(tiny_dir, env)
     rng = random.Random(20261122)
     mid_generation = 0

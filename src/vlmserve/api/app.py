@@ -130,6 +130,7 @@ def _scrape(metrics: Metrics, models: ModelManager) -> Any:
         metrics.set_engine(
             h.name, step_seconds=stats.step_seconds or {}, weights_bytes=stats.weights_bytes,
             device_memory_bytes=stats.device_memory_bytes,
+            process_rss_bytes=stats.process_rss_bytes,
         )  # fmt: skip
         if stats.vision_cache is not None:
             metrics.set_vision_cache(h.name, stats.vision_cache)

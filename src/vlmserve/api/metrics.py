@@ -11,8 +11,7 @@ middleware cannot know which model served a request, so an endpoint tags it with
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
@@ -26,13 +25,12 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import generate_latest
 from starlette.responses import Response
-from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vlmserve.api.metrics_http import MetricsMiddleware
 
 __all__ = ["MODEL_STATES", "Metrics", "MetricsMiddleware", "metrics_endpoint"]
 
 MODEL_STATES = ("unloaded", "loading", "ready", "unloading", "failed")
-UNMATCHED = "unmatched"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
@@ -181,6 +179,11 @@ class Metrics:
             Gauge, "device_memory_bytes", "accelerator memory allocated by torch (0 on CPU)",
             ["model"],
         )  # fmt: skip
+        self.engine_process_rss = make(
+            Gauge, "engine_process_resident_memory_bytes",
+            "resident memory of the model's engine process (process_resident_memory_bytes is "
+            "the API process's)", ["model"],
+        )  # fmt: skip
         self._steps_seen: dict[tuple[str, str], float] = {}
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds
 
@@ -231,9 +234,10 @@ class Metrics:
         step_seconds: dict[str, float],
         weights_bytes: int,
         device_memory_bytes: int,
+        process_rss_bytes: int = 0,
     ) -> None:
         """The engine's running step-time totals (counters: only increases are added) and
-        the memory its model holds."""
+        the memory its model (and its engine process, if it has one) holds."""
         for phase, total in step_seconds.items():
             seen = self._steps_seen.get((model, phase), 0.0)
             if total > seen:
@@ -241,6 +245,8 @@ class Metrics:
             self._steps_seen[(model, phase)] = total
         self.weights_bytes.labels(model=model).set(weights_bytes)
         self.device_memory_bytes.labels(model=model).set(device_memory_bytes)
+        if process_rss_bytes:
+            self.engine_process_rss.labels(model=model).set(process_rss_bytes)
 
     def observe_ttft(self, model: str, seconds: float) -> None:
         self.ttft.labels(model=model).observe(seconds)
@@ -317,84 +323,3 @@ class Metrics:
 def metrics_endpoint(metrics: Metrics) -> Response:
     """The ``/metrics`` response: Prometheus text exposition of this app's registry only."""
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
-def _flat_routes(routes: Iterable[object]) -> Iterable[object]:
-    """Routes with their paths, descending into included routers: FastAPI >= 0.16x keeps an
-    ``include_router`` as one nested entry (``original_router``) instead of copying its routes."""
-    for route in routes:
-        nested = getattr(route, "original_router", None)
-        if nested is not None:
-            yield from _flat_routes(getattr(nested, "routes", ()))
-        else:
-            yield route
-
-
-def _template_before_routing(scope: Scope) -> str:
-    """The route template the router will pick (full match first, then partial), or unmatched."""
-    routes: Iterable[object] = getattr(getattr(scope.get("app"), "router", None), "routes", ())
-    partial: str | None = None
-    for route in _flat_routes(routes):
-        matches = getattr(route, "matches", None)
-        path = getattr(route, "path", None)
-        if matches is None or not isinstance(path, str):
-            continue
-        match, _ = matches(scope)
-        if match is Match.FULL:
-            return path
-        if match is Match.PARTIAL and partial is None:
-            partial = path
-    return partial or UNMATCHED
-
-
-def _template_after_routing(scope: Scope, fallback: str) -> str:
-    path = getattr(scope.get("route"), "path", None)
-    return path if isinstance(path, str) and path else fallback
-
-
-class MetricsMiddleware:
-    """Counts HTTP requests by route template, model and status; tracks in-flight per route.
-
-    Add it OUTSIDE the auth middleware so 401/403 are counted too. In-flight uses the template
-    found before routing (the router has not run yet); the final count prefers the router's own
-    ``scope["route"]``. A request that raises counts as 500, one cancelled before it answered
-    (client gone) as 499; in-flight always returns to where it was.
-    """
-
-    def __init__(self, app: ASGIApp, metrics: Metrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        state = scope.setdefault("state", {})
-        early = _template_before_routing(scope)
-        self.metrics.request_started(early)
-        started = asyncio.get_running_loop().time()
-        status = 0
-
-        async def recording_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, recording_send)
-        except asyncio.CancelledError:
-            status = status or 499
-            raise
-        except BaseException:
-            status = status or 500  # once started, count what the client saw
-            raise
-        finally:
-            model = state.get("model") if isinstance(state, dict) else None
-            self.metrics.request_finished(
-                route=_template_after_routing(scope, early),
-                in_flight_route=early,
-                model=str(model or ""),
-                status=status or 500,
-                seconds=asyncio.get_running_loop().time() - started,
-            )

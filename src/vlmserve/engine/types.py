@@ -262,3 +262,4 @@ class BackendStats:
     step_seconds: dict[str, float] | None = None  # engine step time by phase, running totals
     weights_bytes: int = 0  # memory held by the model's weights
     device_memory_bytes: int = 0  # accelerator memory torch has allocated (0 on CPU)
+    process_rss_bytes: int = 0  # resident memory of the model's engine process (0: none)

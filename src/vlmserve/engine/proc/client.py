@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -27,8 +28,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
+import vlmserve
 from vlmserve.engine.coalesce import END, coalesced
 from vlmserve.engine.proc.wire import Ready, Sender, decode_error, read_forever
 from vlmserve.engine.protocol import Backend
@@ -103,8 +106,8 @@ class EngineProcClient(Backend):
         with theirs:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "vlmserve.engine.proc", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-            )
+                pass_fds=(theirs.fileno(),), env=_same_package_env(),
+            )  # fmt: skip
         self._conn = Connection(ours.detach())
         level = logging.getLogger("vlmserve").getEffectiveLevel()
         self._sender = Sender(self._conn, f"engine-send-{self.model_id}")
@@ -291,6 +294,15 @@ class EngineProcClient(Backend):
     def describe(self) -> dict[str, Any]:
         proc = self._proc
         return {"engine_process": {"pid": proc.pid if proc is not None else None}}
+
+
+def _same_package_env() -> dict[str, str]:
+    """The environment with this process's ``vlmserve`` first on the path: the engine process
+    runs the very code the API process runs (a source checkout, another install)."""
+    root = str(Path(vlmserve.__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
 
 
 def _exit_code(proc: subprocess.Popen[bytes] | None) -> int | None:

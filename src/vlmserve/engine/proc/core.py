@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Coroutine
@@ -158,10 +159,21 @@ class EngineCore:
     async def _stats(self) -> None:
         assert self.backend is not None
         while True:
-            self._emit(("stats", self.backend.stats(), self.backend.memory_bytes))
+            stats = self.backend.stats()
+            stats.process_rss_bytes = resident_bytes()
+            self._emit(("stats", stats, self.backend.memory_bytes))
             await asyncio.sleep(STATS_EVERY)
 
     def _failed(self) -> None:
         error = self.backend.error if self.backend is not None else None
         log.error("engine failed: %s", error)
         self._emit(("failed", error or "engine failed"))
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux ``/proc``; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
