@@ -214,6 +214,27 @@ def test_generates_from_an_image(family: str) -> None:
     assert count > 0 and isinstance(text, str)
 
 
+def last_logits(family: str, *parts: Any) -> torch.Tensor:
+    model = loaded(family)
+    message = ChatMessage("user", [*parts, TextPart(QUESTION)])
+    request = GenerateRequest(request_id="f", messages=[message], sampling=SamplingParams())
+    prepared = build_inputs(model.processor, request)
+    inputs = {k: v for k, v in prepared.inputs.items() if isinstance(v, torch.Tensor)}
+    with torch.inference_mode():
+        return model.model(**inputs).logits[0, -1]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_the_image_changes_what_the_model_computes(family: str) -> None:
+    """Random weights, but not degenerate ones: a checkpoint whose projector is all zeros
+    (Gemma 3 initialises it so) would embed every image as the same nothing, and every
+    test of image attention on it would pass whatever the code did."""
+    need(family)
+    one = last_logits(family, ImagePart(gradient_image(64, 48, seed=1)))
+    other = last_logits(family, ImagePart(gradient_image(64, 48, seed=2)))
+    assert (one - other).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("family", VIDEO)
 def test_generates_from_a_video(family: str) -> None:
     need(family)

@@ -93,15 +93,22 @@ def save_checkpoint(
     pad_id: int,
     bos_id: int | None = None,
     spec: TinySpec = SPEC,
+    randomize: Sequence[str] = (),
 ) -> None:
     """Seeded random weights of ``model_class(config)``, saved with processor and generation
-    config (greedy by default, like the Qwen2-VL checkpoint)."""
+    config (greedy by default, like the Qwen2-VL checkpoint). ``randomize``: parameters the
+    architecture initialises to a constant (Gemma 3's projector: zeros, so every image would
+    embed as nothing) drawn from N(0, ``INIT_STD``) instead."""
     import torch
     from transformers import GenerationConfig
 
     with torch.random.fork_rng(devices=[]):  # seed without touching the caller's RNG
         torch.manual_seed(spec.seed)
         model = model_class(config)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name in randomize:
+                params[name].normal_(0.0, INIT_STD)
     model.to(getattr(torch, spec.torch_dtype))
     model.save_pretrained(out)
     GenerationConfig(
@@ -114,12 +121,17 @@ def save_checkpoint(
 
 
 def build_cached(
-    family: str, write: Callable[[Path], None], out_dir: Path | None, spec: TinySpec = SPEC
+    family: str,
+    write: Callable[[Path], None],
+    out_dir: Path | None,
+    spec: TinySpec = SPEC,
+    version: int = 0,
 ) -> Path:
     """Build (or find in the cache) ``<family>-<key>`` with ``write(tmp_dir)``.
 
-    The key covers the spec, ``FAMILY_FORMAT`` and the vendored template, so editing a
-    template file builds a fresh checkpoint instead of serving a stale one.
+    The key covers the spec, ``FAMILY_FORMAT``, the family's own ``version`` (bumped when its
+    builder changes) and the vendored template, so editing a template file builds a fresh
+    checkpoint instead of serving a stale one.
     """
     key = short_hash(
         {
@@ -127,6 +139,7 @@ def build_cached(
             "format": FAMILY_FORMAT,
             "template": short_hash(read_template(family)),
             **dataclasses.asdict(spec),
+            **({"version": version} if version else {}),
         }
     )
     target = Path(out_dir) if out_dir is not None else cache_root() / f"{family}-{key}"

@@ -27,6 +27,7 @@ FAMILY = "gemma3"
 IMAGE_SIZE = 56
 PATCH = 14
 MM_TOKENS = 4  # (56 / 14)**2 = 16 patches pooled 2x2
+VERSION = 1  # 1: the projector drawn at random (Gemma 3 initialises it to zeros)
 NAMED = {
     "boi_token": "<start_of_image>",
     "image_token": "<image_soft_token>",
@@ -37,7 +38,7 @@ BOS, EOS, EOT, PAD = "<bos>", "<eos>", "<end_of_turn>", "<pad>"
 
 def build(out_dir: Path | None = None) -> Path:
     """Build (or find in the cache) the tiny Gemma 3 checkpoint and return its directory."""
-    return build_cached(FAMILY, _write, out_dir)
+    return build_cached(FAMILY, _write, out_dir, version=VERSION)
 
 
 def _write(out: Path) -> None:
@@ -76,6 +77,7 @@ def _write(out: Path) -> None:
         eos_ids=[eos, eot],
         pad_id=pad,
         bos_id=bos,
+        randomize=["model.multi_modal_projector.mm_input_projection_weight"],
     )
 
 

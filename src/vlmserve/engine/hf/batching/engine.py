@@ -41,7 +41,7 @@ from vlmserve.engine.hf.batching.gauges import EngineGauges, StepTimer
 from vlmserve.engine.hf.batching.kv_cache import DEFAULT_BLOCK_SIZE, GPU_MEMORY_UTILIZATION
 from vlmserve.engine.hf.batching.lifecycle import EngineLifecycle
 from vlmserve.engine.hf.batching.outbox import END, Outbox
-from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging, prefill_plan
+from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging
 from vlmserve.engine.hf.batching.prefix import block_hashes
 from vlmserve.engine.hf.batching.runner import PrefillRow
 from vlmserve.engine.hf.batching.sampler import Sampler
@@ -93,9 +93,7 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self.vocab = vocab
         self.sampler = Sampler(vocab, eos_ids, logprobs_mode)
         # a prompt longer than chunk_size is computed in chunks of it, one per step
-        prefix_caching, self.chunk_size = prefill_plan(
-            self.runner, prefix_caching, max_num_batched_tokens, model_id
-        )
+        self.chunk_size = max_num_batched_tokens
         # the KV budget (None/0: kv_cache.auto_budget less a prefill's activations on CUDA),
         # allocated once, in blocks
         self.paging = KVPaging(self.runner, kv_cache_bytes, block_size, gpu_memory_utilization,

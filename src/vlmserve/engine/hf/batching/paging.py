@@ -13,7 +13,6 @@ differently from the decode steps', so greedy output could change after a preemp
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -24,28 +23,24 @@ from vlmserve.engine.hf.batching.profile import activation_peak
 from vlmserve.engine.hf.batching.runner import DecoderRunner, PrefillRow
 from vlmserve.engine.hf.batching.sequence import Sequence
 
-__all__ = ["NOT_SAMPLED", "WHOLE", "KVPaging", "prefill_plan"]
+__all__ = ["NOT_SAMPLED", "KVPaging", "whole_blocks"]
 
-log = logging.getLogger(__name__)
-
-
-WHOLE = 2**62  # a chunk size that never splits a prompt
 NOT_SAMPLED = -1  # a forward's "token" for a row that is recomputing tokens it streamed
 
 
-def prefill_plan(
-    runner: DecoderRunner, prefix_caching: bool, max_num_batched_tokens: int, model_id: str
-) -> tuple[bool, int]:
-    """(prefix caching on, the chunk size of a long prompt's prefill). Both need a prefill
-    that can start after K/V already in the cache; a family with attention masks of its own
-    (Gemma 3's sliding window and image blocks) has neither: it prefills a prompt whole, and
-    prefix caching stays off (logged when it was asked for)."""
-    if type(runner)._prefill_masks is DecoderRunner._prefill_masks:
-        return prefix_caching, max_num_batched_tokens
-    if prefix_caching:
-        log.warning("model %s: prefix caching is not available for %s; it stays off",
-                    model_id, type(runner).__name__)  # fmt: skip
-    return False, WHOLE
+def whole_blocks(blocks: torch.Tensor | None, start: int, end: int) -> int:
+    """Where a chunk ``start``..``end`` of a prompt ends so that no image block is split
+    (Gemma 3: an image's tokens attend to each other both ways, so they are computed in
+    one forward): before the block ``end`` falls in, or after it when the block starts at
+    or before ``start`` (a chunk is then longer than the budget by at most one image)."""
+    if blocks is None or end >= blocks.numel() or end <= 0:
+        return end
+    block = int(blocks[end - 1])
+    if block < 0 or int(blocks[end]) != block:
+        return end
+    where = (blocks == block).nonzero()
+    first, last = int(where[0, 0]), int(where[-1, 0])
+    return first if first > start else last + 1
 
 
 class KVPaging:
@@ -98,7 +93,7 @@ class KVPaging:
         (a longer prompt keeps ``row`` in ``seq.chunk_row`` for the next steps). A part after
         the start attends to the K/V before it through the row's block table."""
         start, total = seq.prefilled, seq.prompt_len
-        seq.chunk_end = end = min(total, start + size)
+        seq.chunk_end = end = whole_blocks(row.blocks, start, min(total, start + size))
         seq.chunk_row = row if (end < total or seq.chunk_row is not None) else None
         if start == 0 and end == total:
             return row
@@ -107,6 +102,8 @@ class KVPaging:
             positions = torch.arange(total, device=row.embeds.device).expand(3, total)
         part = PrefillRow(row.embeds[start:end], positions[:, start:end], cached=start,
                           table=list(seq.block_table) if start else None)  # fmt: skip
+        if row.blocks is not None:  # Gemma 3: the image blocks of every key up to ``end``
+            part.blocks = row.blocks[:end]
         if row.visual is not None and row.deepstack is not None:  # Qwen3-VL: this part's
             keep = (row.visual >= start) & (row.visual < end)
             if keep.any():

@@ -50,7 +50,9 @@ class PrefillRow:
     slots: list[int] = field(default_factory=list)  # [T] cache slot of each token
     visual: torch.Tensor | None = None  # [M] indices of the visual tokens (DeepStack only)
     deepstack: torch.Tensor | None = None  # [layers k, M, hidden]: added after layers 0..k-1
-    blocks: torch.Tensor | None = None  # [T] image block of each token, -1 text (Gemma 3)
+    # image block of each token, -1 text (Gemma 3); after a cached prefix, of every token
+    # from the prompt's start to the end of ``embeds`` (the keys): [cached + T]
+    blocks: torch.Tensor | None = None
     cached: int = 0  # prompt tokens before ``embeds`` whose K/V are in the cache already
     table: list[int] | None = None  # the row's block table (when ``cached``)
 
@@ -207,21 +209,25 @@ class DecoderRunner:
         ropes = self._prefill_rope(rows)
         starts = [sum(lengths[:i]) for i in range(len(rows))]
         visual, deep = self._deepstack(rows, starts)
-        masks = [self._prefill_masks(row) for row in rows]
         tables = [  # rows after a cached prefix attend to their blocks: [1, MB] each
             torch.tensor([row.table], device=self.device) if row.cached and row.table else None
             for row in rows
         ]
+        masks = [  # by layer kind: [T, T] (a kind without one: causal), or [T, L] after a
+            # cached prefix (L: the gathered keys)
+            self._prefill_masks(row) if table is None
+            else self._cached_masks(row, table.shape[1] * cache.block_size)
+            for row, table in zip(rows, tables, strict=True)
+        ]  # fmt: skip
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [N, H, D], k/v [N, KVH, D]
             cache.write(li, slots, k, v)
             outs = []
-            for row, start, t, row_masks, table in zip(rows, starts, lengths, masks, tables,
-                                                        strict=True):  # fmt: skip
-                if table is not None:
-                    outs.append(self._after_cached(li, q[start : start + t], row.cached, table))
-                    continue
+            for start, t, row_masks, table in zip(starts, lengths, masks, tables, strict=True):
                 mask = row_masks.get(layer.kind)  # None: plain causal
+                if table is not None:
+                    outs.append(self._after_cached(li, q[start : start + t], table, mask))
+                    continue
                 o = F.scaled_dot_product_attention(
                     q[start : start + t].transpose(0, 1)[None],
                     k[start : start + t].transpose(0, 1)[None],
@@ -241,21 +247,27 @@ class DecoderRunner:
         return self._logits(x[last])
 
     def _after_cached(
-        self, li: int, q: torch.Tensor, cached: int, table: torch.Tensor
+        self, li: int, q: torch.Tensor, table: torch.Tensor, seen: torch.Tensor | None
     ) -> torch.Tensor:
-        """Attention of a row that computes only the tokens after its ``cached`` prefix: q
-        [t, H, D] (tokens c..c+t-1, their K/V written already) over the row's blocks (table
-        [1, MB]) -> [t, H * D]. Query i sees keys 0..c+i (the padding past them is masked)."""
+        """Attention of a row that computes only the tokens after its cached prefix: q
+        [t, H, D] (their K/V written already) over the row's blocks (table [1, MB]) with
+        ``seen`` [t, L] (``_cached_masks``) -> [t, H * D]."""
         keys, values = self._kv().gather(li, table)  # [1, KVH, L, D]
-        t = q.shape[0]
-        seen = torch.arange(keys.shape[2], device=self.device)[None] <= (
-            cached + torch.arange(t, device=self.device)[:, None]
-        )  # [t, L]
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys, values, attn_mask=seen[None, None],
+            q.transpose(0, 1)[None], keys, values, attn_mask=seen[None, None],  # type: ignore[index]
             scale=self.scale, enable_gqa=True,
         )  # fmt: skip  # [1, H, t, D]
-        return o[0].transpose(0, 1).reshape(t, -1)
+        return o[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+    def _cached_masks(self, row: PrefillRow, width: int) -> dict[str, torch.Tensor]:
+        """Masks [t, L] by layer kind for a row after its cached prefix c: query i (token
+        c + i) sees keys 0..c+i; the padding of the gathered blocks past them never."""
+        return {"": self._causal(row.cached, row.embeds.shape[0], width)}
+
+    def _causal(self, first: int, t: int, width: int) -> torch.Tensor:
+        """[t, width] boolean: query i (token first + i) sees keys 0..first+i."""
+        i = torch.arange(first, first + t, device=self.device)[:, None]
+        return torch.arange(width, device=self.device)[None] <= i
 
     def _deepstack(
         self, rows: list[PrefillRow], starts: list[int]

@@ -114,18 +114,34 @@ class Gemma3Runner(DecoderRunner):
 
     def _prefill_masks(self, row: PrefillRow) -> dict[str, torch.Tensor]:
         """Global layers: causal OR same image block; sliding layers: that AND within the
-        window (``create_masks_for_vision_model``). [T, T] boolean, True = attend."""
+        window (``create_masks_for_vision_model``). [T, T] boolean, True = attend; a kind
+        left out is plain causal."""
         t = row.embeds.shape[0]
-        i = torch.arange(t, device=self.device)
-        allowed = i[None, :] <= i[:, None]  # [query, key]
-        masks = {}
-        if row.blocks is not None:
-            b = row.blocks.to(self.device)
-            allowed = allowed | ((b[:, None] == b[None, :]) & (b[:, None] >= 0))
-            masks["full_attention"] = allowed
-        if row.blocks is not None or t > self.window:
-            masks[_SLIDING] = allowed & (i[None, :] > i[:, None] - self.window)
+        if row.blocks is None and t <= self.window:
+            return {}
+        masks = self._masks(0, t, t, row.blocks)
+        if row.blocks is None:
+            del masks["full_attention"]
         return masks
+
+    def _cached_masks(self, row: PrefillRow, width: int) -> dict[str, torch.Tensor]:
+        """The same rules for the tokens after a cached prefix (or earlier chunks): [t, L]."""
+        return self._masks(row.cached, row.embeds.shape[0], width, row.blocks)
+
+    def _masks(
+        self, first: int, t: int, width: int, blocks: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """Queries ``first``..``first + t - 1`` over keys 0..``width - 1``; ``blocks``: the
+        image block of keys 0.. (-1 text; keys past it are padding)."""
+        allowed = self._causal(first, t, width)  # [query, key]
+        if blocks is not None:
+            b = torch.full((width,), -1, dtype=torch.long, device=self.device)
+            b[: blocks.numel()] = blocks.to(self.device)
+            mine = b[first : first + t, None]
+            allowed = allowed | ((mine == b[None, :]) & (mine >= 0))
+        i = torch.arange(first, first + t, device=self.device)[:, None]
+        recent = torch.arange(width, device=self.device)[None] > i - self.window
+        return {"full_attention": allowed, _SLIDING: allowed & recent}
 
     def _decode_masks(self, lengths: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
         j = torch.arange(width, device=self.device)[None]
