@@ -293,7 +293,9 @@ async def test_a_batch_resumes_after_a_restart_without_redoing_finished_lines(
 async def test_a_batch_past_its_completion_window_expires_with_the_rest_as_errors(
     tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
 ) -> None:
-    lines = [chat_line(f"x-{i}", max_tokens=48, ignore_eos=True) for i in range(30)]
+    # far more work than the 2 s window holds on any CPU (~10 s at 1 ms a token); what is
+    # left when it ends is not run, so the test stays short
+    lines = [chat_line(f"x-{i}", max_tokens=64, ignore_eos=True) for i in range(160)]
     async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (app, http):
         app.state.services.batches.window_seconds["24h"] = 2
         api = client(http)
@@ -306,8 +308,8 @@ async def test_a_batch_past_its_completion_window_expires_with_the_rest_as_error
     assert batch.status == "expired" and batch.expired_at is not None
     assert batch.expired_at <= batch.expires_at + 2  # type: ignore[operator]
     counts = batch.request_counts
-    assert counts.total == 30 and counts.completed == len(outputs) < 30
-    assert counts.failed == len(errors) == 30 - len(outputs)
+    assert counts.total == 160 and counts.completed == len(outputs) < 160
+    assert counts.failed == len(errors) == 160 - len(outputs)
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert all(e["response"] is None for e in errors)
     ids = [line["custom_id"] for line in lines]
