@@ -19,7 +19,9 @@ both replicas share the same cores), and the TTFT p50 that Ray Serve adds over `
 against what the gateway adds (budget, issue 21: at most 2x the gateway's), from one-at-a-time
 requests that take turns between the setups request by request (``--ttft-requests``).
 Requires the ``ray`` extra. Ray's own tuning switches reach the local cluster from the
-environment, e.g. ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1 python benchmarks/ray_serve.py``.
+environment, e.g. ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1 python benchmarks/ray_serve.py``;
+``--direct-ingress`` sends the Ray setups' requests to their ingress replicas' own ports
+(Ray Serve's direct ingress) instead of through Ray's HTTP proxy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -69,13 +72,14 @@ def _ray_config(model_dir: str, work: Path) -> Path:
     return path
 
 
-def start_ray(model_dir: str, port: int, work: Path) -> dict[str, str]:
-    """A local Ray cluster with two applications: 1 and 2 model replicas. Their base URLs."""
+def start_ray(model_dir: str, port: int, work: Path, direct: bool) -> dict[str, str]:
+    """A local Ray cluster with two applications: 1 and 2 model replicas. Their base URLs:
+    through Ray's HTTP proxy, or (``direct``) each app's ingress replica's own port."""
     import ray
     from ray import serve
 
     from vlmserve.deploy.config import load_ray_setup
-    from vlmserve.deploy.ray import build_application
+    from vlmserve.deploy.ray import build_application, ingress_urls
 
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -84,8 +88,19 @@ def start_ray(model_dir: str, port: int, work: Path) -> dict[str, str]:
         setup = load_ray_setup(_ray_config(model_dir, work))
         setup.ray.models[SERVED_NAME].num_replicas = replicas
         serve.run(build_application(setup), name=name, route_prefix=f"/{name}")
-        urls[name] = f"http://127.0.0.1:{port}/{name}"
+        urls[name] = (
+            _direct_url(ingress_urls, name) if direct else f"http://127.0.0.1:{port}/{name}"
+        )
     return urls
+
+
+def _direct_url(ingress_urls: Any, name: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not (found := ingress_urls(name)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name}: no ingress replica port after {timeout:.0f}s")
+        time.sleep(0.5)
+    return found[0]
 
 
 def measure(url: str, ns: argparse.Namespace, concurrency: int) -> dict[str, Any]:
@@ -164,7 +179,7 @@ def run(ns: argparse.Namespace, model_dir: str, work: Path) -> list[dict[str, An
         for server in servers:
             server.start(180)
         urls = {SERVE: serve_spec.url, GATEWAY: servers[1].spec.url}
-        urls |= start_ray(model_dir, ports[2], work)
+        urls |= start_ray(model_dir, ports[2], work, ns.direct_ingress)
         for url in urls.values():  # warm-up: enough requests to reach every replica
             measure(url, ns, 8)
         for rnd in range(ns.rounds):
@@ -260,12 +275,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=60,
         help="one-at-a-time requests per setup for the TTFT overhead",
     )
+    p.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="Ray Serve's direct ingress: requests go to the ingress replicas' own ports, "
+        "not through Ray's HTTP proxy (vlmserve ray serve --direct-ingress)",
+    )
     p.add_argument("--json", dest="json_path")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
+    if ns.direct_ingress:  # before Ray starts: its processes read it then
+        from vlmserve.deploy.config import DIRECT_INGRESS_ENV
+
+        os.environ[DIRECT_INGRESS_ENV] = "1"
     model_dir = ns.model
     if not model_dir:
         from vlmserve.testing import build_qwen2_vl

@@ -33,7 +33,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["DeploymentConfig", "RayConfig", "RaySetup", "load_ray_setup"]
+__all__ = ["DIRECT_INGRESS_ENV", "DeploymentConfig", "RayConfig", "RaySetup", "load_ray_setup"]
+
+# Ray Serve's direct ingress (Ray 2.60, experimental): each ingress replica serves HTTP on a
+# port of its own (30000-31000 by default), no HTTP proxy in between. Ray's processes read it
+# when they start, so it must be in the environment of the cluster's first ``ray.init``
+# (``deploy/ray.ingress_urls`` lists the replicas' URLs).
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 
 
 class _Strict(BaseModel):

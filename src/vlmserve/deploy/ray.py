@@ -21,7 +21,7 @@ from vlmserve.deploy.config import RaySetup, load_ray_setup
 from vlmserve.deploy.ingress import Ingress
 from vlmserve.deploy.replica import ModelReplica
 
-__all__ = ["app", "build_application", "deployment_name"]
+__all__ = ["app", "build_application", "deployment_name", "ingress_urls"]
 
 
 def deployment_name(model: str) -> str:
@@ -49,3 +49,22 @@ def app(args: dict[str, str]) -> Application:
     """Ray's application builder: ``serve run vlmserve.deploy.ray:app config=FILE``."""
     config = args.get("config")
     return build_application(load_ray_setup(Path(config) if config else None))
+
+
+def ingress_urls(app_name: str) -> list[str]:
+    """The base URLs of ``app_name``'s ingress replicas under direct ingress (each replica's
+    own HTTP port, from Serve's target groups, what a load balancer in front routes to);
+    empty when the cluster runs Ray's HTTP proxy instead, or no replica is up yet."""
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    urls = []
+    for group in details.get("target_groups") or []:
+        if group.get("app_name") != app_name or str(group.get("protocol")) not in _HTTP:
+            continue
+        prefix = (group.get("route_prefix") or "/").rstrip("/")
+        urls += [f"http://{t['ip']}:{t['port']}{prefix}" for t in group.get("targets") or []]
+    return sorted(urls)
+
+
+_HTTP = ("HTTP", "RequestProtocol.HTTP")
