@@ -96,7 +96,7 @@ def start_ray(model_dir: str, port: int, work: Path, direct: bool) -> dict[str, 
 
 def _direct_url(ingress_urls: Any, name: str, timeout: float = 60.0) -> str:
     deadline = time.monotonic() + timeout
-    while not (found := ingress_urls(name)):
+    while not (found := ingress_urls(name, "127.0.0.1")):
         if time.monotonic() > deadline:
             raise RuntimeError(f"{name}: no ingress replica port after {timeout:.0f}s")
         time.sleep(0.5)

@@ -80,7 +80,7 @@ def serve_command(
     application = build_application(setup)
     serve.run(application, name=name, route_prefix=prefix, blocking=not direct_ingress)
     if direct_ingress:
-        _serve_direct(name)
+        _serve_direct(name, settings.host)
 
 
 def _direct_ingress(address: str | None) -> None:
@@ -97,13 +97,14 @@ def _direct_ingress(address: str | None) -> None:
     os.environ[DIRECT_INGRESS_ENV] = "1"
 
 
-def _serve_direct(name: str) -> None:
+def _serve_direct(name: str, host: str) -> None:
     """Print each ingress replica's URL, then serve until Ctrl-C (as ``blocking=True``)."""
     from ray import serve
 
     from vlmserve.deploy.ray import ingress_urls
 
-    urls = ingress_urls(name)
+    # the replicas bind the HTTP host; one that is not every interface is where they answer
+    urls = ingress_urls(name, None if host in ("0.0.0.0", "::", "") else host)
     if not urls:
         console.print("[yellow]note:[/] no ingress replica serves its own port (is direct "
                       "ingress on in this cluster?)")  # fmt: skip

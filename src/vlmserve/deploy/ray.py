@@ -51,10 +51,12 @@ def app(args: dict[str, str]) -> Application:
     return build_application(load_ray_setup(Path(config) if config else None))
 
 
-def ingress_urls(app_name: str) -> list[str]:
+def ingress_urls(app_name: str, host: str | None = None) -> list[str]:
     """The base URLs of ``app_name``'s ingress replicas under direct ingress (each replica's
     own HTTP port, from Serve's target groups, what a load balancer in front routes to);
-    empty when the cluster runs Ray's HTTP proxy instead, or no replica is up yet."""
+    empty when the cluster runs Ray's HTTP proxy instead, or no replica is up yet. Serve
+    names each replica by its node's IP; ``host`` replaces it (a one-node cluster whose
+    ``http_options`` bind a single address such as 127.0.0.1)."""
     from ray.serve.context import _get_global_client
 
     details = _get_global_client().get_serve_details()
@@ -63,7 +65,8 @@ def ingress_urls(app_name: str) -> list[str]:
         if group.get("app_name") != app_name or str(group.get("protocol")) not in _HTTP:
             continue
         prefix = (group.get("route_prefix") or "/").rstrip("/")
-        urls += [f"http://{t['ip']}:{t['port']}{prefix}" for t in group.get("targets") or []]
+        targets = group.get("targets") or []
+        urls += [f"http://{host or t['ip']}:{t['port']}{prefix}" for t in targets]
     return sorted(urls)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attention_kernels import prefilled, prompts
 from test_batching import mixed_batch, request, run, wait_for
 
 from vlmserve.engine.hf.chat import HFChatBackend
@@ -33,26 +34,42 @@ def bf16() -> Iterator[HFChatBackend]:
     backend.close()
 
 
-def test_decode_attention_of_a_bf16_model_is_computed_in_float32(bf16: HFChatBackend) -> None:
+def test_decode_attention_of_a_bf16_model_is_computed_in_float32(
+    bf16: HFChatBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real decode step of the bf16 model calls attention on float32 keys, values and
+    mask, and the result is the float32 attention's, rounded to bf16 once."""
     assert bf16.engine is not None
     runner = bf16.engine.runner
-    assert runner.dtype is torch.bfloat16
+    assert runner.dtype is torch.bfloat16 and runner._attention_dtype() is torch.float32
+    seen: list[tuple[torch.dtype, ...]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> object:
+        mask = kw.get("attn_mask")
+        seen.append((q.dtype, k.dtype, v.dtype, getattr(mask, "dtype", None)))
+        return sdpa(q, k, v, **kw)  # type: ignore[arg-type]
+
+    step = prefilled(runner, prompts(runner, [20, 45, 33]))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    with torch.inference_mode():
+        logits = runner.decode(**step)
+    assert seen == [(torch.float32,) * 4] * len(runner.layers)
+    assert logits.shape[0] == 3
+
     gen = torch.Generator().manual_seed(0)
     b, length = 6, 80
     q = torch.randn(b, runner.heads, runner.head_dim, generator=gen).bfloat16()
     keys = torch.randn(b, runner.kv_heads, length, runner.head_dim, generator=gen).bfloat16()
     values = torch.randn(b, runner.kv_heads, length, runner.head_dim, generator=gen).bfloat16()
-    seen = torch.arange(length)[None] <= torch.tensor([79, 10, 40, 0, 63, 79])[:, None]
-    mask = runner._additive(seen)  # [B, 1, 1, L] in bf16
+    seen_keys = torch.arange(length)[None] <= torch.tensor([79, 10, 40, 0, 63, 79])[:, None]
+    mask = runner._additive(seen_keys).float()
     with torch.inference_mode():
-        ours = runner._decode_attention(q, keys, values, mask)
-        exact = F.scaled_dot_product_attention(
-            q.float()[:, :, None], keys.float(), values.float(), attn_mask=mask.float(),
-            scale=runner.scale, enable_gqa=True,
-        ).reshape(b, -1)  # fmt: skip
-        in_bf16 = F.scaled_dot_product_attention(
-            q[:, :, None], keys, values, attn_mask=mask, scale=runner.scale, enable_gqa=True
-        ).reshape(b, -1)
+        ours = runner._decode_attention(q, keys.float(), values.float(), mask)
+        exact = sdpa(q.float()[:, :, None], keys.float(), values.float(), attn_mask=mask,
+                     scale=runner.scale, enable_gqa=True).reshape(b, -1)  # fmt: skip
+        in_bf16 = sdpa(q[:, :, None], keys, values, attn_mask=mask.bfloat16(),
+                       scale=runner.scale, enable_gqa=True).reshape(b, -1)  # fmt: skip
     assert ours.dtype is torch.bfloat16
     assert torch.equal(ours, exact.bfloat16())
     assert not torch.equal(in_bf16, ours)  # the bf16 kernel rounds otherwise: not what runs

@@ -157,6 +157,7 @@ class PagedKVCache:
         # layer cost ~1 ms in page faults (measured: 8 rows x 9 blocks, medium checkpoint)
         self._k_work = torch.empty(0, dtype=dtype, device=device)
         self._v_work = torch.empty(0, dtype=dtype, device=device)
+        self._k_up = self._v_up = torch.empty(0, device=device)  # ``gather(..., dtype)``
         self.clear([NULL_BLOCK])
 
     def clear(self, blocks: list[int]) -> None:
@@ -174,10 +175,14 @@ class PagedKVCache:
         self._k_slots[layer].index_copy_(0, slots, k)
         self._v_slots[layer].index_copy_(0, slots, v)
 
-    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer: int, tables: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """tables: [B, MB] block ids (padded with the null block) -> keys and values
         [B, kv_heads, MB * block_size, head_dim]: transposed views of a gathered copy, valid
-        until the next ``gather`` (one workspace for all layers)."""
+        until the next ``gather`` (one workspace for all layers). ``dtype``: the copy in that
+        dtype instead (a bf16 cache's decode attention in float32), through a second
+        workspace, also reused."""
         b, mb = tables.shape
         flat = tables.view(-1)
         if self._k_work.shape[0] < b * mb:
@@ -187,12 +192,23 @@ class PagedKVCache:
         shape = (b, mb * self.block_size, self.kv_heads, self.head_dim)
         keys = torch.index_select(self._k_blocks[layer], 0, flat, out=self._k_work[: b * mb])
         values = torch.index_select(self._v_blocks[layer], 0, flat, out=self._v_work[: b * mb])
+        if dtype is not None and dtype != keys.dtype:
+            keys, values = self._upcast(keys, values, dtype)
         return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+
+    def _upcast(
+        self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = keys.shape[0]
+        if self._k_up.shape[0] < n or self._k_up.dtype != dtype:
+            self._k_up = keys.new_empty(self._k_work.shape, dtype=dtype)
+            self._v_up = torch.empty_like(self._k_up)
+        return self._k_up[:n].copy_(keys), self._v_up[:n].copy_(values)
 
     def release(self) -> None:
         self.k = self.v = torch.empty(0)
         self._k_slots, self._v_slots, self._k_blocks, self._v_blocks = [], [], [], []
-        self._k_work = self._v_work = torch.empty(0)
+        self._k_work = self._v_work = self._k_up = self._v_up = torch.empty(0)
 
     @property
     def nbytes(self) -> int:

@@ -315,12 +315,15 @@ class DecoderRunner:
         table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, MB]
         table_t = table_t.to(self.device)
         masks = self._decode_masks(len_t, width * bs)
+        upcast = self._attention_dtype()
+        if upcast is not None:
+            masks = {kind: mask.to(upcast) for kind, mask in masks.items()}
         x = self.embed(ids)  # [B, hidden]
         ropes = {kind: t.text(pos, max(positions)) for kind, t in self.ropes.items()}
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [B, H, D], k/v [B, KVH, D]
             cache.write(li, slot_t, k, v)
-            keys, values = cache.gather(li, table_t)  # [B, KVH, L, D]
+            keys, values = cache.gather(li, table_t, upcast)  # [B, KVH, L, D]
             x = self._mlp(x, self._decode_attention(q, keys, values, masks[layer.kind]), layer)
         return self._logits(x)
 
@@ -347,21 +350,23 @@ class DecoderRunner:
         depend on its companions' lengths; with one query it is bit-identical (measured
         for rep 1-8, head_dim 32/64, L up to 1,100).
 
-        On CPU a bfloat16 model's decode attention runs in float32: torch's CPU kernel for
-        one bf16 query per head is ~8x slower than for float32 (medium checkpoint, 8 rows of
-        ~250 keys, 1 thread: 3.4 ms against 0.43 ms per layer, 62% of the step), and the
-        upcast of the gathered keys costs a fraction of that."""
+        On CPU a bfloat16 model's decode attention runs in float32 (keys, values and mask
+        come upcast, ``_attention_dtype``): torch's CPU kernel for one bf16 query per head is
+        ~8x slower than for float32 (medium checkpoint, 8 rows of ~250 keys, 1 thread: 3.4
+        ms against 0.43 ms per layer, 62% of the step); the upcast costs a fraction."""
         b = q.shape[0]
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-            o = F.scaled_dot_product_attention(
-                q.float()[:, :, None], keys.float(), values.float(), attn_mask=mask.float(),
-                scale=self.scale, enable_gqa=True,
-            )  # fmt: skip
-            return o.reshape(b, -1).to(q.dtype)
         o = F.scaled_dot_product_attention(
-            q[:, :, None], keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )  # [B, H, 1, D]
-        return o.reshape(b, -1)
+            q[:, :, None].to(keys.dtype), keys, values, attn_mask=mask, scale=self.scale,
+            enable_gqa=True,
+        )  # fmt: skip  # [B, H, 1, D]
+        return o.reshape(b, -1).to(q.dtype)
+
+    def _attention_dtype(self) -> torch.dtype | None:
+        """The dtype decode attention runs in when not the model's (``_decode_attention``):
+        float32 for a bf16 model on CPU."""
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            return torch.float32
+        return None
 
 
 Qwen2VLRunner = DecoderRunner  # the name callers used before the families
