@@ -142,6 +142,31 @@ def test_a_new_local_cluster_defaults_to_the_throughput_optimized_mode(
     assert os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == expected
 
 
+@pytest.mark.parametrize(
+    ("address", "env", "expected", "note"),
+    [
+        (None, {}, "1", False),  # a new local cluster starts with direct ingress
+        ("auto", {}, None, True),  # a joined cluster decided when it started: say so
+        (None, {"RAY_ADDRESS": "ray://head:10001"}, None, True),
+        ("auto", {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}, "1", False),
+    ],
+)
+def test_direct_ingress_is_set_for_a_new_local_cluster_and_explained_for_a_joined_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], address: str | None,
+    env: dict[str, str], expected: str | None, note: bool,
+) -> None:  # fmt: skip
+    from vlmserve.cli.ray import _direct_ingress
+
+    for name in ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _direct_ingress(address)
+    assert os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == expected
+    said = " ".join(capsys.readouterr().err.split())
+    assert ("started with RAY_SERVE_ENABLE_DIRECT_INGRESS=1" in said) is note
+
+
 REGISTRY = """
 [[models]]
 name = "reg-embed"
