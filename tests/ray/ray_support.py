@@ -99,8 +99,11 @@ class RayServe:
         return answers
 
 
-def write_config(tmp: Path, tiny_dir: Path, redis_url: str) -> Path:
-    """The chat model in ``[[models]]``; the embedder in a registry file (with an alias)."""
+def write_config(
+    tmp: Path, tiny_dir: Path, redis_url: str, *, model_replicas: int = 2, embedder: bool = True
+) -> Path:
+    """The chat model in ``[[models]]``, 2 ingress replicas; with ``embedder``, the embedder
+    in a registry file (with an alias)."""
     registry = tmp / "registry.toml"
     registry.write_text(f"""
 [[models]]
@@ -111,13 +114,15 @@ model_aliases = ["{EMBEDDER_ALIAS}"]
 [models.capabilities]
 embedding = true
 """)
+    top = f'registry = "{registry}"' if embedder else ""
+    tail = f"[ray.models.{EMBEDDER}]\nnum_replicas = 1\nnum_cpus = 0\n" if embedder else ""
     path = tmp / "vlmserve.toml"
     path.write_text(f"""
 device = "cpu"
 redis_url = "{redis_url}"
 admin_keys = ["{ADMIN_KEY}"]
 max_num_seqs = 16
-registry = "{registry}"
+{top}
 
 [[models]]
 name = "{MODEL}"
@@ -128,11 +133,8 @@ ingress_replicas = 2
 ingress_num_cpus = 0
 
 [ray.models.{MODEL}]
-num_replicas = 2
+num_replicas = {model_replicas}
 num_cpus = 0
 
-[ray.models.{EMBEDDER}]
-num_replicas = 1
-num_cpus = 0
-""")
+{tail}""")
     return path

@@ -21,7 +21,7 @@ from sse_client import iter_events, read_events, text_of
 pytest.importorskip("ray.serve", reason="ray is not installed: pip install -e '.[dev,ray]'")
 import ray
 from ray import serve
-from ray_support import MODEL
+from ray_support import MODEL, write_config
 
 from vlmserve.deploy.config import DIRECT_INGRESS_ENV, load_ray_setup
 from vlmserve.deploy.ingress import REPLICA_HEADER
@@ -30,32 +30,12 @@ from vlmserve.deploy.ray import build_application, ingress_urls
 pytestmark = pytest.mark.slow
 
 
-def _config(tmp: Path, tiny_dir: Path, redis_url: str) -> Path:
-    path = tmp / "vlmserve.toml"
-    path.write_text(f"""
-device = "cpu"
-redis_url = "{redis_url}"
-
-[[models]]
-name = "{MODEL}"
-source = "{tiny_dir}"
-
-[ray]
-ingress_replicas = 2
-ingress_num_cpus = 0
-
-[ray.models.{MODEL}]
-num_replicas = 1
-num_cpus = 0
-""")
-    return path
-
-
 @pytest.fixture(scope="module")
 def replicas(
     tiny_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[str]]:
-    setup = load_ray_setup(_config(tmp_path_factory.mktemp("direct"), tiny_dir, redis_url))
+    tmp = tmp_path_factory.mktemp("direct")
+    setup = load_ray_setup(write_config(tmp, tiny_dir, redis_url, model_replicas=1, embedder=False))
     before = os.environ.get(DIRECT_INGRESS_ENV)
     os.environ[DIRECT_INGRESS_ENV] = "1"  # before the cluster starts: its processes read it
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -79,12 +79,17 @@ def loaded(family: str) -> Any:
     return load_model(LoadOptions(source=str(FAMILIES[family]()), device="cpu"))
 
 
-def generate(family: str, *parts: Any) -> tuple[str, int]:
-    model = loaded(family)
+def model_inputs(family: str, *parts: Any) -> dict[str, torch.Tensor]:
+    """The processor's tensors for one user turn: ``parts`` then the question."""
     message = ChatMessage("user", [*parts, TextPart(QUESTION)])
     request = GenerateRequest(request_id="f", messages=[message], sampling=SamplingParams())
-    prepared = build_inputs(model.processor, request)
-    inputs = {k: v for k, v in prepared.inputs.items() if isinstance(v, torch.Tensor)}
+    prepared = build_inputs(loaded(family).processor, request)
+    return {k: v for k, v in prepared.inputs.items() if isinstance(v, torch.Tensor)}
+
+
+def generate(family: str, *parts: Any) -> tuple[str, int]:
+    model = loaded(family)
+    inputs = model_inputs(family, *parts)
     with torch.inference_mode():
         out = model.model.generate(**inputs, max_new_tokens=3, do_sample=False)
     new = out[0, inputs["input_ids"].shape[1] :]
@@ -215,13 +220,8 @@ def test_generates_from_an_image(family: str) -> None:
 
 
 def last_logits(family: str, *parts: Any) -> torch.Tensor:
-    model = loaded(family)
-    message = ChatMessage("user", [*parts, TextPart(QUESTION)])
-    request = GenerateRequest(request_id="f", messages=[message], sampling=SamplingParams())
-    prepared = build_inputs(model.processor, request)
-    inputs = {k: v for k, v in prepared.inputs.items() if isinstance(v, torch.Tensor)}
     with torch.inference_mode():
-        return model.model(**inputs).logits[0, -1]
+        return loaded(family).model(**model_inputs(family, *parts)).logits[0, -1]
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
