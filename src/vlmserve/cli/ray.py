@@ -29,7 +29,9 @@ ray_app = typer.Typer(
 def serve_command(
     config: Annotated[
         Path,
-        typer.Option("--config", "-c", help="vlmserve.toml with [[models]] and a [ray] table."),
+        typer.Option(
+            "--config", "-c", help="vlmserve.toml with \\[\\[models]] and a \\[ray] table."
+        ),
     ],
     address: Annotated[
         Optional[str],  # noqa: UP045 - typer needs Optional on py3.10
@@ -75,8 +77,8 @@ def serve_command(
     settings = setup.settings
     serve.start(http_options={"host": settings.host, "port": settings.port})
     name, prefix = setup.ray.app_name, setup.ray.route_prefix
-    if not direct_ingress:
-        console.print(f"vlmserve on Ray Serve: http://{settings.host}:{settings.port}{prefix}")
+    # with direct ingress Ray still runs its proxy on the head node (a fallback route)
+    console.print(f"vlmserve on Ray Serve: http://{settings.host}:{settings.port}{prefix}")
     application = build_application(setup)
     serve.run(application, name=name, route_prefix=prefix, blocking=not direct_ingress)
     if direct_ingress:
