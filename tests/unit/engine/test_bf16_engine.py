@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from test_attention_kernels import prefilled, prompts
 from test_batching import mixed_batch, request, run, wait_for
+from test_families_batched import backend_for, mixed
+from test_families_batched import request as request_for
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions
@@ -90,3 +92,26 @@ async def test_bf16_greedy_output_is_the_same_alone_and_in_a_busy_batch(
     joined = await run(bf16, probe)
     together = [*await asyncio.gather(*tasks), joined]
     assert [o.tokens for o in together] == [o.tokens for o in alone]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_vl"])
+async def test_other_families_in_bf16_answer_the_same_alone_and_in_a_busy_batch(
+    family: str,
+) -> None:
+    """Gemma 3 (its sliding-window decode masks go to float32 with the keys) and Qwen3-VL
+    (q/k norms, DeepStack) on the bf16 path."""
+    backend = backend_for(family, dtype="bfloat16")
+    try:
+        engine = backend.engine
+        assert engine is not None and engine.runner.dtype is torch.bfloat16
+        others = mixed(family)
+        probe = request_for("Probe with two pictures", images=[(80, 80, 9), (50, 70, 3)],
+                            max_tokens=20)  # fmt: skip
+        alone = [await run(backend, r) for r in [*others, probe]]
+        tasks = [asyncio.create_task(run(backend, r)) for r in others]
+        await wait_for(lambda: engine.running == len(others))
+        joined = await run(backend, probe)
+        together = [*await asyncio.gather(*tasks), joined]
+        assert [o.tokens for o in together] == [o.tokens for o in alone]
+    finally:
+        backend.close()

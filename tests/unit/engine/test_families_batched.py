@@ -42,10 +42,10 @@ ALL_BATCHED = ["qwen2_5_vl", "qwen3_vl", "llava", "llava_onevision", "idefics3",
 VIDEO = {"qwen2_5_vl", "qwen3_vl", "llava_onevision", "smolvlm", "internvl"}  # take video
 
 
-def backend_for(family: str, **kw: Any) -> HFChatBackend:
+def backend_for(family: str, dtype: str = "float32", **kw: Any) -> HFChatBackend:
     if family == "smolvlm":
         pytest.importorskip("num2words", reason="SmolVLMProcessor needs num2words")
-    options = LoadOptions(source=str(FAMILIES[family]()), device="cpu", dtype="float32")
+    options = LoadOptions(source=str(FAMILIES[family]()), device="cpu", dtype=dtype)
     kw = {"max_model_len": 4096, "max_queued": 64, "vision_cache_bytes": 0,
           "processor_cache_bytes": 0, "max_num_seqs": 8, **kw}  # fmt: skip
     backend = HFChatBackend(family, options, **kw)
