@@ -314,10 +314,8 @@ class DecoderRunner:
         ids, pos, slot_t, len_t = self._host(tokens, positions, slots, lengths)
         table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, MB]
         table_t = table_t.to(self.device)
-        masks = self._decode_masks(len_t, width * bs)
+        masks = self._decode_masks(len_t, width * bs)  # in the attention's dtype
         upcast = self._attention_dtype()
-        if upcast is not None:
-            masks = {kind: mask.to(upcast) for kind, mask in masks.items()}
         x = self.embed(ids)  # [B, hidden]
         ropes = {kind: t.text(pos, max(positions)) for kind, t in self.ropes.items()}
         for li, layer in enumerate(self.layers):
@@ -335,8 +333,10 @@ class DecoderRunner:
         }
 
     def _additive(self, seen: torch.Tensor) -> torch.Tensor:
-        """[B, L] boolean -> [B, 1, 1, L] additive mask (0 seen, -inf not)."""
-        mask = torch.zeros(seen.shape, dtype=self.dtype, device=self.device)
+        """[B, L] boolean -> [B, 1, 1, L] additive mask (0 seen, -inf not), in the dtype
+        decode attention runs in (``_attention_dtype``)."""
+        dtype = self._attention_dtype() or self.dtype
+        mask = torch.zeros(seen.shape, dtype=dtype, device=self.device)
         return mask.masked_fill_(~seen, float("-inf"))[:, None, None]
 
     def _decode_attention(
