@@ -139,7 +139,9 @@ async def test_a_poison_request_fails_alone_while_the_others_finish(
     backend = backend_of(models)
     engine = backend.engine
     assert engine is not None
-    bodies = [chat(f"companion {i}", max_tokens=20 + i) for i in range(3)]
+    # long enough to outlive the poison rows: two poison rows decoding with no companion
+    # would be a batch whose every row fails alone, which is the engine's failure
+    bodies = [chat(f"companion {i}", max_tokens=160 + i) for i in range(3)]
     alone = [(await client.post("/v1/chat/completions", json=b)).json() for b in bodies]
     decode = engine._decode_forward
 
@@ -149,11 +151,14 @@ async def test_a_poison_request_fails_alone_while_the_others_finish(
         return decode(rows)
 
     engine._decode_forward = poisoned  # type: ignore[method-assign]
+    running = asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+    for _ in range(2000):  # the companions decode before the poison rows arrive
+        if engine.running >= 3:
+            break
+        await asyncio.sleep(0.005)
     poison = asyncio.create_task(client.post("/v1/chat/completions", json=chat("POISON")))
     poison_stream = asyncio.create_task(stream_events(client, chat("POISON stream")))
-    companions = await asyncio.gather(
-        *(client.post("/v1/chat/completions", json=b) for b in bodies)
-    )
+    companions = await running
     failed = await poison
     assert failed.status_code == 500
     error = failed.json()["error"]
