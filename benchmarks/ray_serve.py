@@ -40,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers.servers import SERVED_NAME, Server, ServerSpec, free_ports, vlmserve_spec
+from peers.ttft import interleaved_ttft
 
 SERVE, GATEWAY, RAY_1, RAY_2 = "serve", "gateway", "ray-1", "ray-2"
 SETUPS = (SERVE, GATEWAY, RAY_1, RAY_2)
@@ -120,51 +121,6 @@ def measure(url: str, ns: argparse.Namespace, concurrency: int) -> dict[str, Any
     return asyncio.run(run_load(load)).to_dict()
 
 
-async def interleaved_ttft(urls: dict[str, str], n: int) -> dict[str, list[float]]:
-    """TTFT (ms) of ``n`` one-at-a-time streamed image requests per setup, the setups taking
-    turns request by request: on a shared machine, load that comes and goes hits every setup
-    alike, which rounds of whole measurements cannot promise."""
-    import httpx
-
-    from vlmserve.testing.media import data_url, image_bytes
-
-    image = data_url(image_bytes(64, 64), "image/png")
-    body = {
-        "model": SERVED_NAME,
-        "max_tokens": 4,
-        "ignore_eos": True,
-        "stream": True,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": image}},
-                    {"type": "text", "text": "What is in this image?"},
-                ],
-            }
-        ],
-    }
-    clients = {s: httpx.AsyncClient(base_url=u, timeout=120) for s, u in urls.items()}
-    times: dict[str, list[float]] = {s: [] for s in urls}
-    try:
-        for i in range(n):
-            for setup in list(urls)[i % len(urls) :] + list(urls)[: i % len(urls)]:
-                began = time.perf_counter()
-                async with clients[setup].stream(
-                    "POST", "/v1/chat/completions", json=body
-                ) as response:
-                    first = None
-                    async for line in response.aiter_lines():  # read to the end: keep-alive
-                        if first is None and '"delta":{"content"' in line:  # a token chunk
-                            first = (time.perf_counter() - began) * 1000
-                    if first is not None:
-                        times[setup].append(first)
-    finally:
-        for client in clients.values():
-            await client.aclose()
-    return times
-
-
 def run(ns: argparse.Namespace, model_dir: str, work: Path) -> list[dict[str, Any]]:
     """Every (round, concurrency, setup) measurement, setups in a rotating order."""
     ports = free_ports(3)
@@ -194,7 +150,7 @@ def run(ns: argparse.Namespace, model_dir: str, work: Path) -> list[dict[str, An
                         f"{report['ttft_ms']['median']:7.1f} ms  failed {report['failed']}",
                         flush=True,
                     )
-        ttft = asyncio.run(interleaved_ttft(urls, ns.ttft_requests))
+        ttft = asyncio.run(interleaved_ttft(urls, ns.ttft_requests, SERVED_NAME))
         samples.append({"setup": "interleaved", "ttft_ms": ttft})
     finally:
         for server in servers:

@@ -10,8 +10,10 @@ loopback port and is driven by the same client (``vlmserve.client.loadtest``) wi
 of a fixed output length. Measurements are interleaved: each round visits every concurrency level
 and, within it, every server in turn (the order rotates per round), so slow drift of the machine
 hits all servers alike. Only one server is under load at a time; the others sit idle (or are
-stopped, with ``--one-at-a-time``). Peers live in their own venvs (``benchmarks/peers/``); a peer
-that is missing or fails to start is reported as such, never silently skipped.
+stopped, with ``--one-at-a-time``), and each measurement starts once the CPUs are idle
+(``--settle``: a server that keeps polling after its load would slow the next one). Peers
+live in their own venvs (``benchmarks/peers/``); a peer that is missing or fails to start is
+reported as such, never silently skipped.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from peers.servers import (
     free_ports,
     vlmserve_spec,
 )
+from peers.settle import wait_idle
 from peers.tables import Row, ratio_rows, render, summarize
 
 
@@ -93,6 +96,7 @@ class BenchConfig:
     cache_rounds: int = 3
     cache_requests: int = 12
     in_process: bool = False  # also measure vlmserve --no-engine-process
+    settle: float = 15.0  # at most this long, wait for an idle machine before each measurement
 
 
 @dataclass(slots=True)
@@ -101,6 +105,7 @@ class Sample:
     concurrency: int
     round: int
     report: dict[str, Any]
+    settled_s: float = 0.0  # waited for an idle machine before it (``peers/settle.py``)
 
 
 @dataclass(slots=True)
@@ -147,6 +152,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--in-process", action="store_true",
                    help="also measure vlmserve --no-engine-process (vlmserve-inproc)")  # fmt: skip
     p.add_argument("--one-at-a-time", action="store_true", help="stop each server after its turn")
+    p.add_argument(
+        "--settle", type=float, default=15.0,
+        help="before each measurement wait (at most this many seconds) until the CPUs are idle: "
+        "vLLM's CPU build keeps a core busy for ~1 s after its load ends; 0: no wait",
+    )  # fmt: skip
     p.add_argument("--peers-dir", help="peer venvs (default: $VLMSERVE_PEERS_DIR or ~/.cache/...)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--json", dest="json_path", help="write samples, summary and ratios here")
@@ -202,6 +212,7 @@ def build_config(ns: argparse.Namespace) -> BenchConfig:
         cache_requests=ns.cache_requests,
         cache_max_pixels=ns.cache_max_pixels,
         in_process=ns.in_process,
+        settle=ns.settle,
     )
 
 
@@ -287,13 +298,15 @@ def run_rounds(specs: list[ServerSpec], cfg: BenchConfig, console: Console) -> O
                             continue
                         running[spec.name] = server
                     n = requests_for(cfg, c)
+                    settled = wait_idle(cfg.settle)
                     report = measure(spec, cfg, c, n)
-                    out.samples.append(Sample(spec.name, c, rnd, report))
+                    out.samples.append(Sample(spec.name, c, rnd, report, round(settled, 2)))
                     console.print(
                         f"round {rnd + 1}/{cfg.rounds} c={c:<3} {spec.name:<20} "
                         f"{report['output_throughput']:8.1f} tok/s  "
                         f"TTFT p50 {report['ttft_ms']['median']:7.1f} ms  "
-                        f"failed {report['failed']}/{report['requests']}"
+                        f"failed {report['failed']}/{report['requests']}  "
+                        f"(waited {settled:.1f}s for idle CPUs)"
                     )
                     if cfg.one_at_a_time:
                         running.pop(spec.name).stop()

@@ -24,6 +24,7 @@ def load(name: str, path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
     return module
 
@@ -60,3 +61,39 @@ async def test_stores_bench_counts_every_event(store: str, tmp_path: Path) -> No
     assert out["events"] == 3 * (5 + 1)  # each event and each session's [DONE]
     assert out["cpu_us_per_event"] > 0
     assert (out["writes"] == "-") == (store == "memory")
+
+
+async def test_interleaved_ttft_times_each_setup_in_turn_at_its_first_token() -> None:
+    ttft = load("bench_ttft", BENCH / "peers" / "ttft.py")
+    seen: list[str] = []
+    sse = (b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+           b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n')  # fmt: skip
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        body = request.read()
+        assert b'"stream":true' in body.replace(b" ", b"") and b"image_url" in body
+        seen.append(request.url.host)
+        return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
+
+    async with fake_upstreams(upstream, "http://a", "http://b") as fake:
+        times = await ttft.interleaved_ttft(fake.urls, 3, "tiny")
+    assert {k: len(v) for k, v in times.items()} == {"http://a": 3, "http://b": 3}
+    assert all(t > 0 for v in times.values() for t in v)
+    assert ttft.added_ms({"a": [3.0, 5.0, 4.0], "b": [1.0, 2.0, 9.0]}, "a", "b") == 2.0
+    assert ttft.added_ms({"a": [3.0]}, "a", "b") is None
+
+
+def test_the_gateway_ttft_budget_is_judged_on_interleaved_requests_when_there_are_some() -> None:
+    overhead = load("bench_overhead", BENCH / "overhead.py")
+    from peers.tables import Row
+
+    def row(server: str, ttft: float) -> Row:
+        return Row(server, 1, 2, 8, 0, 500.0, 490.0, 510.0, ttft, 1.5, 100.0)
+
+    rows = [row("memory", 10.0), row("gateway", 14.0), row("byteproxy", 10.5)]
+    by_rounds = {c["setup"]: c for c in overhead.budgets(rows) if c["metric"] == "ttft_ms"}
+    assert by_rounds["gateway"]["cost"] == 4.0 and not by_rounds["gateway"]["ok"]
+    times = {"memory": [10.0, 11.0, 12.0], "gateway": [11.5, 11.8, 12.2], "byteproxy": [11.0]}
+    judged = {c["setup"]: c for c in overhead.budgets(rows, times) if c["metric"] == "ttft_ms"}
+    assert judged["gateway"]["cost"] == pytest.approx(0.8) and judged["gateway"]["ok"]
+    assert judged["byteproxy"]["cost"] == pytest.approx(0.0)

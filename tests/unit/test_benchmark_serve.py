@@ -250,3 +250,32 @@ def test_size_medium_builds_the_issue_checkpoint_in_bf16_and_defaults_to_each_se
     assert serve.build_config(serve.parse_args([])).dtype == "float32"  # tiny: as before
     assert "--dtype" in (argv := serve.plan_specs(cfg, [1, 2])[0].argv)
     assert argv[argv.index("--dtype") + 1] == "auto"
+
+
+def test_each_measurement_waits_for_idle_cpus_up_to_the_settle_flag(tmp_path, monkeypatch):
+    from peers import settle
+
+    assert config(tmp_path).settle == 15.0 and config(tmp_path, "--settle", "0").settle == 0.0
+    readings = iter([85.0, 40.0, 3.0, 90.0])  # busy, busy, idle: the wait ends at the idle one
+    calls: list[float] = []
+
+    def cpu_percent(interval: float) -> float:
+        calls.append(interval)
+        return next(readings)
+
+    monkeypatch.setattr(settle.psutil, "cpu_percent", cpu_percent)
+    settle.wait_idle(10.0)
+    assert len(calls) == 3 and all(i > 0 for i in calls)
+    assert settle.wait_idle(0) == 0.0 and len(calls) == 3  # 0: no wait, nothing sampled
+
+
+def test_the_wait_for_idle_cpus_gives_up_at_its_timeout(monkeypatch):
+    from peers import settle
+
+    def busy(interval: float) -> float:
+        time.sleep(interval)
+        return 100.0
+
+    monkeypatch.setattr(settle.psutil, "cpu_percent", busy)
+    waited = settle.wait_idle(0.3, window=0.05)
+    assert 0.3 <= waited < 1.0
