@@ -157,9 +157,8 @@ def run_rounds(
             wait_idle(cfg.settle)
             urls = {name: running[name].spec.url for name in proxied}
             ttft = asyncio.run(interleaved_ttft(urls, ttft_requests, SERVED_NAME))
-            console.print("TTFT p50 over " + ", ".join(
-                f"{n} requests {name} {statistics.median(t):.2f} ms" for name, t in ttft.items()
-                for n in [len(t)]))  # fmt: skip
+            medians = (f"{name} {statistics.median(t):.2f} ms" for name, t in ttft.items() if t)
+            console.print(f"TTFT p50, {ttft_requests} requests each: " + ", ".join(medians))
     finally:
         for server in running.values():
             server.stop()

@@ -12,10 +12,10 @@ import statistics
 import time
 from typing import Any
 
-__all__ = ["added_ms", "interleaved_ttft", "ttft_body"]
+__all__ = ["added_ms", "interleaved_ttft"]
 
 
-def ttft_body(model: str) -> dict[str, Any]:
+def _body(model: str) -> dict[str, Any]:
     """A streamed 64x64 image request of 4 tokens (TTFT is all that is timed)."""
     from vlmserve.testing.media import data_url, image_bytes
 
@@ -33,7 +33,7 @@ async def interleaved_ttft(urls: dict[str, str], n: int, model: str) -> dict[str
     taking turns request by request."""
     import httpx
 
-    body = ttft_body(model)
+    body = _body(model)
     clients = {s: httpx.AsyncClient(base_url=u, timeout=120) for s, u in urls.items()}
     times: dict[str, list[float]] = {s: [] for s in urls}
     names = list(urls)
