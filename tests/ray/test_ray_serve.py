@@ -168,7 +168,7 @@ def test_a_stream_cancels_through_the_other_ingress_replica(ray_serve: RayServe)
             cancel = other.post(f"/v1/cancel/{sid}")
         assert cancel.status_code == 200, cancel.text
         assert cancel.headers[REPLICA_HEADER] != origin
-        seen += list(events)  # the owner sees the cancel at its next heartbeat
+        seen += list(events)  # the owner hears of the cancel at once (Redis pub/sub)
     assert_complete(seen)
     finishes = [e.finish_reason for e in seen if e.finish_reason]
     assert finishes == ["cancelled"]

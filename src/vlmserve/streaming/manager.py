@@ -26,6 +26,7 @@ from types import MappingProxyType
 from typing import Any
 
 from vlmserve.errors import InvalidRequest, NotFound
+from vlmserve.streaming.cancels import CancelWatch
 from vlmserve.streaming.events import (
     DONE,
     FINAL_STATES,
@@ -125,6 +126,7 @@ class SessionManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._resumer: Resumer | None = None
         self._gc_task: asyncio.Task[None] | None = None
+        self._cancel_watch = CancelWatch(store, self.get)
 
     @property
     def sessions(self) -> MappingProxyType[str, Session]:
@@ -172,7 +174,7 @@ class SessionManager:
             session.start(producer, on_cancel, on_error)
         else:
             session = await self._start_before_commit(record, producer, on_cancel, on_error)
-        self._ensure_gc()
+        self._ensure_background()
         return session
 
     async def _start_before_commit(self, record: SessionRecord, producer: AsyncIterator[Emit],
@@ -324,7 +326,7 @@ class SessionManager:
                 await session.finish([error_emit(message, "server_restart")], SessionState.FAILED)
             else:
                 session.start(resumption.producer, resumption.on_cancel, resumption.on_error)
-                self._ensure_gc()
+                self._ensure_background()
             return session
 
     async def _resume(self, record: SessionRecord, events: list[Event]) -> Resumption | None:
@@ -348,7 +350,8 @@ class SessionManager:
         if sid in self._sessions:
             return await self._sessions[sid].cancel()
         if self._live_elsewhere(record):
-            # Its owner sees the state at its next heartbeat and ends the stream itself.
+            # Its owner hears of it at once (CancelWatch), or at its next heartbeat at the
+            # latest, and ends the stream itself.
             await self.store.set_state(sid, SessionState.CANCELLED)
             return True
         async with self._locks.setdefault(sid, asyncio.Lock()):  # orphaned: end it here
@@ -376,7 +379,8 @@ class SessionManager:
                 del self._locks[sid]
         return len(expired) + await self.store.gc(now)
 
-    def _ensure_gc(self) -> None:
+    def _ensure_background(self) -> None:
+        self._cancel_watch.ensure()
         if self.gc_interval > 0 and (self._gc_task is None or self._gc_task.done()):
             self._gc_task = asyncio.ensure_future(self._gc_loop())
 
@@ -395,6 +399,7 @@ class SessionManager:
             self._gc_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._gc_task
+        await self._cancel_watch.close()
         await asyncio.gather(*(s.close() for s in self._sessions.values()))
         self._sessions.clear()
         self._aliases.clear()

@@ -269,7 +269,7 @@ class Session:
 
     # -- cancel ---------------------------------------------------------------------------
 
-    def _begin_cancel(self) -> asyncio.Task[None] | None:
+    def begin_cancel(self) -> asyncio.Task[None] | None:
         if not self.running or self.done:
             return None
         self._finishing = True
@@ -285,7 +285,7 @@ class Session:
 
     async def cancel(self) -> bool:
         """Stop the producer, append on_cancel's emits + ``[DONE]``; False if already ending."""
-        task = self._begin_cancel()
+        task = self.begin_cancel()
         if task is None:
             return False
         await asyncio.shield(task)  # the caller going away must not leave it half-done
@@ -332,7 +332,7 @@ class Session:
 
     def _on_idle(self) -> None:
         self._timer = None
-        if self.listeners == 0 and self._begin_cancel() is not None:
+        if self.listeners == 0 and self.begin_cancel() is not None:
             logger.info(
                 "session %s: no listener for %.1fs, cancelled",
                 self.session_id,
@@ -352,7 +352,7 @@ class Session:
                 if self.store.shared:  # another replica may have cancelled it in the store
                     record = await self.store.get(self.session_id)
                     if record is not None and record.state is SessionState.CANCELLED:
-                        self._begin_cancel()
+                        self.begin_cancel()
                         return
             except Exception:
                 logger.warning("session %s: heartbeat failed", self.session_id, exc_info=True)

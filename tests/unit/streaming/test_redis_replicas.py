@@ -92,3 +92,21 @@ async def test_replica_b_takes_over_when_replica_a_stops_heartbeating(
     rest = await asyncio.wait_for(drain(b.listen("s1", after=4)), 10)
     assert [e.index for e in events + rest] == list(range(21))
     assert (await b.store.get("s1")).owner == "B"
+
+
+async def test_a_cancel_from_replica_b_reaches_replica_a_at_once_not_at_its_heartbeat(
+    redis_url, producer, callbacks, counter
+) -> None:
+    prefix = f"rep{uuid.uuid4().hex[:8]}"
+    a = SessionManager(RedisStore(redis_url, prefix=prefix), owner="A", heartbeat_interval=60)
+    b = SessionManager(RedisStore(redis_url, prefix=prefix), owner="B", heartbeat_interval=60)
+    try:
+        await a.start("s1", {}, producer(100_000, delay=0.002, counter=counter), **callbacks)
+        await asyncio.sleep(0.2)  # A has subscribed to the cancels
+        assert await b.cancel("s1")
+        await asyncio.wait_for(a.get("s1").wait(), 2)  # long before A's heartbeat at 60 s
+        assert a.get("s1").state is SessionState.CANCELLED and counter.closed
+    finally:
+        for manager in (a, b):
+            await manager.close()
+            await manager.store.close()

@@ -6,6 +6,8 @@ Keys (``P`` = prefix):
     P:alias:<alias>  string the session id
 Every key expires ``ttl`` seconds after the session's last append, state change or heartbeat.
 ``wait_events`` blocks in ``XREAD BLOCK`` so followers in other processes see events at once.
+A cancel is also published on ``P:cancels`` (pub/sub), so the replica producing the stream
+stops at once instead of at its next heartbeat (``cancels``).
 Appends are group-committed (``store/group.py``): the events that queue while one MULTI/EXEC
 runs go out together in the next, one round trip for all of them. An event is one ``XADD``;
 its session's ``updated_at`` and the keys' TTLs are refreshed with it at most once a second
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -143,6 +146,8 @@ class RedisStore:
 
     async def set_state(self, session_id: str, state: SessionState) -> None:
         await self._touch(session_id, {"state": state.value}, None)
+        if state is SessionState.CANCELLED:  # its producer may be another process: tell it
+            await self._redis.publish(self._key("cancels", "all"), session_id)
         if state in FINAL_STATES:  # its appends are over: forget what they needed
             self._touched.pop(session_id, None)
             self._aliases.pop(session_id, None)
@@ -191,6 +196,17 @@ class RedisStore:
         # The reply's shape differs between RESP2, RESP3 and redis-py versions; read the new
         # entries back with XRANGE, which is exact and shape-stable.
         return await self.events(session_id, after) if reply else []
+
+    async def cancels(self) -> AsyncIterator[str]:
+        """The ids of sessions cancelled from now on, by any process on this store."""
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self._key("cancels", "all"))
+            async for message in pubsub.listen():
+                if message is not None and message.get("type") == "message":
+                    yield str(message["data"])
+        finally:
+            await pubsub.aclose()
 
     async def gc(self, now: float | None = None) -> int:
         return 0  # every key carries an EXPIRE; Redis drops expired sessions itself
