@@ -10,7 +10,11 @@ of a fixed length, ``vlmserve.client.loadtest``):
 - ``sqlite``: the same with ``VLMSERVE_PERSIST_SESSIONS=1`` (every event committed to SQLite
   before a client sees it);
 - ``gateway``: a vlmserve gateway whose registry has one ``openai`` entry pointing at the
-  ``memory`` worker (requests go client -> gateway -> worker);
+  ``memory`` worker (requests go client -> gateway -> worker); its streams pass through as
+  bytes (``api/passthrough.py``), the worker's own sessions;
+- ``gateway-sessions``: the same gateway with ``VLMSERVE_GATEWAY_PASSTHROUGH=false``: every
+  stream a session of the gateway's own, chunks parsed and re-encoded (the path before the
+  pass-through, and still the path to upstreams that are not vlmserve workers);
 - ``byteproxy``: the least a Python proxy does (``peers/byteproxy.py``: uvicorn + aiohttp,
   bytes forwarded untouched) in front of the same worker: the floor under the gateway's cost.
 
@@ -59,11 +63,15 @@ from serve import parse_args as serve_args
 __all__ = ["budgets", "cpu_per_token", "main", "overhead_specs"]
 
 BASE, SQLITE, GATEWAY, BYTEPROXY = "memory", "sqlite", "gateway", "byteproxy"
+GATEWAY_SESSIONS = "gateway-sessions"
+PROXIES = (GATEWAY, GATEWAY_SESSIONS, BYTEPROXY)  # in front of the memory worker
 BUDGETS = {  # (setup, concurrency, metric): the most it may cost against the baseline
     (SQLITE, 8, "tok/s"): 0.10,
     (SQLITE, 8, "ttft"): 0.10,
     (GATEWAY, 1, "ttft_ms"): 1.0,
     (GATEWAY, 8, "tok/s"): None,  # reported, no budget
+    (GATEWAY_SESSIONS, 1, "ttft_ms"): None,  # the gateway's own sessions, reported
+    (GATEWAY_SESSIONS, 8, "tok/s"): None,
     (BYTEPROXY, 1, "ttft_ms"): None,  # the floor under the gateway's budget, reported
 }
 
@@ -102,11 +110,19 @@ def overhead_specs(cfg: BenchConfig, ports: list[int], work: Path) -> list[Serve
                       VLMSERVE_PERSIST_SESSIONS="1",
                       VLMSERVE_SESSIONS_DB_PATH=str(work / "sessions.db"))  # fmt: skip
     registry = gateway_registry(work / "registry.toml", memory.url)
-    gateway = vlmserve_spec(cfg.model_dir, ports[2], cfg.dtype)
+    gateway = _renamed(gateway_spec(cfg, ports[2], registry), GATEWAY)
+    own = _renamed(gateway_spec(cfg, ports[4], registry), GATEWAY_SESSIONS,
+                   VLMSERVE_GATEWAY_PASSTHROUGH="false")  # fmt: skip
+    return [memory, sqlite, gateway, byteproxy_spec(ports[3], memory.url), own]
+
+
+def gateway_spec(cfg: BenchConfig, port: int, registry: Path) -> ServerSpec:
+    """A gateway over the registry's ``openai`` entry, no model of its own."""
+    gateway = vlmserve_spec(cfg.model_dir, port, cfg.dtype)
     model_at = gateway.argv.index("--model")
     del gateway.argv[model_at : model_at + 4]  # no local model: --model DIR --served-model-name
     gateway.argv += ["--registry", str(registry)]
-    return [memory, sqlite, _renamed(gateway, GATEWAY), byteproxy_spec(ports[3], memory.url)]
+    return gateway
 
 
 def byteproxy_spec(port: int, upstream: str) -> ServerSpec:
@@ -152,7 +168,7 @@ def run_rounds(
                 shift = rnd % len(specs)
                 for spec in specs[shift:] + specs[:shift]:
                     samples.append(_measure_one(running[spec.name], cfg, c, rnd, console))
-        proxied = [s.name for s in specs if s.name in (BASE, GATEWAY, BYTEPROXY)]
+        proxied = [s.name for s in specs if s.name in (BASE, *PROXIES)]
         if ttft_requests > 0 and len(proxied) > 1:
             wait_idle(cfg.settle)
             urls = {name: running[name].spec.url for name in proxied}
@@ -257,7 +273,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--setups",
         nargs="+",
         default=[BASE, SQLITE, GATEWAY, BYTEPROXY],
-        choices=[BASE, SQLITE, GATEWAY, BYTEPROXY],
+        choices=[BASE, SQLITE, GATEWAY, GATEWAY_SESSIONS, BYTEPROXY],
         help="which servers (memory always runs)",
     )
     p.add_argument(
@@ -280,7 +296,7 @@ def one_run(
 ) -> dict[str, Any]:
     """Start the servers, measure, stop them; the run's rows, CPU and budgets."""
     with tempfile.TemporaryDirectory(prefix="vlmserve-overhead-") as work:
-        specs = overhead_specs(cfg, free_ports(4), Path(work))
+        specs = overhead_specs(cfg, free_ports(5), Path(work))
         specs = [s for s in specs if s.name == BASE or s.name in setups]
         samples, ttft = run_rounds(specs, cfg, console, ttft_requests)
     rows = summarize([(s.server, s.concurrency, s.report) for s in samples])

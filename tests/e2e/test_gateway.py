@@ -75,6 +75,11 @@ def chat(**extra: Any) -> dict[str, Any]:
             "temperature": 0, **extra}  # fmt: skip
 
 
+def data_lines(text: str) -> list[str]:
+    """Each SSE message's data line (a replay adds ``id:`` lines: the resumable wire)."""
+    return [m.split("\n")[-1] for m in text.split("\n\n") if m]
+
+
 def replicas(gw: str) -> dict[str, dict[str, Any]]:
     models = httpx.get(f"{gw}/v1/gateway/replicas", headers=ADMIN).json()["models"]
     return {r["url"]: r for r in models[0]["replicas"]}
@@ -139,6 +144,82 @@ def test_cancel_at_the_gateway_stops_generation_on_the_worker(
     while in_flight(workers):
         assert time.monotonic() < deadline, "the worker still generates after the cancel"
         time.sleep(0.1)
+
+
+def test_a_stream_passes_through_as_the_workers_own_session(
+    gateway: str, workers: list[ServerProcess]
+) -> None:
+    """The lean path: the worker runs the session the client resumes at the gateway."""
+    body = chat(stream=True, max_tokens=5, ignore_eos=True)
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    sid = r.headers["x-session-id"]
+    held = [httpx.get(f"{w.url}/v1/streams/{sid}", timeout=60) for w in workers]
+    assert sorted(h.status_code for h in held) == [200, 404]  # one worker holds it
+    assert data_lines(next(h.text for h in held if h.status_code == 200)) == data_lines(r.text)
+    assert data_lines(httpx.get(f"{gateway}/v1/streams/{sid}", timeout=60).text) == data_lines(
+        r.text
+    )
+
+
+def test_passed_streams_take_n_and_name_the_gateways_entry(
+    workers: list[ServerProcess], tmp_path: Path
+) -> None:
+    urls = json.dumps([w.url for w in workers])
+    reg = registry(tmp_path / "registry.toml",
+                   f'[[models]]\nname = "gw-tiny"\nserved_model_id = "tiny"\nbackend = "openai"\n'
+                   f"[models.backend_config]\nbase_urls = {urls}\n")  # fmt: skip
+    with LiveServer(build_app(gateway_settings(reg))) as gw:
+        wait_ready(gw.url)
+        body = chat(model="gw-tiny", stream=True, n=2, max_tokens=4, ignore_eos=True,
+                    stream_options={"include_usage": True})  # fmt: skip
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(m.removeprefix("data: ")) for m in r.text.split("\n\n")
+              if m.startswith("data: {")]  # fmt: skip
+    assert {c["model"] for c in chunks} == {"gw-tiny"}  # the upstream's "tiny" renamed
+    assert {ch["index"] for c in chunks for ch in c["choices"]} == {0, 1}
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_cancel_by_completion_id_reaches_the_worker_holding_a_passed_stream(
+    gateway: str, workers: list[ServerProcess]
+) -> None:
+    body = chat(stream=True, max_tokens=20000, ignore_eos=True)
+    with httpx.Client(timeout=60) as client:
+        events, r = read_events(client, "POST", f"{gateway}/v1/chat/completions", json=body,
+                                limit=3)  # fmt: skip
+        assert r.status_code == 200 and in_flight(workers) == 1
+        completion_id = events[0].json["id"]
+        r = client.post(f"{gateway}/v1/chat/completions/{completion_id}/cancel")
+        assert r.status_code == 200 and r.json()["cancelled"] is True, r.text
+    deadline = time.monotonic() + 15
+    while in_flight(workers):
+        assert time.monotonic() < deadline, "the worker still generates after the cancel"
+        time.sleep(0.1)
+
+
+def test_a_workers_4xx_reaches_the_client_of_a_passed_stream(gateway: str) -> None:
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=chat(stream=True, max_tokens=-5),
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "max_tokens"
+
+
+def test_without_passthrough_the_gateway_runs_its_own_session(
+    workers: list[ServerProcess], tmp_path: Path
+) -> None:
+    urls = json.dumps([w.url for w in workers])
+    reg = registry(tmp_path / "registry.toml",
+                   f'[[models]]\nname = "tiny"\nbackend = "openai"\n'
+                   f"[models.backend_config]\nbase_urls = {urls}\n")  # fmt: skip
+    with LiveServer(build_app(gateway_settings(reg, gateway_passthrough=False))) as gw:
+        wait_ready(gw.url)
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat(stream=True), timeout=60)
+        sid = r.headers["x-session-id"]
+        replay = httpx.get(f"{gw.url}/v1/streams/{sid}", timeout=60).text
+        assert data_lines(replay) == data_lines(r.text)
+    assert [httpx.get(f"{w.url}/v1/streams/{sid}").status_code for w in workers] == [404, 404]
 
 
 def test_vllm_backend_runs_and_stops_its_subprocess(tiny_dir: Path, tmp_path: Path) -> None:

@@ -97,3 +97,19 @@ def test_the_gateway_ttft_budget_is_judged_on_interleaved_requests_when_there_ar
     judged = {c["setup"]: c for c in overhead.budgets(rows, times) if c["metric"] == "ttft_ms"}
     assert judged["gateway"]["cost"] == pytest.approx(0.8) and judged["gateway"]["ok"]
     assert judged["byteproxy"]["cost"] == pytest.approx(0.0)
+
+
+def test_both_gateway_setups_front_the_memory_worker_one_without_the_pass_through(
+    tmp_path: Path,
+) -> None:
+    overhead = load("bench_overhead", BENCH / "overhead.py")
+    cfg = argparse.Namespace(in_process=False, model_dir="/m", dtype="float32")
+    specs = {s.name: s for s in overhead.overhead_specs(cfg, [1, 2, 3, 4, 5], tmp_path)}
+    registry = (tmp_path / "registry.toml").read_text()
+    assert specs["memory"].url in registry
+    for name in ("gateway", "gateway-sessions"):
+        argv = specs[name].argv
+        assert "--model" not in argv and argv[argv.index("--registry") + 1].endswith(".toml")
+    assert specs["gateway-sessions"].env["VLMSERVE_GATEWAY_PASSTHROUGH"] == "false"
+    assert "VLMSERVE_GATEWAY_PASSTHROUGH" not in specs["gateway"].env
+    assert len({s.port for s in specs.values()}) == 5

@@ -24,6 +24,7 @@ from vlmserve.api.middleware import (
     ErrorShieldMiddleware,
     RequestIdMiddleware,
 )
+from vlmserve.api.passthrough import PassthroughMiddleware
 from vlmserve.api.routes import (
     admin,
     batches,
@@ -183,10 +184,12 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
     return lifespan
 
 
-def _install_middleware(app: FastAPI, settings: Settings, metrics: Metrics,
-                        clock: ActivityClock, console_paths: tuple[str, ...]) -> None:  # fmt: skip
+def _install_middleware(app: FastAPI, services: Services, clock: ActivityClock,
+                        console_paths: tuple[str, ...]) -> None:  # fmt: skip
     # Outermost first: RequestId -> Metrics -> CORS -> ErrorShield -> Auth -> Activity
-    # -> BodyLimit -> app
+    # -> BodyLimit -> Passthrough (a gateway's streams to vlmserve workers) -> app
+    settings, metrics = services.settings, services.metrics
+    app.add_middleware(PassthroughMiddleware, services=services)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(ActivityMiddleware, clock=clock)
     app.add_middleware(
@@ -241,5 +244,5 @@ def build_app(
         app.include_router(router)
     scrape = functools.partial(_scrape, services.metrics, services.models)
     app.add_api_route("/metrics", scrape, methods=["GET"], include_in_schema=False)
-    _install_middleware(app, settings, services.metrics, clock, tuple(console_paths))
+    _install_middleware(app, services, clock, tuple(console_paths))
     return app

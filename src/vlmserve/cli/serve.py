@@ -33,6 +33,7 @@ ENV_ONLY = (
     "registry_discovered", "on_demand_activation", "drain_timeout_seconds",
     "activation_timeout_seconds", "embed_max_batch_size", "embed_batch_wait_ms",
     "upstream_health_interval", "upstream_max_failures", "upstream_eject_seconds",
+    "gateway_passthrough",
     "register_url", "advertise_url", "gateway_key", "max_video_pixels",
     "max_video_decode_frames", "media_image_formats", "media_fetch_timeout",
     "media_max_redirects", "media_allow_private_networks", "max_n", "logprobs_mode",

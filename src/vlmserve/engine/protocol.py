@@ -17,7 +17,7 @@ admission bound, nothing to relay, no replicas, no embeddings); torch-free, like
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from vlmserve.engine.types import (
@@ -33,7 +33,20 @@ from vlmserve.errors import InvalidRequest, ServiceUnavailable
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "PassedAnswer"]
+
+
+class PassedAnswer(Protocol):
+    """An upstream's answer to a passed request: status and headers in, body as it comes.
+    ``chunks`` raises ``ServiceUnavailable`` when the upstream breaks off."""
+
+    status: int
+    headers: Mapping[str, str]
+    replica_url: str
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def close(self, completed: bool) -> None: ...
 
 
 def _nothing() -> None:
@@ -117,6 +130,26 @@ class Backend(Protocol):
     async def relay(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         """A proxied model answers ``path`` upstream with ``body``; local models: None."""
         return None
+
+    def passes_streams(self) -> bool:
+        """Streamed chat may pass to this model's upstream as bytes (``api/passthrough.py``):
+        its replicas are vlmserve workers that run the streams as resumable sessions."""
+        return False
+
+    @property
+    def upstream_name(self) -> str | None:
+        """What the upstream calls this model (None: not proxied)."""
+        return None
+
+    async def pass_stream(self, path: str, content: bytes,
+                          headers: Mapping[str, str]) -> PassedAnswer:  # fmt: skip
+        """POST ``content`` to a replica (admitted and retried as any request of the model)."""
+        raise NotImplementedError(f"model {self.model_id!r} passes no streams")
+
+    async def pass_later(self, replica_url: str, method: str, path: str, content: bytes | None,
+                         headers: Mapping[str, str]) -> PassedAnswer:  # fmt: skip
+        """A passed stream's later request (resume, cancel), to the replica holding it."""
+        raise NotImplementedError(f"model {self.model_id!r} passes no streams")
 
     @property
     def accepts_replicas(self) -> bool:

@@ -21,9 +21,11 @@ from typing import Any
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import Chunk, GenerateRequest, ModelState, Serves
 from vlmserve.engine.upstream_http import RETRYABLE, UpstreamHTTP, UpstreamResponse
+from vlmserve.engine.upstream_passthrough import PassThrough
 from vlmserve.engine.upstream_wire import (
     ChunkReader,
     UpstreamError,
+    announces_sessions,
     encode_body,
     error_from_body,
     json_object,
@@ -70,7 +72,7 @@ class UpstreamStream:
     tried: set[str] = field(default_factory=set)
 
 
-class UpstreamBackend(Backend):
+class UpstreamBackend(PassThrough, Backend):
     """A backend whose model lives on upstream replicas (see the module docstring)."""
 
     kind = "openai"
@@ -188,12 +190,14 @@ class UpstreamBackend(Backend):
         reason = "health check failed"
         for path in ("/health", "/v1/models"):
             try:
-                status, _ = await client.request("GET", replica.url + path,
-                                                 timeout=self.config.connect_timeout)  # fmt: skip
+                status, body = await client.request(
+                    "GET", replica.url + path, timeout=self.config.connect_timeout
+                )
             except RETRYABLE as exc:
                 reason = f"GET {path}: {type(exc).__name__}"
                 break  # unreachable: the fallback would fail the same way
             if 200 <= status < 300:
+                replica.sessions = path == "/health" and announces_sessions(body)
                 self.pool.checked(replica, True)
                 return True
             reason = f"GET {path} answered {status}"

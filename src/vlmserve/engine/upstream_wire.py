@@ -61,6 +61,16 @@ def upstream_body(raw: dict[str, Any], model: str, *, stream: bool = True) -> di
     return body
 
 
+def announces_sessions(health: bytes) -> bool:
+    """Whether a ``GET /health`` answer is a vlmserve worker's that runs resumable streams
+    (``"resumableStreams": true``): the gateway may then pass its streams through as bytes."""
+    try:
+        data = json.loads(health)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("resumableStreams") is True
+
+
 def error_from_body(status: int, content: bytes) -> UpstreamError:
     """An upstream error answer (OpenAI ``{"error": {...}}`` or vLLM's flat shape)."""
     try:

@@ -48,6 +48,7 @@ class Replica:
     ejected_until: float = 0.0  # monotonic time
     requests: int = 0  # total routed here
     last_used: float = 0.0
+    sessions: bool = False  # its /health says it runs vlmserve's resumable streams
 
     def ejected(self, now: float) -> bool:
         return now < self.ejected_until

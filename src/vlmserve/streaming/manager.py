@@ -16,7 +16,6 @@ of an ended session gives no events at all (the API answers 204).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -56,9 +55,8 @@ def _check_after(name: str, after: int, last: int, ended: bool) -> None:
         raise InvalidRequest(
             f"Last-Event-ID {name}:{after} is past the last event of this stream so far "
             f"({name}:{last}); resume with the id of the last event you received",
-            param="Last-Event-ID",
-            code="invalid_last_event_id",
-        )
+            param="Last-Event-ID", code="invalid_last_event_id",
+        )  # fmt: skip
 
 
 class Listener:
@@ -350,8 +348,7 @@ class SessionManager:
         if sid in self._sessions:
             return await self._sessions[sid].cancel()
         if self._live_elsewhere(record):
-            # Its owner hears of it at once (CancelWatch), or at its next heartbeat at the
-            # latest, and ends the stream itself.
+            # Its owner hears of it at once (CancelWatch), or at its next heartbeat, and ends it.
             await self.store.set_state(sid, SessionState.CANCELLED)
             return True
         async with self._locks.setdefault(sid, asyncio.Lock()):  # orphaned: end it here
@@ -366,11 +363,9 @@ class SessionManager:
     async def gc(self, now: float | None = None) -> int:
         """Drop sessions ended more than ``ttl`` ago here and in the store; returns the count."""
         now = time.time() if now is None else now
-        expired = [
-            sid
-            for sid, s in self._sessions.items()
-            if s.done and s.finished_at is not None and s.finished_at < now - self.ttl
-        ]
+        cutoff = now - self.ttl
+        expired = [sid for sid, s in self._sessions.items()
+                   if s.done and s.finished_at is not None and s.finished_at < cutoff]  # fmt: skip
         for sid in expired:
             for alias in self._sessions.pop(sid).record.aliases:
                 self._aliases.pop(alias, None)
@@ -397,8 +392,7 @@ class SessionManager:
         The store stays open: whoever built it closes it."""
         if self._gc_task is not None:
             self._gc_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._gc_task
+            await asyncio.gather(self._gc_task, return_exceptions=True)
         await self._cancel_watch.close()
         await asyncio.gather(*(s.close() for s in self._sessions.values()))
         self._sessions.clear()

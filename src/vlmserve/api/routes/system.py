@@ -24,6 +24,7 @@ async def health(models: ModelsDep) -> dict[str, Any]:
         "modelId": handles[0].name if handles else None,
         "error": "; ".join(errors) or None,
         "models": [{"id": h.name, "state": h.backend.state.value} for h in handles],
+        "resumableStreams": True,  # a gateway in front passes this server's streams through
     }
 
 

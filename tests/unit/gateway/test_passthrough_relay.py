@@ -1,0 +1,147 @@
+"""The gateway's byte pass-through (``api/passthrough.py``): what a client receives does not
+depend on where the network splits the worker's answer; a stream's later requests find the
+replica that holds it, for as long as its sessions live."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from vlmserve.api.passthrough import _needs, _relay
+from vlmserve.errors import ServiceUnavailable
+from vlmserve.gateway.passed import PassedStreams
+
+pytestmark = pytest.mark.timeout(30)
+
+EVENTS = (
+    b'data: {"id":"chatcmpl-1","model":"up-name","choices":[{"delta":{"content":"H\xc3\xa9"}}]}\n\n'
+    b'data: {"id":"chatcmpl-1","model":"up-name","choices":[{"delta":{},"finish_reason":"stop"}]}'
+    b"\n\ndata: [DONE]\n\n"
+)
+RENAME = (b'"model":"up-name"', b'"model":"gw-name"')
+
+
+@dataclass
+class Answer:
+    """An upstream answer as the relay sees it (``engine.protocol.PassedAnswer``)."""
+
+    pieces: list[bytes]
+    status: int = 200
+    headers: Mapping[str, str] = field(default_factory=lambda: {"content-type": "text/event-stream",
+                                                                "x-session-id": "s1",
+                                                                "server": "uvicorn"})
+    replica_url: str = "http://replica"
+    fail_after: int | None = None  # raise after this many pieces (the upstream broke off)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for i, piece in enumerate(self.pieces):
+            if self.fail_after is not None and i >= self.fail_after:
+                raise ServiceUnavailable("upstream broke off", code="upstream_error")
+            yield piece
+
+    def close(self, completed: bool) -> None:
+        pass
+
+
+async def _never() -> dict[str, Any]:
+    await asyncio.Event().wait()
+    return {}
+
+
+Relayed = tuple[bool, list[dict[str, Any]], list[bytes]]  # read to the end, sent, seen
+
+
+async def relayed(answer: Answer, rename: tuple[bytes, bytes] | None = RENAME,
+                  receive: Any = _never) -> Relayed:  # fmt: skip
+    sent: list[dict[str, Any]] = []
+    seen: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    done = await _relay(answer, receive, send, rename, seen.append)
+    return done, sent, seen
+
+
+def _body(sent: list[dict[str, Any]]) -> bytes:
+    return b"".join(m.get("body", b"") for m in sent[1:])
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 19, len(EVENTS)])
+async def test_the_client_gets_whole_renamed_events_wherever_the_network_splits(size) -> None:
+    pieces = [EVENTS[i : i + size] for i in range(0, len(EVENTS), size)]
+    done, sent, seen = await relayed(Answer(pieces))
+    assert done is True
+    assert _body(sent) == EVENTS.replace(*RENAME)
+    assert all(piece.endswith(b"\n\n") for piece in seen)  # never half an event
+    assert sent[0]["status"] == 200
+    assert dict(sent[0]["headers"]) == {b"content-type": b"text/event-stream",
+                                        b"x-session-id": b"s1"}  # fmt: skip
+    assert sent[-1]["more_body"] is False
+
+
+async def test_without_a_rename_the_bytes_pass_unchanged() -> None:
+    done, sent, _ = await relayed(Answer([EVENTS]), rename=None)
+    assert done and _body(sent) == EVENTS
+
+
+async def test_a_non_sse_answer_passes_whole() -> None:
+    error = b'{"error": {"message": "no such session", "code": "session_not_found"}}'
+    done, sent, _ = await relayed(Answer([error[:10], error[10:]], status=404))
+    assert done and sent[0]["status"] == 404 and _body(sent) == error
+
+
+async def test_an_upstream_that_breaks_off_ends_the_stream_with_an_error_event() -> None:
+    pieces = [EVENTS[:50], EVENTS[50:]]
+    done, sent, _ = await relayed(Answer(pieces, fail_after=1))
+    assert done is False
+    body = _body(sent)
+    assert b'"code":"upstream_error"' in body.replace(b" ", b"")
+    assert body.endswith(b"data: [DONE]\n\n") and sent[-1]["more_body"] is False
+
+
+async def test_a_client_that_left_stops_the_relay() -> None:
+    async def gone() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    first, second = EVENTS.split(b"\n\n", 1)
+
+    async def slow() -> AsyncIterator[bytes]:
+        yield first + b"\n\n"
+        await asyncio.sleep(0.05)
+        yield second
+
+    answer = Answer([])
+    answer.chunks = slow  # type: ignore[method-assign]
+    done, sent, _ = await relayed(answer, receive=gone)
+    assert done is False
+    assert _body(sent) == (first + b"\n\n").replace(*RENAME)
+
+
+def test_needs_reads_the_media_kinds_of_a_raw_request() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:"}}
+    video = {"type": "input_video", "video_url": "x"}
+    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "x"}]},
+                         {"role": "user", "content": "plain"}, "junk",
+                         {"role": "user", "content": [video, 3]}]}  # fmt: skip
+    assert _needs(body) == {"vision", "video"}
+    assert _needs({"messages": "nonsense"}) == frozenset()
+
+
+def test_passed_streams_expire_with_their_sessions_and_keep_the_newest() -> None:
+    now = [0.0]
+    streams = PassedStreams(ttl=10, max_entries=3, clock=lambda: now[0])
+    streams.add(["s1", "chatcmpl-1"], "backend", "http://a")
+    assert streams.get("chatcmpl-1").replica_url == "http://a"
+    now[0] = 5
+    streams.add(["s2"], "backend", "http://b", RENAME)
+    assert streams.get("s2").rename == RENAME
+    now[0] = 10.5  # s1's entries are 10.5 s old
+    assert streams.get("s1") is None and streams.get("s2") is not None
+    streams.add(["s3", "s4", "s5"], "backend", "http://c")  # over 3: the oldest go
+    assert len(streams) == 3 and streams.get("s2") is None
+    assert streams.get("s5").replica_url == "http://c"
