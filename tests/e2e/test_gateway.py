@@ -162,7 +162,7 @@ def test_a_stream_passes_through_as_the_workers_own_session(
     )
 
 
-def test_passed_streams_take_n_and_name_the_gateways_entry(
+def test_passed_requests_take_n_and_logprobs_and_name_the_gateways_entry(
     workers: list[ServerProcess], tmp_path: Path
 ) -> None:
     urls = json.dumps([w.url for w in workers])
@@ -174,12 +174,19 @@ def test_passed_streams_take_n_and_name_the_gateways_entry(
         body = chat(model="gw-tiny", stream=True, n=2, max_tokens=4, ignore_eos=True,
                     stream_options={"include_usage": True})  # fmt: skip
         r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
+        body.update(stream=False, logprobs=True, stream_options=None)
+        whole = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60)
+        scrape = httpx.get(f"{gw.url}/metrics").text
+    assert r.status_code == 200 and whole.status_code == 200, (r.text, whole.text)
     chunks = [json.loads(m.removeprefix("data: ")) for m in r.text.split("\n\n")
               if m.startswith("data: {")]  # fmt: skip
     assert {c["model"] for c in chunks} == {"gw-tiny"}  # the upstream's "tiny" renamed
     assert {ch["index"] for c in chunks for ch in c["choices"]} == {0, 1}
     assert chunks[-1]["usage"]["completion_tokens"] == 8
+    answer = whole.json()
+    assert answer["model"] == "gw-tiny" and len(answer["choices"]) == 2
+    assert all(len(c["logprobs"]["content"]) == 4 for c in answer["choices"])
+    assert 'vlmserve_output_tokens_total{model="gw-tiny"} 16.0' in scrape  # 8 + 8, from usage
 
 
 def test_cancel_by_completion_id_reaches_the_worker_holding_a_passed_stream(

@@ -1,17 +1,18 @@
-"""PassthroughMiddleware: the gateway's lean path for streamed chat (issue 22).
+"""PassthroughMiddleware: the gateway's lean path for chat (issue 22).
 
-A streamed ``POST /v1/chat/completions`` for an ``openai`` model whose replicas are vlmserve
-workers (``engine/upstream_passthrough.py``) skips the gateway's own request model, session
-and chunk re-encoding: its bytes go to a replica as they came (the ``model`` name swapped when
-the upstream calls it otherwise), and the answer's bytes come back as the worker writes them,
-the worker's ``X-Session-ID`` included. Resumes (``GET /v1/streams/<id>``, ``Last-Event-ID``)
-and cancels (``/v1/cancel/<id>``, ``/v1/chat/completions/<chatcmpl-id>/cancel``) of such a
-stream go to the replica that holds it.
+A ``POST /v1/chat/completions`` for an ``openai`` model whose replicas are vlmserve workers
+(``engine/upstream_passthrough.py``) skips the gateway's own request model, session and chunk
+re-encoding: its bytes go to a replica as they came (the ``model`` name swapped when the
+upstream calls it otherwise), and the answer's bytes come back as the worker writes them (a
+stream event by event, the worker's ``X-Session-ID`` included; a JSON answer whole), with the
+``model`` in them renamed to the gateway's entry. Resumes (``GET /v1/streams/<id>``,
+``Last-Event-ID``) and cancels (``/v1/cancel/<id>``, ``/v1/chat/completions/<chatcmpl-id>/
+cancel``) of such a stream go to the replica that holds it.
 
 It sits inside the other middlewares (request id, metrics, auth, activity, body limit apply as
-to any request). Everything else, and what it cannot pass (not streamed, another backend, a
-replica that is not a vlmserve worker, a gateway with a durable store of its own, a
-``session_id`` already in use here), goes on to the full path with its body replayed. Off with
+to any request). Everything else, and what it cannot pass (another backend, a replica that is
+not a vlmserve worker, a gateway with a durable store of its own, a ``session_id`` already in
+use here), goes on to the full path with its body replayed. Off with
 ``VLMSERVE_GATEWAY_PASSTHROUGH=false``.
 
 Measured (``benchmarks/overhead.py``, c=1, request by request): the full path cost the gateway
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
@@ -34,6 +35,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlmserve.api.errors import error_response
+from vlmserve.api.metrics import Metrics
 from vlmserve.api.services import Services
 from vlmserve.engine.protocol import Backend, PassedAnswer
 from vlmserve.engine.types import Serves
@@ -48,6 +50,7 @@ CHAT = "/v1/chat/completions"
 _ANSWER_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "x-session-id",
                    "retry-after")  # fmt: skip
 _REQUEST_HEADERS = ("accept", "last-event-id")
+_USAGE = re.compile(rb'"usage":\{"prompt_tokens":(\d+),"completion_tokens":(\d+)')
 _TOKEN = re.compile(rb'"delta":\{"(?:content|reasoning_content|reasoning)":"[^"]')
 _COMPLETION_ID = re.compile(rb'"id":\s*"(chatcmpl-[A-Za-z0-9_-]{1,200})"')
 _MEDIA = {"image_url": "vision", "input_image": "vision", "video_url": "video",
@@ -59,6 +62,7 @@ class _Plan:
     backend: Backend
     name: str  # the model as the client named it
     content: bytes  # what goes upstream
+    stream: bool
     needs: frozenset[str]
     rename: tuple[bytes, bytes] | None  # the upstream's "model" value -> the entry's name
 
@@ -127,7 +131,7 @@ class PassthroughMiddleware:
             data = orjson.loads(body)
         except orjson.JSONDecodeError:
             return None
-        if not isinstance(data, dict) or data.get("stream") is not True:
+        if not isinstance(data, dict):
             return None
         name, session_id = data.get("model"), data.get("session_id")
         if not isinstance(name, str) or (session_id is not None and not self._free(session_id)):
@@ -142,11 +146,12 @@ class PassthroughMiddleware:
         ours = backend.model_id  # what the chunks name, as on the full path
         rename = None if upstream == ours else (
             b'"model":' + orjson.dumps(upstream), b'"model":' + orjson.dumps(ours))  # fmt: skip
+        stream = data.get("stream") is True
         if upstream == name:
-            return _Plan(backend, name, body, _needs(data), rename)
+            return _Plan(backend, name, body, stream, _needs(data), rename)
         data["model"] = upstream
         try:
-            return _Plan(backend, name, orjson.dumps(data), _needs(data), rename)
+            return _Plan(backend, name, orjson.dumps(data), stream, _needs(data), rename)
         except TypeError:
             return None  # an integer orjson cannot write: the full path takes it
 
@@ -171,12 +176,16 @@ class PassthroughMiddleware:
             lease.release()
             await error_response(exc)(scope, receive, send)
             return
-        started, completed = time.perf_counter(), False
+        completed = False
         try:
             names = self._remember(plan, passage)
-            first = _FirstToken(self.services.metrics.observe_ttft, plan.name, started)
-            completed = await _relay(passage, receive, send, plan.rename,
-                                     lambda events: (names(events), first(events)))  # fmt: skip
+            observed = _Observed(self.services.metrics, plan.name)
+            relay = _relay(passage, receive, send, plan.rename,
+                           lambda events: (names(events), observed(events)))  # fmt: skip
+            # a whole JSON answer comes at its end: a client that leaves first cancels it
+            completed = await (relay if plan.stream else _unless_gone(relay, receive))
+            if completed:
+                observed.finished()
         finally:
             passage.close(completed)
             lease.release()
@@ -215,18 +224,46 @@ class PassthroughMiddleware:
             answer.close(completed)
 
 
-class _FirstToken:
-    """Records the time to the first content token of a passed stream (the TTFT metric)."""
+class _Observed:
+    """The generation metrics of a passed request, from its bytes: the time to its first
+    content token, and its token counts from the usage the answer ends with (a streamed
+    client that asked for no usage chunk leaves only the TTFT)."""
 
-    __slots__ = ("model", "observe", "seen", "started")
+    __slots__ = ("first", "last", "metrics", "model", "started")
 
-    def __init__(self, observe: Callable[[str, float], None], model: str, started: float):
-        self.observe, self.model, self.started, self.seen = observe, model, started, False
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.metrics, self.model = metrics, model
+        self.started, self.first, self.last = time.perf_counter(), None, b""
 
     def __call__(self, events: bytes) -> None:
-        if not self.seen and _TOKEN.search(events):
-            self.seen = True
-            self.observe(self.model, time.perf_counter() - self.started)
+        if self.first is None and _TOKEN.search(events):
+            self.first = time.perf_counter() - self.started
+        self.last = events
+
+    def finished(self) -> None:
+        total = time.perf_counter() - self.started
+        counts = _USAGE.findall(self.last)
+        if not counts:
+            if self.first is not None:
+                self.metrics.observe_ttft(self.model, self.first)
+            return
+        prompt, output = (int(n) for n in counts[-1])
+        ttft = total if self.first is None else self.first
+        self.metrics.observe_generation(self.model, prompt_tokens=prompt, output_tokens=output,
+                                        ttft=ttft, total=total)  # fmt: skip
+
+
+async def _unless_gone(relay: Coroutine[Any, Any, bool], receive: Receive) -> bool:
+    """The relay, stopped when the client disconnects first (False then)."""
+    task, gone = asyncio.ensure_future(relay), asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task.result() if not task.cancelled() else False
 
 
 async def _relay(
@@ -260,6 +297,9 @@ async def _relay(
         return False
     finally:
         gone.cancel()
+    if pending:  # a body that is not SSE (a JSON answer or error) comes whole at its end
+        see(pending)
+        pending = pending if rename is None else pending.replace(*rename)
     await send({"type": "http.response.body", "body": pending, "more_body": False})
     return True
 

@@ -170,3 +170,28 @@ def test_vision_cache_counters_follow_the_engine_across_scrapes_and_reloads() ->
     assert value(text, "vlmserve_vision_cache_hits_total", model="tiny") == 6
     assert value(text, "vlmserve_vision_cache_misses_total", model="tiny") == 3
     assert value(text, "vlmserve_vision_cache_bytes", model="tiny") == 5
+
+
+def test_the_remembered_route_templates_are_per_app_and_only_for_static_paths() -> None:
+    from fastapi import FastAPI
+
+    from vlmserve.api import metrics_http
+
+    def app_with(*paths: str) -> FastAPI:
+        app = FastAPI()
+        for path in paths:
+            app.add_api_route(path, lambda: None, methods=["GET"])
+        return app
+
+    one, other = app_with("/a", "/items/{item_id}"), app_with("/b")
+
+    def template(app: FastAPI, path: str, method: str = "GET") -> str:
+        scope = {"type": "http", "app": app, "method": method, "path": path, "root_path": ""}
+        return metrics_http._template_before_routing(scope)
+
+    assert [template(one, "/a"), template(one, "/a")] == ["/a", "/a"]
+    assert template(other, "/a") == metrics_http.UNMATCHED  # another app: its own routes
+    assert template(one, "/items/7") == "/items/{item_id}"
+    assert metrics_http._STATIC[one] == {("GET", "/a"): "/a"}  # no concrete ids remembered
+    assert template(one, "/a", "POST") == "/a"  # a partial match (wrong method): the 405s
+    assert ("POST", "/a") in metrics_http._STATIC[one]
