@@ -23,35 +23,28 @@ response), work that shares the 2 cores with the worker's prefill.
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmserve.api.errors import error_response
-from vlmserve.api.metrics import Metrics
+from vlmserve.api.passthrough_relay import Observed, read_body, relay, replay, unless_gone
 from vlmserve.api.services import Services
 from vlmserve.engine.protocol import Backend, PassedAnswer
-from vlmserve.engine.types import Serves
+from vlmserve.engine.types import ModelState, Serves
 from vlmserve.errors import VlmserveError
 from vlmserve.gateway.passed import PassedStream, PassedStreams
 from vlmserve.streaming import parse_event_id
-from vlmserve.streaming.events import error_emit
 
 __all__ = ["PassthroughMiddleware"]
 
 CHAT = "/v1/chat/completions"
-_ANSWER_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "x-session-id",
-                   "retry-after")  # fmt: skip
 _REQUEST_HEADERS = ("accept", "last-event-id")
-_USAGE = re.compile(rb'"usage":\{"prompt_tokens":(\d+),"completion_tokens":(\d+)')
-_TOKEN = re.compile(rb'"delta":\{"(?:content|reasoning_content|reasoning)":"[^"]')
 _COMPLETION_ID = re.compile(rb'"id":\s*"(chatcmpl-[A-Za-z0-9_-]{1,200})"')
 _MEDIA = {"image_url": "vision", "input_image": "vision", "video_url": "video",
           "input_video": "video"}  # fmt: skip
@@ -86,7 +79,7 @@ class PassthroughMiddleware:
         if passed is None:
             await self.app(scope, receive, send)
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)
         await self._forward(passed, scope, body, receive, send)
 
     # --- deciding ------------------------------------------------------------------------
@@ -104,16 +97,16 @@ class PassthroughMiddleware:
         return None
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _read_body(receive)
+        body = await read_body(receive)
         resumed = self._resumed(scope)
         if resumed is not None:
             await self._forward(resumed, scope, body, receive, send)
             return
         plan = None if _resuming(scope) else self._plan(body)
         if plan is None:
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay(body, receive), send)
             return
-        await self._pass(plan, scope, receive, send)
+        await self._pass(plan, scope, body, receive, send)
 
     def _resumed(self, scope: Scope) -> PassedStream | None:
         """A chat POST with ``Last-Event-ID`` naming a passed stream."""
@@ -141,8 +134,10 @@ class PassthroughMiddleware:
         except VlmserveError:
             return None
         upstream = backend.upstream_name
-        if upstream is None or not backend.passes_streams():
+        if upstream is None or not self._within_limits(data):
             return None
+        if backend.state is ModelState.READY and not backend.passes_streams():
+            return None  # not loaded yet: asked again once the lease has loaded it
         ours = backend.model_id  # what the chunks name, as on the full path
         rename = None if upstream == ours else (
             b'"model":' + orjson.dumps(upstream), b'"model":' + orjson.dumps(ours))  # fmt: skip
@@ -155,6 +150,17 @@ class PassthroughMiddleware:
         except TypeError:
             return None  # an integer orjson cannot write: the full path takes it
 
+    def _within_limits(self, data: dict[str, Any]) -> bool:
+        """The gateway's own request limits (``Converter.check``'s counts), read off the raw
+        body; a request over one goes to the full path, which refuses it with the same 400."""
+        settings = self.services.settings
+        n = data.get("n", 1)
+        tokens = data.get("max_completion_tokens") or data.get("max_tokens") or 0
+        if not isinstance(n, int) or not isinstance(tokens, int):
+            return False
+        return (n <= settings.max_n and tokens < settings.max_model_len
+                and _media_count(data) <= settings.max_media_per_request)  # fmt: skip
+
     def _free(self, session_id: object) -> bool:
         """A client's own ``session_id`` that no stream here has (else the full path's 400)."""
         if not isinstance(session_id, str):
@@ -163,12 +169,17 @@ class PassthroughMiddleware:
         return not held_here and self.streams.get(session_id) is None
 
     # --- passing -------------------------------------------------------------------------
-    async def _pass(self, plan: _Plan, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _pass(self, plan: _Plan, scope: Scope, body: bytes, receive: Receive,
+                    send: Send) -> None:  # fmt: skip
         scope.setdefault("state", {})["model"] = plan.name  # the metrics' model label
         try:
             lease = await self.services.models.acquire(plan.name, "chat", Serves.CHAT, plan.needs)
         except VlmserveError as exc:
             await error_response(exc)(scope, receive, send)
+            return
+        if not plan.backend.passes_streams():  # loaded just now: its replicas are not workers
+            lease.release()
+            await self.app(scope, replay(body, receive), send)
             return
         try:
             passage = await plan.backend.pass_stream(CHAT, plan.content, _upstream_headers(scope))
@@ -179,13 +190,11 @@ class PassthroughMiddleware:
         completed = False
         try:
             names = self._remember(plan, passage)
-            observed = _Observed(self.services.metrics, plan.name)
-            relay = _relay(passage, receive, send, plan.rename,
-                           lambda events: (names(events), observed(events)))  # fmt: skip
+            observed = Observed(self.services.metrics, plan.name)
+            relaying = relay(passage, receive, send, plan.rename,
+                             lambda events: (names(events), observed(events)), observed.finished)
             # a whole JSON answer comes at its end: a client that leaves first cancels it
-            completed = await (relay if plan.stream else _unless_gone(relay, receive))
-            if completed:
-                observed.finished()
+            completed = await (relaying if plan.stream else unless_gone(relaying, receive))
         finally:
             passage.close(completed)
             lease.release()
@@ -219,123 +228,9 @@ class PassthroughMiddleware:
             return
         completed = False
         try:
-            completed = await _relay(answer, receive, send, passed.rename, _ignore)
+            completed = await relay(answer, receive, send, passed.rename, _ignore)
         finally:
             answer.close(completed)
-
-
-class _Observed:
-    """The generation metrics of a passed request, from its bytes: the time to its first
-    content token, and its token counts from the usage the answer ends with (a streamed
-    client that asked for no usage chunk leaves only the TTFT)."""
-
-    __slots__ = ("first", "last", "metrics", "model", "started")
-
-    def __init__(self, metrics: Metrics, model: str) -> None:
-        self.metrics, self.model = metrics, model
-        self.started, self.first, self.last = time.perf_counter(), None, b""
-
-    def __call__(self, events: bytes) -> None:
-        if self.first is None and _TOKEN.search(events):
-            self.first = time.perf_counter() - self.started
-        self.last = events
-
-    def finished(self) -> None:
-        total = time.perf_counter() - self.started
-        counts = _USAGE.findall(self.last)
-        if not counts:
-            if self.first is not None:
-                self.metrics.observe_ttft(self.model, self.first)
-            return
-        prompt, output = (int(n) for n in counts[-1])
-        ttft = total if self.first is None else self.first
-        self.metrics.observe_generation(self.model, prompt_tokens=prompt, output_tokens=output,
-                                        ttft=ttft, total=total)  # fmt: skip
-
-
-async def _unless_gone(relay: Coroutine[Any, Any, bool], receive: Receive) -> bool:
-    """The relay, stopped when the client disconnects first (False then)."""
-    task, gone = asyncio.ensure_future(relay), asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return task.result() if not task.cancelled() else False
-
-
-async def _relay(
-    response: PassedAnswer, receive: Receive, send: Send,
-    rename: tuple[bytes, bytes] | None, see: Callable[[bytes], Any],
-) -> bool:  # fmt: skip
-    """The answer's status, its headers that matter to a client, and its body event by event
-    (whole SSE messages, so a rename never meets half a name). True when read to its end; False
-    when the client left first (the worker keeps the stream for a resume) or the upstream broke
-    off (the client gets an error event)."""
-    headers = [(k.encode(), v.encode()) for k in _ANSWER_HEADERS
-               if (v := response.headers.get(k)) is not None]  # fmt: skip
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
-    gone = asyncio.ensure_future(_disconnected(receive))
-    pending = b""
-    try:
-        async for data in response.chunks():
-            if gone.done():
-                return False
-            pending += data
-            cut = pending.rfind(b"\n\n") + 2
-            if cut < 2:
-                continue
-            events, pending = pending[:cut], pending[cut:]
-            see(events)
-            if rename is not None:
-                events = events.replace(*rename)
-            await send({"type": "http.response.body", "body": events, "more_body": True})
-    except VlmserveError:  # the upstream broke off or went silent
-        await send({"type": "http.response.body", "body": _broken(), "more_body": False})
-        return False
-    finally:
-        gone.cancel()
-    if pending:  # a body that is not SSE (a JSON answer or error) comes whole at its end
-        see(pending)
-        pending = pending if rename is None else pending.replace(*rename)
-    await send({"type": "http.response.body", "body": pending, "more_body": False})
-    return True
-
-
-def _broken() -> bytes:
-    emit = error_emit("the upstream replica broke off the stream; resume it or retry",
-                      "upstream_error")  # fmt: skip
-    return f"data: {emit.data}\n\ndata: [DONE]\n\n".encode()
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """The body once more, for the full path; then the client's own messages (disconnect)."""
-    sent = False
-
-    async def replayed() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replayed
 
 
 def _upstream_headers(scope: Scope) -> dict[str, str]:
@@ -364,16 +259,26 @@ def _resuming(scope: Scope) -> bool:
     return _resume_from(scope) is not None
 
 
-def _needs(data: dict[str, Any]) -> frozenset[str]:
-    """The inputs a raw request needs of its model (as ``Converter.needs``, without parsing)."""
-    kinds: set[str] = set()
-    for message in data.get("messages") or ():
+def _media_kinds(data: dict[str, Any]) -> list[str]:
+    """The kind of each media part of a raw request, in order."""
+    kinds = []
+    messages = data.get("messages")
+    for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else ():
             kind = _MEDIA.get(part.get("type")) if isinstance(part, dict) else None
             if kind:
-                kinds.add(kind)
-    return frozenset(kinds)
+                kinds.append(kind)
+    return kinds
+
+
+def _needs(data: dict[str, Any]) -> frozenset[str]:
+    """The inputs a raw request needs of its model (as ``Converter.needs``, without parsing)."""
+    return frozenset(_media_kinds(data))
+
+
+def _media_count(data: dict[str, Any]) -> int:
+    return len(_media_kinds(data))
 
 
 def _ignore(events: bytes) -> None:

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from vlmserve.api.passthrough import _needs, _relay
+from vlmserve.api.passthrough import _needs
+from vlmserve.api.passthrough_relay import relay as _relay
 from vlmserve.errors import ServiceUnavailable
 from vlmserve.gateway.passed import PassedStreams
 
@@ -145,3 +146,48 @@ def test_passed_streams_expire_with_their_sessions_and_keep_the_newest() -> None
     streams.add(["s3", "s4", "s5"], "backend", "http://c")  # over 3: the oldest go
     assert len(streams) == 3 and streams.get("s2") is None
     assert streams.get("s5").replica_url == "http://c"
+
+
+@pytest.mark.parametrize(
+    ("extra", "passes"),
+    [({}, True), ({"n": 2}, True), ({"n": 3}, False), ({"n": "2"}, False),
+     ({"max_tokens": 99}, True), ({"max_tokens": 100}, False),
+     ({"max_completion_tokens": 100, "max_tokens": 5}, False), ({"images": 2}, True),
+     ({"images": 3}, False)],
+)  # fmt: skip
+def test_the_gateways_own_limits_send_a_request_to_the_full_path(extra, passes) -> None:
+    """Over a limit of the gateway's: the full path refuses it with its 400 (not the worker)."""
+    from types import SimpleNamespace
+
+    from vlmserve.api.passthrough import PassthroughMiddleware
+    from vlmserve.config import Settings
+
+    settings = Settings(max_n=2, max_model_len=100, max_media_per_request=2)
+    services = SimpleNamespace(settings=settings, sessions=SimpleNamespace(durable=False))
+    middleware = PassthroughMiddleware(None, services)  # type: ignore[arg-type]
+    image = {"type": "image_url", "image_url": {"url": "data:"}}
+    content = [image] * extra.pop("images", 1) + [{"type": "text", "text": "x"}]
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
+    assert middleware._within_limits(body) is passes
+
+
+def test_the_metrics_of_a_passed_request_come_from_its_bytes() -> None:
+    from vlmserve.api.metrics import Metrics
+    from vlmserve.api.passthrough_relay import Observed
+
+    metrics = Metrics()
+    streamed = Observed(metrics, "gw")
+    streamed(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n')
+    assert streamed.first is None  # the role chunk is not a token
+    streamed(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n')
+    assert streamed.first is not None
+    streamed(b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}\n\n')
+    streamed.finished()
+    whole = Observed(metrics, "gw")
+    whole(b'{"choices":[{"message":{}}],"usage":{"prompt_tokens":5,"completion_tokens":2,'
+          b'"total_tokens":7}}')  # fmt: skip
+    whole.finished()
+    text = metrics.render().decode()
+    assert 'vlmserve_output_tokens_total{model="gw"} 5.0' in text
+    assert 'vlmserve_prompt_tokens_total{model="gw"} 12.0' in text
+    assert 'vlmserve_time_to_first_token_seconds_count{model="gw"} 2.0' in text

@@ -1,0 +1,141 @@
+"""The byte relay of the gateway's pass-through (``api/passthrough.py``): an upstream answer to
+the client as it comes, whole SSE messages at a time, and what it tells the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from starlette.types import Message, Receive, Send
+
+from vlmserve.api.metrics import Metrics
+from vlmserve.engine.protocol import PassedAnswer
+from vlmserve.errors import VlmserveError
+from vlmserve.streaming.events import error_emit
+
+__all__ = ["Observed", "read_body", "relay", "replay", "unless_gone"]
+
+_ANSWER_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "x-session-id",
+                   "retry-after")  # fmt: skip
+_USAGE = re.compile(rb'"usage":\{"prompt_tokens":(\d+),"completion_tokens":(\d+)')
+_TOKEN = re.compile(rb'"delta":\{"(?:content|reasoning_content|reasoning)":"[^"]')
+
+
+class Observed:
+    """The generation metrics of a passed request, from its bytes: the time to its first
+    content token, and its token counts from the usage the answer ends with (a streamed
+    client that asked for no usage chunk leaves only the TTFT)."""
+
+    __slots__ = ("first", "last", "metrics", "model", "started")
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.metrics, self.model = metrics, model
+        self.started, self.first, self.last = time.perf_counter(), None, b""
+
+    def __call__(self, events: bytes) -> None:
+        if self.first is None and _TOKEN.search(events):
+            self.first = time.perf_counter() - self.started
+        self.last = events
+
+    def finished(self) -> None:
+        total = time.perf_counter() - self.started
+        counts = _USAGE.findall(self.last)
+        if not counts:
+            if self.first is not None:
+                self.metrics.observe_ttft(self.model, self.first)
+            return
+        prompt, output = (int(n) for n in counts[-1])
+        ttft = total if self.first is None else self.first
+        self.metrics.observe_generation(self.model, prompt_tokens=prompt, output_tokens=output,
+                                        ttft=ttft, total=total)  # fmt: skip
+
+
+async def unless_gone(relay: Coroutine[Any, Any, bool], receive: Receive) -> bool:
+    """The relay, stopped when the client disconnects first (False then)."""
+    task, gone = asyncio.ensure_future(relay), asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task.result() if not task.cancelled() else False
+
+
+async def relay(
+    response: PassedAnswer, receive: Receive, send: Send,
+    rename: tuple[bytes, bytes] | None, see: Callable[[bytes], Any],
+    ended: Callable[[], None] | None = None,
+) -> bool:  # fmt: skip
+    """The answer's status, its headers that matter to a client, and its body event by event
+    (whole SSE messages, so a rename never meets half a name). True when read to its end; False
+    when the client left first (the worker keeps the stream for a resume) or the upstream broke
+    off (the client gets an error event). ``ended``: called once read to its end."""
+    headers = [(k.encode(), v.encode()) for k in _ANSWER_HEADERS
+               if (v := response.headers.get(k)) is not None]  # fmt: skip
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    gone = asyncio.ensure_future(_disconnected(receive))
+    pending = b""
+    try:
+        async for data in response.chunks():
+            if gone.done():
+                return False
+            pending += data
+            cut = pending.rfind(b"\n\n") + 2
+            if cut < 2:
+                continue
+            events, pending = pending[:cut], pending[cut:]
+            see(events)
+            if rename is not None:
+                events = events.replace(*rename)
+            await send({"type": "http.response.body", "body": events, "more_body": True})
+    except VlmserveError:  # the upstream broke off or went silent
+        await send({"type": "http.response.body", "body": _broken(), "more_body": False})
+        return False
+    finally:
+        gone.cancel()
+    if pending:  # a body that is not SSE (a JSON answer or error) comes whole at its end
+        see(pending)
+        pending = pending if rename is None else pending.replace(*rename)
+    if ended is not None:
+        ended()  # before the last byte: a client that then reads /metrics sees this request
+    await send({"type": "http.response.body", "body": pending, "more_body": False})
+    return True
+
+
+def _broken() -> bytes:
+    emit = error_emit("the upstream replica broke off the stream; resume it or retry",
+                      "upstream_error")  # fmt: skip
+    return f"data: {emit.data}\n\ndata: [DONE]\n\n".encode()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """The body once more, for the full path; then the client's own messages (disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed

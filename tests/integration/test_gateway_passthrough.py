@@ -1,0 +1,105 @@
+"""The gateway's byte pass-through against upstreams on real sockets that say they are
+vlmserve workers: what a client gets when the replica breaks off, refuses, or is over the
+gateway's own limits (``api/passthrough.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from upstreams import fake_upstreams
+from vlmserve.api.app import build_app
+from vlmserve.config import Settings
+from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
+from vlmserve.gateway.pool import PoolPolicy
+from vlmserve.registry.manager import ModelHandle, ModelManager
+
+pytestmark = pytest.mark.timeout(60)
+
+HEALTH = {"ok": True, "modelReady": True, "resumableStreams": True}
+EVENT = {"id": "chatcmpl-up1", "object": "chat.completion.chunk", "model": "up",
+         "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}  # fmt: skip
+seen: list[httpx.Request] = []
+
+
+async def _cut_after_one_event() -> AsyncIterator[bytes]:
+    yield f"data: {json.dumps(EVENT, separators=(',', ':'))}\n\n".encode()
+    await asyncio.sleep(0.05)
+    raise httpx.ReadError("the replica died")
+
+
+def worker_like(request: httpx.Request) -> httpx.Response:
+    """A replica that says it runs resumable streams; its chat stream breaks after one event,
+    and a request with ``"max_tokens": -1`` gets its 400."""
+    if request.url.path == "/health":
+        return httpx.Response(200, json=HEALTH)
+    if request.url.path != "/v1/chat/completions":
+        return httpx.Response(404, json={"error": {"message": request.url.path}})
+    seen.append(request)
+    body = json.loads(request.content)
+    if body.get("max_tokens") == -1:
+        error = {"error": {"message": "max_tokens must be positive", "param": "max_tokens",
+                           "type": "invalid_request_error", "code": None}}  # fmt: skip
+        return httpx.Response(400, json=error)
+    headers = {"content-type": "text/event-stream", "x-session-id": "s-up"}
+    return httpx.Response(200, headers=headers, content=_cut_after_one_event())
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[httpx.AsyncClient]:
+    seen.clear()
+    async with contextlib.AsyncExitStack() as stack:
+        up = await stack.enter_async_context(fake_upstreams(worker_like, "http://w"))
+        config = UpstreamConfig(model="up", base_urls=up.real("http://w"), health_interval=0,
+                                preflight=False, policy=PoolPolicy(max_failures=5))  # fmt: skip
+        models = ModelManager([ModelHandle("gw", ["chat"], UpstreamBackend("gw", config))])
+        settings = Settings(device="cpu", max_body_bytes=4096, max_n=2)
+        app = build_app(settings, models=models)
+        await stack.enter_async_context(app.router.lifespan_context(app))
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
+                                   timeout=30)  # fmt: skip
+        yield await stack.enter_async_context(client)
+        await models.aclose()
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "gw", "stream": True, "messages": [{"role": "user", "content": "hi"}],
+            **extra}  # fmt: skip
+
+
+async def test_a_replica_that_breaks_off_ends_the_passed_stream_with_an_error_event(
+    gateway: httpx.AsyncClient,
+) -> None:
+    r = await gateway.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 200 and r.headers["x-session-id"] == "s-up"
+    messages = [m for m in r.text.split("\n\n") if m]
+    first = json.loads(messages[0].removeprefix("data: "))
+    assert first["model"] == "gw" and first["choices"][0]["delta"]["content"] == "Hi"
+    error = json.loads(messages[1].removeprefix("data: "))["error"]
+    assert error["code"] == "upstream_error"
+    assert messages[-1] == "data: [DONE]"
+    assert json.loads(seen[0].content)["model"] == "up"  # the upstream's name for it
+
+
+async def test_the_replicas_400_reaches_the_client_in_the_openai_shape(
+    gateway: httpx.AsyncClient,
+) -> None:
+    r = await gateway.post("/v1/chat/completions", json=chat(max_tokens=-1))
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens"
+
+
+async def test_the_gateways_limits_hold_before_anything_is_passed(
+    gateway: httpx.AsyncClient,
+) -> None:
+    big = await gateway.post("/v1/chat/completions", json=chat(pad="x" * 5000))
+    assert big.status_code == 413
+    over = await gateway.post("/v1/chat/completions", json=chat(n=3))
+    assert over.status_code == 400 and over.json()["error"]["param"] == "n"
+    assert seen == []  # neither reached the replica
