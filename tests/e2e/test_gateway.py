@@ -197,9 +197,11 @@ def test_cancel_by_completion_id_reaches_the_worker_holding_a_passed_stream(
         events, r = read_events(client, "POST", f"{gateway}/v1/chat/completions", json=body,
                                 limit=3)  # fmt: skip
         assert r.status_code == 200 and in_flight(workers) == 1
-        completion_id = events[0].json["id"]
+        completion_id, sid = events[0].json["id"], r.headers["x-session-id"]
         r = client.post(f"{gateway}/v1/chat/completions/{completion_id}/cancel")
         assert r.status_code == 200 and r.json()["cancelled"] is True, r.text
+        held = [client.get(f"{w.url}/v1/streams/{sid}").status_code for w in workers]
+        assert sorted(held) == [200, 404]  # the worker's own session, ended by the cancel
     deadline = time.monotonic() + 15
     while in_flight(workers):
         assert time.monotonic() < deadline, "the worker still generates after the cancel"
@@ -211,6 +213,10 @@ def test_a_workers_4xx_reaches_the_client_of_a_passed_stream(gateway: str) -> No
                    timeout=60)  # fmt: skip
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "max_tokens"
+    part = {"type": ["image_url"], "image_url": {"url": "data:"}}  # a list is no part type
+    body = chat(stream=True, messages=[{"role": "user", "content": [part]}])
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
 def test_without_passthrough_the_gateway_runs_its_own_session(

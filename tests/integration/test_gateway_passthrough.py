@@ -43,6 +43,12 @@ def worker_like(request: httpx.Request) -> httpx.Response:
         return httpx.Response(404, json={"error": {"message": request.url.path}})
     seen.append(request)
     body = json.loads(request.content)
+    if not body.get("stream"):
+        answer = {"id": "chatcmpl-up2", "object": "chat.completion", "model": "up",
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                               "finish_reason": "stop"}]}  # fmt: skip
+        return httpx.Response(200, content=json.dumps(answer, separators=(",", ":")),
+                              headers={"content-type": "application/json"})  # fmt: skip
     if body.get("max_tokens") == -1:
         error = {"error": {"message": "max_tokens must be positive", "param": "max_tokens",
                            "type": "invalid_request_error", "code": None}}  # fmt: skip
@@ -93,6 +99,30 @@ async def test_the_replicas_400_reaches_the_client_in_the_openai_shape(
     r = await gateway.post("/v1/chat/completions", json=chat(max_tokens=-1))
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "max_tokens"
+    assert len(seen) == 1  # the replica's own 400 (the full path would refuse it itself)
+
+
+async def test_a_whole_answer_passes_renamed(gateway: httpx.AsyncClient) -> None:
+    r = await gateway.post("/v1/chat/completions", json=chat(stream=False))
+    assert r.status_code == 200 and r.json()["model"] == "gw"
+    assert r.json()["choices"][0]["message"]["content"] == "Hi"
+
+
+async def test_a_session_id_of_a_passed_stream_is_taken(gateway: httpx.AsyncClient) -> None:
+    first = await gateway.post("/v1/chat/completions", json=chat(session_id="s-up"))
+    assert first.status_code == 200
+    again = await gateway.post("/v1/chat/completions", json=chat(session_id="s-up"))
+    assert again.status_code == 400 and again.json()["error"]["code"] == "session_exists"
+    assert len(seen) == 1
+
+
+async def test_a_malformed_part_is_the_workers_to_refuse_not_a_gateway_crash(
+    gateway: httpx.AsyncClient,
+) -> None:
+    part = {"type": ["image_url"], "image_url": {"url": "data:"}}  # a list is no part type
+    body = chat(messages=[{"role": "user", "content": [part]}])
+    r = await gateway.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and len(seen) == 1  # this fake worker takes anything
 
 
 async def test_the_gateways_limits_hold_before_anything_is_passed(

@@ -33,6 +33,7 @@ def _flat_routes(routes: Iterable[object]) -> Iterable[object]:
 # app -> {(method, path): template}, for paths that are their own template
 _STATIC: weakref.WeakKeyDictionary[object, dict[tuple[str, str], str]] = weakref.WeakKeyDictionary()
 _STATIC_MAX = 1024  # per app
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 
 
 def _template_before_routing(scope: Scope) -> str:
@@ -44,7 +45,7 @@ def _template_before_routing(scope: Scope) -> str:
     found = known.get(key)
     if found is None:
         found = _match_template(scope)
-        if found == scope["path"] and len(known) < _STATIC_MAX:
+        if found == scope["path"] and key[0] in _METHODS and len(known) < _STATIC_MAX:
             known[key] = found
     return found
 

@@ -33,18 +33,26 @@ import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmserve.api.errors import error_response
-from vlmserve.api.passthrough_relay import Observed, read_body, relay, replay, unless_gone
+from vlmserve.api.passthrough_relay import (
+    Observed,
+    read_body,
+    relay,
+    relay_whole,
+    replay,
+    unless_gone,
+)
 from vlmserve.api.services import Services
 from vlmserve.engine.protocol import Backend, PassedAnswer
 from vlmserve.engine.types import ModelState, Serves
 from vlmserve.errors import VlmserveError
 from vlmserve.gateway.passed import PassedStream, PassedStreams
 from vlmserve.streaming import parse_event_id
+from vlmserve.streaming.store.base import already_exists
 
 __all__ = ["PassthroughMiddleware"]
 
 CHAT = "/v1/chat/completions"
-_REQUEST_HEADERS = ("accept", "last-event-id")
+_REQUEST_HEADERS = ("accept", "last-event-id", "content-type")
 _COMPLETION_ID = re.compile(rb'"id":\s*"(chatcmpl-[A-Za-z0-9_-]{1,200})"')
 _MEDIA = {"image_url": "vision", "input_image": "vision", "video_url": "video",
           "input_video": "video"}  # fmt: skip
@@ -58,6 +66,7 @@ class _Plan:
     stream: bool
     needs: frozenset[str]
     rename: tuple[bytes, bytes] | None  # the upstream's "model" value -> the entry's name
+    session_id: str | None  # the client's own, reserved while the pass starts
 
 
 class PassthroughMiddleware:
@@ -65,6 +74,7 @@ class PassthroughMiddleware:
         self.app = app
         self.services = services
         self.streams = PassedStreams(services.settings.sessions_ttl_seconds)
+        self._reserved: set[str] = set()  # client session ids of passes under way
         # A gateway with a durable store keeps its own sessions (restart, takeover, Redis).
         self.enabled = services.settings.gateway_passthrough and not services.sessions.durable
 
@@ -102,7 +112,11 @@ class PassthroughMiddleware:
         if resumed is not None:
             await self._forward(resumed, scope, body, receive, send)
             return
-        plan = None if _resuming(scope) else self._plan(body)
+        try:
+            plan = None if _resuming(scope) else self._plan(body)
+        except VlmserveError as exc:  # a session_id a passed stream has
+            await error_response(exc)(scope, receive, send)
+            return
         if plan is None:
             await self.app(scope, replay(body, receive), send)
             return
@@ -120,6 +134,7 @@ class PassthroughMiddleware:
         return self.streams.get(session_id)
 
     def _plan(self, body: bytes) -> _Plan | None:
+        """What to pass, or None for the full path (which answers any 4xx of its own)."""
         try:
             data = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -141,14 +156,14 @@ class PassthroughMiddleware:
         ours = backend.model_id  # what the chunks name, as on the full path
         rename = None if upstream == ours else (
             b'"model":' + orjson.dumps(upstream), b'"model":' + orjson.dumps(ours))  # fmt: skip
-        stream = data.get("stream") is True
-        if upstream == name:
-            return _Plan(backend, name, body, stream, _needs(data), rename)
-        data["model"] = upstream
-        try:
-            return _Plan(backend, name, orjson.dumps(data), stream, _needs(data), rename)
-        except TypeError:
-            return None  # an integer orjson cannot write: the full path takes it
+        stream, needs = data.get("stream") is True, _needs(data)
+        if upstream != name:
+            data["model"] = upstream
+            try:
+                body = orjson.dumps(data)
+            except TypeError:
+                return None  # an integer orjson cannot write: the full path takes it
+        return _Plan(backend, name, body, stream, needs, rename, session_id)
 
     def _within_limits(self, data: dict[str, Any]) -> bool:
         """The gateway's own request limits (``Converter.check``'s counts), read off the raw
@@ -162,11 +177,13 @@ class PassthroughMiddleware:
                 and _media_count(data) <= settings.max_media_per_request)  # fmt: skip
 
     def _free(self, session_id: object) -> bool:
-        """A client's own ``session_id`` that no stream here has (else the full path's 400)."""
-        if not isinstance(session_id, str):
+        """A client's own ``session_id`` that no stream here has: False sends it to the full
+        path (a session of the gateway's own has it: its 400); a passed stream's is a 400."""
+        if not isinstance(session_id, str) or self.services.sessions.get(session_id) is not None:
             return False
-        held_here = self.services.sessions.get(session_id) is not None
-        return not held_here and self.streams.get(session_id) is None
+        if self.streams.get(session_id) is not None or session_id in self._reserved:
+            raise already_exists(session_id)
+        return True
 
     # --- passing -------------------------------------------------------------------------
     async def _pass(self, plan: _Plan, scope: Scope, body: bytes, receive: Receive,
@@ -177,41 +194,56 @@ class PassthroughMiddleware:
         except VlmserveError as exc:
             await error_response(exc)(scope, receive, send)
             return
-        if not plan.backend.passes_streams():  # loaded just now: its replicas are not workers
-            lease.release()
-            await self.app(scope, replay(body, receive), send)
-            return
+        reserved = plan.session_id
         try:
-            passage = await plan.backend.pass_stream(CHAT, plan.content, _upstream_headers(scope))
-        except VlmserveError as exc:
+            if not lease.backend.passes_streams():  # loaded just now: its replicas are not workers
+                await self.app(scope, replay(body, receive), send)
+                return
+            if reserved is not None:
+                self._reserved.add(reserved)
+            passing = self._passed(plan, lease.backend, scope, receive, send)
+            # a JSON answer comes whole at its end: a client that leaves first cancels it
+            await (passing if plan.stream else unless_gone(passing, receive))
+        finally:
+            self._reserved.discard(reserved or "")
             lease.release()
+
+    async def _passed(self, plan: _Plan, backend: Backend, scope: Scope, receive: Receive,
+                      send: Send) -> None:  # fmt: skip
+        try:
+            passage = await backend.pass_stream(CHAT, plan.content, _upstream_headers(scope))
+        except VlmserveError as exc:
             await error_response(exc)(scope, receive, send)
             return
         completed = False
         try:
-            names = self._remember(plan, passage)
-            observed = Observed(self.services.metrics, plan.name)
-            relaying = relay(passage, receive, send, plan.rename,
-                             lambda events: (names(events), observed(events)), observed.finished)
-            # a whole JSON answer comes at its end: a client that leaves first cancels it
-            completed = await (relaying if plan.stream else unless_gone(relaying, receive))
+            observed = Observed(self.services.metrics, backend.model_id)
+            names = self._remember(plan, backend, passage)
+            see = lambda events: (names(events), observed(events))  # noqa: E731
+            if plan.stream:
+                completed = await relay(passage, receive, send, plan.rename, see,
+                                        observed.finished)  # fmt: skip
+            else:
+                completed = await relay_whole(passage, send, plan.rename, see, observed.finished)
+        except VlmserveError as exc:  # the answer broke off before any of it was sent
+            await error_response(exc)(scope, receive, send)
         finally:
             passage.close(completed)
-            lease.release()
 
-    def _remember(self, plan: _Plan, passage: PassedAnswer) -> Callable[[bytes], None]:
+    def _remember(self, plan: _Plan, backend: Backend, passage: PassedAnswer
+                  ) -> Callable[[bytes], None]:  # fmt: skip
         """Route the stream's session id now, its completion id once the first event has it."""
         url = passage.replica_url
         session_id = passage.headers.get("x-session-id")
         if not session_id:
             return _ignore
-        self.streams.add([session_id], plan.backend, url, plan.rename)
+        self.streams.add([session_id], backend, url, plan.rename)
         pending = [True]
 
         def see(events: bytes) -> None:
             if pending[0] and (found := _COMPLETION_ID.search(events)):
                 pending[0] = False
-                self.streams.add([found.group(1).decode()], plan.backend, url, plan.rename)
+                self.streams.add([found.group(1).decode()], backend, url, plan.rename)
 
         return see
 
@@ -220,10 +252,17 @@ class PassthroughMiddleware:
         """A later request of a passed stream, to its replica; its answer back as it comes."""
         query = scope["query_string"].decode("latin-1")
         path = scope["path"] + (f"?{query}" if query else "")
-        try:
-            answer = await passed.backend.pass_later(passed.replica_url, scope["method"], path,
-                                                     body or None, _upstream_headers(scope))
+        models = self.services.models
+        try:  # leased: a model unloaded meanwhile is routing again, and stays while it relays
+            lease = await models.acquire(passed.backend.model_id, "chat", Serves.CHAT)
         except VlmserveError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        try:
+            answer = await lease.backend.pass_later(passed.replica_url, scope["method"], path,
+                                                    body or None, _upstream_headers(scope))
+        except VlmserveError as exc:
+            lease.release()
             await error_response(exc)(scope, receive, send)
             return
         completed = False
@@ -231,9 +270,12 @@ class PassthroughMiddleware:
             completed = await relay(answer, receive, send, passed.rename, _ignore)
         finally:
             answer.close(completed)
+            lease.release()
 
 
 def _upstream_headers(scope: Scope) -> dict[str, str]:
+    """Accept, Last-Event-ID and Content-Type as the client sent them, and the request id;
+    never its credentials (the upstream gets the entry's own key)."""
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
     given = dict(scope["headers"])
     for name in _REQUEST_HEADERS:
@@ -266,8 +308,8 @@ def _media_kinds(data: dict[str, Any]) -> list[str]:
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else ():
-            kind = _MEDIA.get(part.get("type")) if isinstance(part, dict) else None
-            if kind:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and (kind := _MEDIA.get(kind)):
                 kinds.append(kind)
     return kinds
 

@@ -16,7 +16,7 @@ from vlmserve.engine.protocol import PassedAnswer
 from vlmserve.errors import VlmserveError
 from vlmserve.streaming.events import error_emit
 
-__all__ = ["Observed", "read_body", "relay", "replay", "unless_gone"]
+__all__ = ["Observed", "read_body", "relay", "relay_whole", "replay", "unless_gone"]
 
 _ANSWER_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "x-session-id",
                    "retry-after")  # fmt: skip
@@ -29,41 +29,65 @@ class Observed:
     content token, and its token counts from the usage the answer ends with (a streamed
     client that asked for no usage chunk leaves only the TTFT)."""
 
-    __slots__ = ("first", "last", "metrics", "model", "started")
+    __slots__ = ("first", "metrics", "model", "started", "usage")
 
     def __init__(self, metrics: Metrics, model: str) -> None:
         self.metrics, self.model = metrics, model
-        self.started, self.first, self.last = time.perf_counter(), None, b""
+        self.started, self.first = time.perf_counter(), None
+        self.usage: tuple[bytes, bytes] | None = None  # the last (prompt, completion) seen
 
     def __call__(self, events: bytes) -> None:
         if self.first is None and _TOKEN.search(events):
             self.first = time.perf_counter() - self.started
-        self.last = events
+        if b'"usage":{' in events and (counts := _USAGE.findall(events)):
+            self.usage = counts[-1]
 
     def finished(self) -> None:
         total = time.perf_counter() - self.started
-        counts = _USAGE.findall(self.last)
-        if not counts:
+        if self.usage is None:
             if self.first is not None:
                 self.metrics.observe_ttft(self.model, self.first)
             return
-        prompt, output = (int(n) for n in counts[-1])
+        prompt, output = (int(n) for n in self.usage)
         ttft = total if self.first is None else self.first
         self.metrics.observe_generation(self.model, prompt_tokens=prompt, output_tokens=output,
                                         ttft=ttft, total=total)  # fmt: skip
 
 
-async def unless_gone(relay: Coroutine[Any, Any, bool], receive: Receive) -> bool:
-    """The relay, stopped when the client disconnects first (False then)."""
-    task, gone = asyncio.ensure_future(relay), asyncio.ensure_future(_disconnected(receive))
+async def unless_gone(work: Coroutine[Any, Any, None], receive: Receive) -> None:
+    """``work``, cancelled when the client disconnects first."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         if not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return task.result() if not task.cancelled() else False
+        await asyncio.gather(task, return_exceptions=True)
+    if not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
+
+
+async def relay_whole(
+    response: PassedAnswer, send: Send, rename: tuple[bytes, bytes] | None,
+    see: Callable[[bytes], Any], ended: Callable[[], None],
+) -> bool:  # fmt: skip
+    """A JSON answer, read to its end before its status goes out: an upstream that breaks off
+    raises (``VlmserveError``) while the client can still get an error answer."""
+    body = b"".join([data async for data in response.chunks()])
+    see(body)
+    if rename is not None:
+        body = body.replace(*rename)
+    ended()
+    await send({"type": "http.response.start", "status": response.status,
+                "headers": _headers(response)})  # fmt: skip
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+    return True
+
+
+def _headers(response: PassedAnswer) -> list[tuple[bytes, bytes]]:
+    return [(k.encode(), v.encode()) for k in _ANSWER_HEADERS
+            if (v := response.headers.get(k)) is not None]  # fmt: skip
 
 
 async def relay(
@@ -75,9 +99,8 @@ async def relay(
     (whole SSE messages, so a rename never meets half a name). True when read to its end; False
     when the client left first (the worker keeps the stream for a resume) or the upstream broke
     off (the client gets an error event). ``ended``: called once read to its end."""
-    headers = [(k.encode(), v.encode()) for k in _ANSWER_HEADERS
-               if (v := response.headers.get(k)) is not None]  # fmt: skip
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.start", "status": response.status,
+                "headers": _headers(response)})  # fmt: skip
     gone = asyncio.ensure_future(_disconnected(receive))
     pending = b""
     try:

@@ -51,7 +51,9 @@ class Passage:
             async for data in self.response.chunks():
                 yield data
         except RETRYABLE as exc:
-            raise ServiceUnavailable(f"upstream {self.replica.url} broke off the stream",
+            if self.pool is not None:  # counts toward ejecting a replica that keeps breaking
+                self.pool.failed(self.replica, f"{type(exc).__name__} mid-answer")
+            raise ServiceUnavailable(f"upstream {self.replica.url} broke off the answer",
                                      code="upstream_error") from exc  # fmt: skip
 
     def close(self, completed: bool) -> None:

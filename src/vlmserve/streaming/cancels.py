@@ -40,10 +40,11 @@ class CancelWatch:
     async def _listen(self, cancels: Callable[[], AsyncIterator[str]]) -> None:
         while not self._closing:
             try:
-                async for session_id in cancels():
-                    session = self._lookup(session_id)
-                    if session is not None:
-                        session.begin_cancel()
+                async with contextlib.aclosing(cancels()) as announced:
+                    async for session_id in announced:
+                        session = self._lookup(session_id)
+                        if session is not None:
+                            session.begin_cancel()
             except Exception:
                 logger.warning("listening for cancels failed; retrying", exc_info=True)
             await asyncio.sleep(RETRY_SECONDS)

@@ -182,6 +182,7 @@ def test_the_metrics_of_a_passed_request_come_from_its_bytes() -> None:
     streamed(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n')
     assert streamed.first is not None
     streamed(b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}\n\n')
+    streamed(b"data: [DONE]\n\n")  # the usage chunk and [DONE] in reads of their own
     streamed.finished()
     whole = Observed(metrics, "gw")
     whole(b'{"choices":[{"message":{}}],"usage":{"prompt_tokens":5,"completion_tokens":2,'
@@ -191,3 +192,49 @@ def test_the_metrics_of_a_passed_request_come_from_its_bytes() -> None:
     assert 'vlmserve_output_tokens_total{model="gw"} 5.0' in text
     assert 'vlmserve_prompt_tokens_total{model="gw"} 12.0' in text
     assert 'vlmserve_time_to_first_token_seconds_count{model="gw"} 2.0' in text
+
+
+async def test_a_whole_answer_is_read_before_its_status_goes_out() -> None:
+    from vlmserve.api.passthrough_relay import relay_whole
+
+    body = b'{"model":"up-name","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    ended: list[bool] = []
+    answer = Answer([body[:9], body[9:]], headers={"content-type": "application/json"})
+    assert await relay_whole(answer, send, RENAME, lambda b: None, lambda: ended.append(True))
+    assert sent[0]["status"] == 200 and sent[1]["body"] == body.replace(*RENAME)
+    assert ended == [True]
+    broken = Answer([body[:9], body[9:]], fail_after=1)
+    with pytest.raises(ServiceUnavailable):  # nothing sent: the caller answers with the error
+        await relay_whole(broken, send, None, lambda b: None, lambda: None)
+    assert len(sent) == 2
+
+
+async def test_a_client_that_leaves_cancels_the_work_under_way() -> None:
+    from vlmserve.api.passthrough_relay import unless_gone
+
+    cancelled = asyncio.Event()
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def gone() -> dict[str, Any]:
+        await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    await asyncio.wait_for(unless_gone(work(), gone), 5)
+    assert cancelled.is_set()
+
+    async def fails() -> None:
+        raise ServiceUnavailable("no replica")
+
+    with pytest.raises(ServiceUnavailable):
+        await unless_gone(fails(), _never)
