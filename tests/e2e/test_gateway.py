@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -54,11 +55,18 @@ def workers(tiny_dir: Path) -> Iterator[list[ServerProcess]]:
 def gateway(
     workers: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
+    with gateway_over(workers, tmp_path_factory.mktemp("gw")) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def gateway_over(workers: list[ServerProcess], work: Path, entry: str = 'name = "tiny"\n',
+                 **settings: Any) -> Iterator[str]:  # fmt: skip
+    """A gateway (in process) whose one ``openai`` entry has the workers as replicas."""
     urls = json.dumps([w.url for w in workers])
-    reg = registry(tmp_path_factory.mktemp("gw") / "registry.toml",
-                   f'[[models]]\nname = "tiny"\nbackend = "openai"\n'
+    reg = registry(work / "registry.toml", f'[[models]]\n{entry}backend = "openai"\n'
                    f"[models.backend_config]\nbase_urls = {urls}\n")  # fmt: skip
-    with LiveServer(build_app(gateway_settings(reg))) as server:
+    with LiveServer(build_app(gateway_settings(reg, **settings))) as server:
         wait_ready(server.url)
         yield server.url
 
@@ -165,18 +173,13 @@ def test_a_stream_passes_through_as_the_workers_own_session(
 def test_passed_requests_take_n_and_logprobs_and_name_the_gateways_entry(
     workers: list[ServerProcess], tmp_path: Path
 ) -> None:
-    urls = json.dumps([w.url for w in workers])
-    reg = registry(tmp_path / "registry.toml",
-                   f'[[models]]\nname = "gw-tiny"\nserved_model_id = "tiny"\nbackend = "openai"\n'
-                   f"[models.backend_config]\nbase_urls = {urls}\n")  # fmt: skip
-    with LiveServer(build_app(gateway_settings(reg))) as gw:
-        wait_ready(gw.url)
+    with gateway_over(workers, tmp_path, 'name = "gw-tiny"\nserved_model_id = "tiny"\n') as gw:
         body = chat(model="gw-tiny", stream=True, n=2, max_tokens=4, ignore_eos=True,
                     stream_options={"include_usage": True})  # fmt: skip
-        r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60)
+        r = httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=60)
         body.update(stream=False, logprobs=True, stream_options=None)
-        whole = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60)
-        scrape = httpx.get(f"{gw.url}/metrics").text
+        whole = httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=60)
+        scrape = httpx.get(f"{gw}/metrics").text
     assert r.status_code == 200 and whole.status_code == 200, (r.text, whole.text)
     chunks = [json.loads(m.removeprefix("data: ")) for m in r.text.split("\n\n")
               if m.startswith("data: {")]  # fmt: skip
@@ -222,15 +225,10 @@ def test_a_workers_4xx_reaches_the_client_of_a_passed_stream(gateway: str) -> No
 def test_without_passthrough_the_gateway_runs_its_own_session(
     workers: list[ServerProcess], tmp_path: Path
 ) -> None:
-    urls = json.dumps([w.url for w in workers])
-    reg = registry(tmp_path / "registry.toml",
-                   f'[[models]]\nname = "tiny"\nbackend = "openai"\n'
-                   f"[models.backend_config]\nbase_urls = {urls}\n")  # fmt: skip
-    with LiveServer(build_app(gateway_settings(reg, gateway_passthrough=False))) as gw:
-        wait_ready(gw.url)
-        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat(stream=True), timeout=60)
+    with gateway_over(workers, tmp_path, gateway_passthrough=False) as gw:
+        r = httpx.post(f"{gw}/v1/chat/completions", json=chat(stream=True), timeout=60)
         sid = r.headers["x-session-id"]
-        replay = httpx.get(f"{gw.url}/v1/streams/{sid}", timeout=60).text
+        replay = httpx.get(f"{gw}/v1/streams/{sid}", timeout=60).text
         assert data_lines(replay) == data_lines(r.text)
     assert [httpx.get(f"{w.url}/v1/streams/{sid}").status_code for w in workers] == [404, 404]
 
