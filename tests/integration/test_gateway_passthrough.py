@@ -26,6 +26,7 @@ HEALTH = {"ok": True, "modelReady": True, "resumableStreams": True}
 EVENT = {"id": "chatcmpl-up1", "object": "chat.completion.chunk", "model": "up",
          "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}  # fmt: skip
 seen: list[httpx.Request] = []
+KEY = "client-key"
 
 
 async def _cut_after_one_event() -> AsyncIterator[bytes]:
@@ -39,9 +40,10 @@ def worker_like(request: httpx.Request) -> httpx.Response:
     and a request with ``"max_tokens": -1`` gets its 400."""
     if request.url.path == "/health":
         return httpx.Response(200, json=HEALTH)
-    if request.url.path != "/v1/chat/completions":
-        return httpx.Response(404, json={"error": {"message": request.url.path}})
     seen.append(request)
+    later = later_answer(request)
+    if later is not None:
+        return later
     body = json.loads(request.content)
     if not body.get("stream"):
         answer = {"id": "chatcmpl-up2", "object": "chat.completion", "model": "up",
@@ -57,21 +59,43 @@ def worker_like(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, headers=headers, content=_cut_after_one_event())
 
 
-@pytest.fixture
-async def gateway() -> AsyncIterator[httpx.AsyncClient]:
+def later_answer(request: httpx.Request) -> httpx.Response | None:
+    """A stream's later requests: a replay of its one event, or a cancel (None: chat)."""
+    path = request.url.path
+    if path.startswith("/v1/streams/"):
+        replay = f"id: s-up:0\ndata: {json.dumps(EVENT, separators=(',', ':'))}\n\n"
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=replay)
+    if path.startswith("/v1/cancel/") or path.endswith("/cancel"):
+        return httpx.Response(200, json={"cancelled": True})
+    if path != "/v1/chat/completions":
+        return httpx.Response(404, json={"error": {"message": path}})
+    if "last-event-id" in request.headers:
+        return later_answer(httpx.Request("GET", "http://w/v1/streams/s-up"))
+    return None
+
+
+@contextlib.asynccontextmanager
+async def gateway_app(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A gateway in process over one fake replica, its client holding the gateway's API key."""
     seen.clear()
     async with contextlib.AsyncExitStack() as stack:
         up = await stack.enter_async_context(fake_upstreams(worker_like, "http://w"))
         config = UpstreamConfig(model="up", base_urls=up.real("http://w"), health_interval=0,
                                 preflight=False, policy=PoolPolicy(max_failures=5))  # fmt: skip
         models = ModelManager([ModelHandle("gw", ["chat"], UpstreamBackend("gw", config))])
-        settings = Settings(device="cpu", max_body_bytes=4096, max_n=2)
-        app = build_app(settings, models=models)
+        base = {"device": "cpu", "max_body_bytes": 4096, "max_n": 2, "api_keys": [KEY]}
+        app = build_app(Settings(**{**base, **settings}), models=models)
         await stack.enter_async_context(app.router.lifespan_context(app))
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                   timeout=30)  # fmt: skip
+                                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
         yield await stack.enter_async_context(client)
         await models.aclose()
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[httpx.AsyncClient]:
+    async with gateway_app() as client:
+        yield client
 
 
 def chat(**extra: Any) -> dict[str, Any]:
@@ -133,3 +157,50 @@ async def test_the_gateways_limits_hold_before_anything_is_passed(
     over = await gateway.post("/v1/chat/completions", json=chat(n=3))
     assert over.status_code == 400 and over.json()["error"]["param"] == "n"
     assert seen == []  # neither reached the replica
+
+
+async def test_a_passed_streams_later_requests_reach_its_replica_without_the_clients_key(
+    gateway: httpx.AsyncClient,
+) -> None:
+    started = await gateway.post("/v1/chat/completions", json=chat(),
+                                 headers={"Accept": "text/event-stream"})  # fmt: skip
+    assert started.status_code == 200
+    resumed = await gateway.get("/v1/streams/s-up", headers={"Last-Event-ID": "s-up:0"})
+    assert resumed.status_code == 200 and '"model":"gw"' in resumed.text  # renamed
+    by_query = await gateway.get("/v1/streams/s-up", params={"last_event_id": "s-up:0"})
+    reposted = await gateway.post("/v1/chat/completions", json=chat(),
+                                  headers={"Last-Event-ID": "s-up:0"})  # fmt: skip
+    cancelled = await gateway.post("/v1/cancel/s-up")
+    by_completion = await gateway.post("/v1/chat/completions/chatcmpl-up1/cancel")
+    unknown = await gateway.get("/v1/streams/nope")
+    assert [r.status_code for r in (by_query, reposted, cancelled, by_completion)] == [200] * 4
+    assert unknown.status_code == 404  # not a passed stream: the gateway's own 404
+    got = [(r.method, r.url.path, r.url.query.decode()) for r in seen]
+    assert got == [
+        ("POST", "/v1/chat/completions", ""),
+        ("GET", "/v1/streams/s-up", ""),
+        ("GET", "/v1/streams/s-up", "last_event_id=s-up:0"),
+        ("POST", "/v1/chat/completions", ""),
+        ("POST", "/v1/cancel/s-up", ""),
+        ("POST", "/v1/chat/completions/chatcmpl-up1/cancel", ""),
+    ]
+    assert seen[0].headers["accept"] == "text/event-stream"
+    assert seen[1].headers["last-event-id"] == "s-up:0" == seen[3].headers["last-event-id"]
+    assert seen[1].headers["x-request-id"] == resumed.headers["x-request-id"]
+    assert seen[0].headers["content-type"] == "application/json"
+    assert not any("authorization" in r.headers or "x-api-key" in r.headers for r in seen)
+    assert json.loads(seen[3].content) == chat()
+
+
+@pytest.mark.parametrize("settings", [{"gateway_passthrough": False},
+                                      {"persist_sessions": True}])  # fmt: skip
+async def test_off_or_with_a_durable_store_the_gateway_runs_its_own_sessions(
+    settings: dict[str, Any], tmp_path: Any
+) -> None:
+    if settings.get("persist_sessions"):
+        settings["sessions_db_path"] = str(tmp_path / "sessions.db")
+    async with gateway_app(**settings) as client:
+        r = await client.post("/v1/chat/completions", json=chat(session_id="mine"))
+    assert r.status_code == 200 and r.headers["x-session-id"] == "mine"
+    sent = json.loads(seen[0].content)  # the full path's own upstream body
+    assert "session_id" not in sent and sent["stream_options"] == {"include_usage": True}

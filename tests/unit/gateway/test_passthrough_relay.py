@@ -207,7 +207,8 @@ async def test_a_whole_answer_is_read_before_its_status_goes_out() -> None:
     answer = Answer([body[:9], body[9:]], headers={"content-type": "application/json"})
     assert await relay_whole(answer, send, RENAME, lambda b: None, lambda: ended.append(True))
     assert sent[0]["status"] == 200 and sent[1]["body"] == body.replace(*RENAME)
-    assert ended == [True]
+    assert sent[0]["headers"] == [(b"content-type", b"application/json")]
+    assert sent[1]["more_body"] is False and ended == [True]
     broken = Answer([body[:9], body[9:]], fail_after=1)
     with pytest.raises(ServiceUnavailable):  # nothing sent: the caller answers with the error
         await relay_whole(broken, send, None, lambda b: None, lambda: None)
@@ -238,3 +239,56 @@ async def test_a_client_that_leaves_cancels_the_work_under_way() -> None:
 
     with pytest.raises(ServiceUnavailable):
         await unless_gone(fails(), _never)
+
+
+async def test_a_non_sse_answer_is_renamed_too_and_seen_whole() -> None:
+    body = b'{"error": {"message": "x"}, "model":"up-name"}'
+    done, sent, seen = await relayed(Answer([body[:7], body[7:]], status=409))
+    assert done and _body(sent) == body.replace(*RENAME) and seen == [body]
+    assert sent[-1] == {"type": "http.response.body", "body": body.replace(*RENAME),
+                        "more_body": False}  # fmt: skip
+
+
+async def test_the_body_is_read_across_messages_and_replayed_once() -> None:
+    from vlmserve.api.passthrough_relay import read_body, replay
+
+    messages = [{"type": "http.request", "body": b"ab", "more_body": True},
+                {"type": "http.request", "more_body": True},
+                {"type": "http.request", "body": b"c"},
+                {"type": "http.disconnect"}]  # fmt: skip
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    assert await read_body(receive) == b"abc"
+    again = replay(b"abc", receive)
+    assert await again() == {"type": "http.request", "body": b"abc", "more_body": False}
+    assert await again() == {"type": "http.disconnect"}  # then the client's own messages
+
+
+def test_a_stream_without_usage_records_its_ttft_alone() -> None:
+    from vlmserve.api.metrics import Metrics
+    from vlmserve.api.passthrough_relay import Observed
+
+    metrics = Metrics()
+    observed = Observed(metrics, "gw")
+    observed(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n')
+    observed.finished()
+    text = metrics.render().decode()
+    assert 'vlmserve_time_to_first_token_seconds_count{model="gw"} 1.0' in text
+    ttft = float(text.split('vlmserve_time_to_first_token_seconds_sum{model="gw"} ')[1].split()[0])
+    assert 0 <= ttft < 5  # seconds since the request started, not a clock reading
+    assert 'vlmserve_output_tokens_total{model="gw"}' not in text
+
+
+def test_a_re_added_name_moves_to_the_newest_and_expiry_is_exact() -> None:
+    now = [0.0]
+    streams = PassedStreams(ttl=10, max_entries=2, clock=lambda: now[0])
+    streams.add(["a"], "backend-1", "http://a")
+    streams.add(["b"], "backend-1", "http://b")
+    streams.add(["a"], "backend-2", "http://a2")  # "a" again: now the newest
+    streams.add(["c"], "backend-1", "http://c")  # over 2: "b" goes, not "a"
+    assert streams.get("b") is None and streams.get("a").backend == "backend-2"
+    now[0] = 10.0  # "a" was re-added at 0: it expires exactly now
+    assert streams.get("a") is None
+    assert PassedStreams(ttl=1).max_entries == 65_536
