@@ -26,6 +26,7 @@ HEALTH = {"ok": True, "modelReady": True, "resumableStreams": True}
 EVENT = {"id": "chatcmpl-up1", "object": "chat.completion.chunk", "model": "up",
          "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}  # fmt: skip
 seen: list[httpx.Request] = []
+health = dict(HEALTH)  # what the fake replica's /health says
 KEY = "client-key"
 
 
@@ -39,7 +40,7 @@ def worker_like(request: httpx.Request) -> httpx.Response:
     """A replica that says it runs resumable streams; its chat stream breaks after one event,
     and a request with ``"max_tokens": -1`` gets its 400."""
     if request.url.path == "/health":
-        return httpx.Response(200, json=HEALTH)
+        return httpx.Response(200, json=health)
     seen.append(request)
     later = later_answer(request)
     if later is not None:
@@ -204,3 +205,17 @@ async def test_off_or_with_a_durable_store_the_gateway_runs_its_own_sessions(
     assert r.status_code == 200 and r.headers["x-session-id"] == "mine"
     sent = json.loads(seen[0].content)  # the full path's own upstream body
     assert "session_id" not in sent and sent["stream_options"] == {"include_usage": True}
+
+
+async def test_a_replica_that_is_no_vlmserve_worker_gets_the_full_path() -> None:
+    health.pop("resumableStreams")
+    try:
+        async with gateway_app() as client:  # the model loads on the first request
+            first = await client.post("/v1/chat/completions", json=chat(session_id="a"))
+            second = await client.post("/v1/chat/completions", json=chat(session_id="b"))
+    finally:
+        health.update(HEALTH)
+    assert [first.headers["x-session-id"], second.headers["x-session-id"]] == ["a", "b"]
+    chats = [r for r in seen if r.url.path == "/v1/chat/completions"]  # (and its cancels)
+    sent = [json.loads(r.content) for r in chats]  # the full path's own upstream bodies
+    assert all(b["stream_options"] == {"include_usage": True} for b in sent) and len(sent) == 2
