@@ -108,12 +108,13 @@ class PassthroughMiddleware:
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(receive)
-        resumed = self._resumed(scope)
+        given = _resume_from(scope)
+        resumed = None if given is None else self._resumed(given)
         if resumed is not None:
             await self._forward(resumed, scope, body, receive, send)
             return
         try:
-            plan = None if _resuming(scope) else self._plan(body)
+            plan = None if given is not None else self._plan(body)
         except VlmserveError as exc:  # a session_id a passed stream has
             await error_response(exc)(scope, receive, send)
             return
@@ -122,10 +123,9 @@ class PassthroughMiddleware:
             return
         await self._pass(plan, scope, body, receive, send)
 
-    def _resumed(self, scope: Scope) -> PassedStream | None:
-        """A chat POST with ``Last-Event-ID`` naming a passed stream."""
-        given = _resume_from(scope)
-        if given is None or not len(self.streams):
+    def _resumed(self, given: str) -> PassedStream | None:
+        """The passed stream a chat POST's ``Last-Event-ID`` names (None: not one)."""
+        if not len(self.streams):
             return None
         try:
             session_id, _ = parse_event_id(given)
@@ -148,15 +148,15 @@ class PassthroughMiddleware:
             backend = self.services.models.resolve(name).backend
         except VlmserveError:
             return None
-        upstream = backend.upstream_name
-        if upstream is None or not self._within_limits(data):
+        upstream, media = backend.upstream_name, _media_kinds(data)
+        if upstream is None or not self._within_limits(data, len(media)):
             return None
         if backend.state is ModelState.READY and not backend.passes_streams():
             return None  # not loaded yet: asked again once the lease has loaded it
         ours = backend.model_id  # what the chunks name, as on the full path
         rename = None if upstream == ours else (
             b'"model":' + orjson.dumps(upstream), b'"model":' + orjson.dumps(ours))  # fmt: skip
-        stream, needs = data.get("stream") is True, _needs(data)
+        stream, needs = data.get("stream") is True, frozenset(media)
         if upstream != name:
             data["model"] = upstream
             try:
@@ -165,7 +165,7 @@ class PassthroughMiddleware:
                 return None  # an integer orjson cannot write: the full path takes it
         return _Plan(backend, name, body, stream, needs, rename, session_id)
 
-    def _within_limits(self, data: dict[str, Any]) -> bool:
+    def _within_limits(self, data: dict[str, Any], media: int) -> bool:
         """The gateway's own request limits (``Converter.check``'s counts), read off the raw
         body; a request over one goes to the full path, which refuses it with the same 400."""
         settings = self.services.settings
@@ -174,7 +174,7 @@ class PassthroughMiddleware:
         if not isinstance(n, int) or not isinstance(tokens, int):
             return False
         return (n <= settings.max_n and tokens < settings.max_model_len
-                and _media_count(data) <= settings.max_media_per_request)  # fmt: skip
+                and media <= settings.max_media_per_request)  # fmt: skip
 
     def _free(self, session_id: object) -> bool:
         """A client's own ``session_id`` that no stream here has: False sends it to the full
@@ -276,14 +276,14 @@ class PassthroughMiddleware:
 def _upstream_headers(scope: Scope) -> dict[str, str]:
     """Accept, Last-Event-ID and Content-Type as the client sent them, and the request id;
     never its credentials (the upstream gets the entry's own key)."""
-    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-    given = dict(scope["headers"])
+    headers = {"content-type": "application/json", "accept-encoding": "identity"}  # lower case:
+    given = dict(scope["headers"])  # a client's own content-type replaces the default, once
     for name in _REQUEST_HEADERS:
         if (value := given.get(name.encode())) is not None:
             headers[name] = value.decode("latin-1")
     request_id = scope.get("state", {}).get("request_id")
     if request_id:
-        headers["X-Request-ID"] = request_id  # one id in both servers' logs
+        headers["x-request-id"] = request_id  # one id in both servers' logs
     return headers
 
 
@@ -297,12 +297,9 @@ def _resume_from(scope: Scope) -> str | None:
     return None
 
 
-def _resuming(scope: Scope) -> bool:
-    return _resume_from(scope) is not None
-
-
 def _media_kinds(data: dict[str, Any]) -> list[str]:
-    """The kind of each media part of a raw request, in order."""
+    """The kind of each media part of a raw request, in order: what it needs of its model
+    (as ``Converter.needs``, without parsing it) and how many media items it has."""
     kinds = []
     messages = data.get("messages")
     for message in messages if isinstance(messages, list) else ():
@@ -312,15 +309,6 @@ def _media_kinds(data: dict[str, Any]) -> list[str]:
             if isinstance(kind, str) and (kind := _MEDIA.get(kind)):
                 kinds.append(kind)
     return kinds
-
-
-def _needs(data: dict[str, Any]) -> frozenset[str]:
-    """The inputs a raw request needs of its model (as ``Converter.needs``, without parsing)."""
-    return frozenset(_media_kinds(data))
-
-
-def _media_count(data: dict[str, Any]) -> int:
-    return len(_media_kinds(data))
 
 
 def _ignore(events: bytes) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from vlmserve.api.passthrough import _needs
+from vlmserve.api.passthrough import _media_kinds
 from vlmserve.api.passthrough_relay import relay as _relay
 from vlmserve.errors import ServiceUnavailable
 from vlmserve.gateway.passed import PassedStreams
@@ -123,14 +123,14 @@ async def test_a_client_that_left_stops_the_relay() -> None:
     assert _body(sent) == (first + b"\n\n").replace(*RENAME)
 
 
-def test_needs_reads_the_media_kinds_of_a_raw_request() -> None:
+def test_the_media_kinds_of_a_raw_request_are_read_without_parsing_it() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:"}}
     video = {"type": "input_video", "video_url": "x"}
     body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "x"}]},
                          {"role": "user", "content": "plain"}, "junk",
                          {"role": "user", "content": [video, 3]}]}  # fmt: skip
-    assert _needs(body) == {"vision", "video"}
-    assert _needs({"messages": "nonsense"}) == frozenset()
+    assert frozenset(_media_kinds(body)) == {"vision", "video"}
+    assert frozenset(_media_kinds({"messages": "nonsense"})) == frozenset()
 
 
 def test_passed_streams_expire_with_their_sessions_and_keep_the_newest() -> None:
@@ -168,7 +168,7 @@ def test_the_gateways_own_limits_send_a_request_to_the_full_path(extra, passes) 
     image = {"type": "image_url", "image_url": {"url": "data:"}}
     content = [image] * extra.pop("images", 1) + [{"type": "text", "text": "x"}]
     body = {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
-    assert middleware._within_limits(body) is passes
+    assert middleware._within_limits(body, len(_media_kinds(body))) is passes
 
 
 def test_the_metrics_of_a_passed_request_come_from_its_bytes() -> None:
