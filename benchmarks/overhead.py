@@ -83,6 +83,7 @@ class Sample:
     round: int
     report: dict[str, Any]
     cpu_s: float  # the server process's CPU time (user + system) during the measurement
+    own_cpu_s: float = 0.0  # of that, the server's own process (its engine process apart)
 
 
 def _renamed(spec: ServerSpec, name: str, **env: str) -> ServerSpec:
@@ -133,18 +134,18 @@ def byteproxy_spec(port: int, upstream: str) -> ServerSpec:
                       env={"BYTEPROXY_UPSTREAM": upstream})  # fmt: skip
 
 
-def _cpu_seconds(server: Server) -> float:
-    """User + system CPU time of the server process and its children so far."""
+def _cpu_seconds(server: Server) -> tuple[float, float]:
+    """User + system CPU time so far of the server process and its children, and of the
+    process alone (the API's event loop and threads; the engine runs in a child)."""
     if server.proc is None:
-        return 0.0
+        return 0.0, 0.0
     try:
         proc = psutil.Process(server.proc.pid)
-        total = sum(proc.cpu_times()[:2])
-        for child in proc.children(recursive=True):
-            total += sum(child.cpu_times()[:2])
-        return total
+        own = sum(proc.cpu_times()[:2])
+        total = own + sum(sum(c.cpu_times()[:2]) for c in proc.children(recursive=True))
+        return total, own
     except psutil.Error:
-        return 0.0
+        return 0.0, 0.0
 
 
 def run_rounds(
@@ -184,20 +185,24 @@ def run_rounds(
 def _measure_one(server: Server, cfg: BenchConfig, c: int, rnd: int, console: Console) -> Sample:
     spec = server.spec
     wait_idle(cfg.settle)  # the previous setup's leftover work must not slow this one
-    before = _cpu_seconds(server)
+    total, own = _cpu_seconds(server)
     report = measure(spec, cfg, c, requests_for(cfg, c))
-    sample = Sample(spec.name, c, rnd, report, _cpu_seconds(server) - before)
+    after = _cpu_seconds(server)
+    sample = Sample(spec.name, c, rnd, report, after[0] - total, after[1] - own)
     console.print(
         f"round {rnd + 1}/{cfg.rounds} c={c:<3} {spec.name:<8} "
         f"{report['output_throughput']:8.1f} tok/s  TTFT p50 {report['ttft_ms']['median']:7.1f} ms"
-        f"  CPU {cpu_per_token([sample]):6.0f} us/token  failed {report['failed']}"
+        f"  CPU {cpu_per_token([sample]):6.0f} us/token"
+        f" (API process {cpu_per_token([sample], own=True):4.0f})  failed {report['failed']}"
     )
     return sample
 
 
-def cpu_per_token(samples: list[Sample]) -> float:
-    """Median over samples of the server's CPU microseconds per output token."""
-    per = [s.cpu_s * 1e6 / max(1, int(s.report["total_output_tokens"])) for s in samples]
+def cpu_per_token(samples: list[Sample], own: bool = False) -> float:
+    """Median over samples of the server's CPU microseconds per output token (``own``: of
+    its own process alone)."""
+    per = [(s.own_cpu_s if own else s.cpu_s) * 1e6 / max(1, int(s.report["total_output_tokens"]))
+           for s in samples]  # fmt: skip
     return statistics.median(per) if per else 0.0
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from sse_client import SSEEvent, read_events, text_of
 from support import ServerProcess
+from vlmserve.streaming.store.journal import read_rows
 
 pytestmark = pytest.mark.slow
 TOKENS = 300
@@ -45,10 +46,13 @@ def assert_complete(events: list[SSEEvent]) -> None:
 
 
 def persisted(db: Path, session_id: str) -> int:
+    """Events of the session a killed server left: in the table or still in its journal."""
     with sqlite3.connect(db) as conn:
-        return conn.execute(
-            "SELECT COUNT(*) FROM events WHERE session_id = ?", (session_id,)
-        ).fetchone()[0]
+        rows = conn.execute("SELECT idx FROM events WHERE session_id = ?", (session_id,))
+        indexes = {idx for (idx,) in rows}
+    for journal in db.parent.glob(f"{db.name}.events-*.jsonl"):
+        indexes |= {row[1] for row in read_rows(journal) if row[0] == session_id}
+    return len(indexes)
 
 
 # Greedy, and sampled at temperature 1 with a seed: a restarted server continues both exactly,

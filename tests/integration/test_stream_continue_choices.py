@@ -58,6 +58,7 @@ def usage_of(events: list[SSEEvent]) -> dict[str, int]:
 def crashed_copy(db: Path, sid: str, cut: int, name: str) -> str:
     """A copy of session ``sid`` as a killed server leaves it: still running, ``cut`` events."""
     with sqlite3.connect(db) as conn:
+        wait_for_terminal(conn, sid)
         (request,) = conn.execute(
             "SELECT request FROM sessions WHERE session_id = ?", (sid,)
         ).fetchone()
@@ -72,6 +73,16 @@ def crashed_copy(db: Path, sid: str, cut: int, name: str) -> str:
             (name, sid, cut),
         )
     return name
+
+
+def wait_for_terminal(conn: sqlite3.Connection, sid: str) -> None:
+    """Until the server has copied the stream's events from its journal into the table
+    (within a tenth of a second of each, ``store/sqlite.py``)."""
+    deadline = time.monotonic() + 10
+    query = "SELECT 1 FROM events WHERE session_id = ? AND terminal = 1"
+    while conn.execute(query, (sid,)).fetchone() is None:
+        assert time.monotonic() < deadline, "the stream's events never reached the table"
+        time.sleep(0.02)
 
 
 def finish_index(events: list[SSEEvent], index: int) -> int:
@@ -203,6 +214,7 @@ def flushed_tail(db: Path, sid: str) -> int | None:
     """The index of the stream's text event that carries no token (text the detokenizer held
     back, a partial character, sent with the finish), if it has one."""
     with sqlite3.connect(db) as conn:
+        wait_for_terminal(conn, sid)
         rows = conn.execute(
             "SELECT idx, meta FROM events WHERE session_id = ? ORDER BY idx", (sid,)
         ).fetchall()

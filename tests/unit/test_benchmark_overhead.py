@@ -60,7 +60,7 @@ async def test_stores_bench_counts_every_event(store: str, tmp_path: Path) -> No
     out = await stores._measured(s, ns, "t")
     assert out["events"] == 3 * (5 + 1)  # each event and each session's [DONE]
     assert out["cpu_us_per_event"] > 0
-    assert (out["writes"] == "-") == (store == "memory")
+    assert (out["copies"] == "-") == (store == "memory")
 
 
 async def test_interleaved_ttft_times_each_setup_in_turn_at_its_first_token() -> None:

@@ -27,6 +27,11 @@ class RowGate:
         self._failure: BaseException | None = None
         created.add_done_callback(self._row_done)
 
+    @property
+    def open(self) -> bool:
+        """The row is in: events go to the store as they come."""
+        return self._open
+
     def submit(self, event: Event, final: SessionState | None) -> asyncio.Future[None]:
         """The event's commit: started now once the row is in, else held back."""
         if self._open:

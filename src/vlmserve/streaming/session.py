@@ -2,13 +2,13 @@
 
 The producer task numbers each ``Emit``, appends the event to the store (durable), then to the
 ring buffer, then wakes listeners; so anything a listener sees in the ring is also in the store.
-Up to ``_IN_FLIGHT`` events of a session are on their way to the store at once (the store's
-group commit writes them together, in order), so a store's commit latency does not hold the
-producer back token by token; the terminal event waits for all of them. With a store whose
-``append`` never waits (memory), an event is published inline: no task, shield or future per
-event; with SQLite (``append_nowait``) the commit's future publishes it from a done callback.
-Generation never waits for listeners. When the last listener leaves, a timer of
-``cancel_after_disconnect`` seconds is armed; a new listener disarms it.
+A store whose ``append_now`` is done when it returns (memory, SQLite's journal): the event is
+published inline, no task or future per event. One that commits later (Redis): up to
+``_IN_FLIGHT`` events are on their way at once (group-committed, in order), each published
+from its commit's done callback; the terminal event waits for all. Events that come before a
+new durable session's row is committed wait for it (``rowgate.py``). Generation never waits
+for listeners. When the last listener leaves, a timer of ``cancel_after_disconnect`` seconds
+is armed; a new listener disarms it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from vlmserve.streaming.events import (
 )
 from vlmserve.streaming.rowgate import RowGate
 from vlmserve.streaming.signal import Signal
-from vlmserve.streaming.store.base import SessionStore
+from vlmserve.streaming.store.base import AppendNow, SessionStore, store_event
 
 __all__ = ["Session", "SessionOptions"]
 
@@ -74,12 +74,12 @@ class Session:
     _lost: tuple[int, int] | None = None  # a failed commit's index .. the last one issued then
     _finishing: bool = False  # the end (normal, cancel or error) has begun
     _ended: bool = False  # terminal published, or stopped for good without one (shutdown)
-    _instant: bool = False  # the store's append completes at once (memory): publish inline
+    _append_now: AppendNow | None = None  # the store's append done when it returns: inline
     _gate: RowGate | None = None  # a new durable session: its events follow its row
 
     def __post_init__(self) -> None:
         self.ring = deque(maxlen=max(1, self.options.ring_size))
-        self._instant = bool(getattr(self.store, "instant", False))
+        self._append_now = getattr(self.store, "append_now", None)
 
     @property
     def session_id(self) -> str:
@@ -160,8 +160,9 @@ class Session:
         index = (self.record.last_index if self._issued is None else self._issued) + 1
         self._issued = index
         event = Event(index, emit.data, emit.event, emit.meta, terminal=final is not None)
-        if self._instant and not self._pending:  # the memory store: nothing to wait for
-            await self.store.append(self.session_id, event)
+        if self._inline(index):  # nothing to wait for
+            self._pending.clear()  # all done: every earlier event is published
+            self._append_now(self.session_id, event)  # type: ignore[misc]
             self._publish(event, final)
             await asyncio.sleep(0)  # listeners read before the next event, as below
             return
@@ -174,6 +175,12 @@ class Session:
             # Shielded: a cancel must not leave it unknown whether the store got the event.
             await asyncio.shield(self._pending[0])
             self._pending.popleft()
+
+    def _inline(self, index: int) -> bool:
+        """Whether event ``index`` can be appended and published at once: the store's append
+        is done when it returns, the session's row is in, and every earlier event is out."""
+        gate_open = self._gate is None or self._gate.open
+        return self._append_now is not None and self.record.last_index == index - 1 and gate_open
 
     async def _drain(self) -> None:
         """Wait for every commit in flight (errors included: the caller decides)."""
@@ -192,13 +199,8 @@ class Session:
 
     def _begin(self, event: Event, final: SessionState | None) -> asyncio.Future[None]:
         """The event's commit; once it is done (and before anyone awaiting it resumes) the
-        event is published. A store with ``append_nowait`` (SQLite) takes the event without a
-        task or a coroutine per event."""
-        append_nowait = getattr(self.store, "append_nowait", None)
-        if append_nowait is not None:
-            committing: asyncio.Future[None] = append_nowait(self.session_id, event)
-        else:
-            committing = asyncio.ensure_future(self.store.append(self.session_id, event))
+        event is published."""
+        committing = store_event(self.store, self.session_id, event)
         committing.add_done_callback(functools.partial(self._committed, event, final))
         return committing
 

@@ -1,9 +1,11 @@
-"""Which stores outlive the process, and what an SQLite commit leaves on disk: every event a
-client was sent is in the file when the process dies, with no clean shutdown."""
+"""Which stores outlive the process, and what SQLite's journal leaves on disk: every event a
+client was sent is in the files when the process dies, with no clean shutdown, and a store
+that opens them has it."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sqlite3
 import time
 from pathlib import Path
@@ -46,11 +48,22 @@ async def test_every_event_a_listener_got_is_in_the_file_before_close(tmp_path: 
         got.append(event)
         if len(got) == 40:
             break
-    # Another connection, as a restarted process would open it (no close, no flush first).
-    with sqlite3.connect(db) as conn:
-        rows = conn.execute("SELECT idx, data FROM events WHERE session_id = 's' ORDER BY idx")
-        stored = rows.fetchall()
+    # The files as a process killed now leaves them (no close, no copy of the journal first),
+    # opened by a new store, as a restarted server opens them.
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    for file in tmp_path.glob("s.db*"):
+        shutil.copy(file, crashed / file.name)
+    left = list(crashed.glob("s.db.events-*.jsonl"))
+    assert left, "the events are still in the journal"
+    reopened = SQLiteStore(crashed / "s.db")
+    stored = [(e.index, e.data) for e in await reopened.events("s", -1)]
     assert [(e.index, e.data) for e in got] == stored[: len(got)]
+    assert not any(file.exists() for file in left)  # replayed, then deleted
+    with sqlite3.connect(crashed / "s.db") as conn:  # in the table itself, for any reader
+        (count,) = conn.execute("SELECT COUNT(*) FROM events WHERE session_id = 's'").fetchone()
+    assert count >= len(got)
+    await reopened.close()
     gate.set()
     await manager.close()
     await manager.store.close()

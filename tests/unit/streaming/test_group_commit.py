@@ -1,5 +1,6 @@
-"""Group commit (SQLite, Redis): many sessions' appends share transactions, each append still
-durable when it returns, and one bad event fails only its own append."""
+"""Group commit: many sessions' appends share transactions (Redis's appends, SQLite's copies of
+its journal and its new sessions), each append still durable when it returns, and one bad
+event or session fails only its own caller."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import redis
 from vlmserve.errors import InvalidRequest
 from vlmserve.streaming import Event, RedisStore, SessionRecord, SessionState, SQLiteStore
 from vlmserve.streaming.store.group import GroupCommit
+from vlmserve.streaming.store.journal import read_rows
 
 
 def record(sid: str) -> SessionRecord:
@@ -41,19 +43,26 @@ async def test_concurrent_appends_share_transactions_and_all_are_stored(durable:
     sessions = [f"s{i}" for i in range(8)]
     for sid in sessions:
         await store.create(record(sid))
-    items, writes = store._appends.items, store._appends.writes  # SQLite counts its creates
+    writes = _transactions(store)
 
     async def stream(sid: str) -> None:
         for i in range(20):
             await store.append(sid, Event(i, f"{sid}-{i}"))
 
     await asyncio.gather(*(stream(sid) for sid in sessions))
-    assert store._appends.items - items == 160
-    assert store._appends.writes - writes < 160 / 2  # events of several sessions per transaction
+    if isinstance(store, RedisStore):
+        assert store._appends.items == 160
+    events = [await store.events(sid, -1) for sid in sessions]  # SQLite copies its journal
+    assert _transactions(store) - writes < 160 / 2  # events of several sessions per transaction
+    for sid, stored in zip(sessions, events, strict=True):
+        assert [e.data for e in stored] == [f"{sid}-{i}" for i in range(20)]
     for sid in sessions:
-        events = await store.events(sid, -1)
-        assert [e.data for e in events] == [f"{sid}-{i}" for i in range(20)]
         assert (await store.get(sid)).last_index == 19  # type: ignore[union-attr]
+
+
+def _transactions(store: Any) -> int:
+    """Transactions that carried events: Redis's pipelines, SQLite's copies of its journal."""
+    return store.flushes if isinstance(store, SQLiteStore) else store._appends.writes
 
 
 async def test_sqlite_group_commits_survive_a_reopen(tmp_path: Path) -> None:
@@ -66,18 +75,49 @@ async def test_sqlite_group_commits_survive_a_reopen(tmp_path: Path) -> None:
     await reopened.close()
 
 
-async def test_an_append_alone_is_written_at_once(tmp_path: Path) -> None:
+async def test_an_append_alone_is_in_the_journal_at_once_and_read_back(tmp_path: Path) -> None:
     store = SQLiteStore(tmp_path / "s.db")
     await store.create(record("a"))
-    assert (store._appends.writes, store._appends.items) == (1, 1)  # the session's row
-    await asyncio.wait_for(store.append("a", Event(0, "x")), timeout=5)
-    assert (store._appends.writes, store._appends.items) == (2, 2)
-    assert [e.data for e in await store.events("a", -1)] == ["x"]
+    assert (store._creates.writes, store._creates.items) == (1, 1)  # the session's row
+    store.append_now("a", Event(0, "x"))
+    assert read_rows(store._journal.current.path) == [("a", 0, None, "x", None, 0)]
+    assert [e.data for e in await store.events("a", -1)] == ["x"]  # copied for the read
+    assert store.flushes == 1
+    assert not list(tmp_path.glob("s.db.events-*-1.jsonl"))  # the copied file is deleted
     await store.close()
 
 
-async def test_a_duplicate_event_fails_only_its_own_append(durable: Any) -> None:
-    store = durable
+async def test_the_journal_is_copied_in_the_background(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(record("a"))
+    for i in range(3):
+        store.append_now("a", Event(i, "x"))
+    with sqlite3.connect(tmp_path / "s.db") as conn:  # a reader of the file alone
+        count = "SELECT COUNT(*) FROM events"
+        assert conn.execute(count).fetchone() == (0,)
+        for _ in range(100):
+            if conn.execute(count).fetchone() == (3,):
+                break
+            await asyncio.sleep(0.02)
+        assert conn.execute(count).fetchone() == (3,)
+    assert store.flushes == 1
+    await store.close()
+
+
+async def test_sqlite_keeps_the_first_of_two_events_with_one_index(tmp_path: Path) -> None:
+    """A journal replayed twice (a crash between a copy and the file's deletion)."""
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(record("a"))
+    await store.append("a", Event(0, "first"))
+    assert [e.data for e in await store.events("a", -1)] == ["first"]
+    await store.append("a", Event(0, "again"))
+    await store.append("a", Event(1, "next"))
+    assert [e.data for e in await store.events("a", -1)] == ["first", "next"]
+    await store.close()
+
+
+async def test_a_duplicate_redis_event_fails_only_its_own_append(redis_url: str) -> None:
+    store = RedisStore(redis_url, ttl=60, prefix=uuid.uuid4().hex)
     for sid in ("a", "b"):
         await store.create(record(sid))
     await store.append("a", Event(0, "first"))
@@ -87,10 +127,11 @@ async def test_a_duplicate_event_fails_only_its_own_append(durable: Any) -> None
         store.append("a", Event(1, "next")),
         return_exceptions=True,
     )
-    assert isinstance(results[0], sqlite3.IntegrityError | redis.ResponseError)
+    assert isinstance(results[0], redis.ResponseError)
     assert results[1:] == [None, None]
     assert [e.data for e in await store.events("a", -1)] == ["first", "next"]
     assert [e.data for e in await store.events("b", -1)] == ["fine"]
+    await store.close()
 
 
 async def test_a_failed_write_fails_every_waiting_caller() -> None:
@@ -134,7 +175,7 @@ async def test_sqlite_sessions_created_at_once_share_a_transaction(tmp_path: Pat
                                    return_exceptions=True)  # fmt: skip
     assert results[:8] == [None] * 8
     assert isinstance(results[8], InvalidRequest) and "already exists" in str(results[8])
-    assert store._appends.writes <= 3  # the first row alone, then the burst (and its retry)
+    assert store._creates.writes <= 3  # the first row alone, then the burst (and its retry)
     for name in names[:8]:
         assert (await store.get(name)).session_id == name  # type: ignore[union-attr]
     await store.close()

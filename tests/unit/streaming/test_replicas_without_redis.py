@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from vlmserve.streaming import DONE, Emit, Resumption, SessionManager, SessionState, SQLiteStore
+from vlmserve.streaming import (
+    DONE,
+    Emit,
+    Event,
+    Resumption,
+    SessionManager,
+    SessionState,
+    SQLiteStore,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -24,7 +32,15 @@ N = 30
 
 
 class SharedSQLiteStore(SQLiteStore):
+    """Every append is in the table when it returns (not only in this process's journal), so
+    the other replica reads it as it would read Redis."""
+
     shared = True  # type: ignore[misc]
+    append_now = None  # type: ignore[assignment]  # sessions await ``append``
+
+    async def append(self, session_id: str, event: Event) -> None:
+        SQLiteStore.append_now(self, session_id, event)
+        await self._flush()
 
 
 @pytest.fixture

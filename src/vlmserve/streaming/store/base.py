@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from vlmserve.errors import InvalidRequest
 from vlmserve.streaming.events import Event, SessionRecord, SessionState
 
-__all__ = ["SessionStore", "already_exists", "dump_meta", "load_meta"]
+__all__ = ["AppendNow", "SessionStore", "already_exists", "dump_meta", "load_meta", "store_event"]
+
+AppendNow = Callable[[str, Event], None]  # a store's append that is done when it returns
 
 
 @runtime_checkable
@@ -54,3 +58,22 @@ def dump_meta(meta: dict[str, Any] | None) -> str | None:
 
 def load_meta(text: str | None) -> dict[str, Any] | None:
     return None if not text else json.loads(text)
+
+
+def store_event(store: SessionStore, session_id: str, event: Event) -> asyncio.Future[None]:
+    """The event's append as a future: done at once with a store whose ``append_now`` is done
+    when it returns (memory, SQLite's journal), the commit's own future with ``append_nowait``
+    (Redis: no task or coroutine per event), else a task."""
+    append_now: AppendNow | None = getattr(store, "append_now", None)
+    if append_now is not None:
+        stored: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            append_now(session_id, event)
+            stored.set_result(None)
+        except Exception as exc:
+            stored.set_exception(exc)
+        return stored
+    append_nowait = getattr(store, "append_nowait", None)
+    if append_nowait is not None:
+        return append_nowait(session_id, event)  # type: ignore[no-any-return]
+    return asyncio.ensure_future(store.append(session_id, event))

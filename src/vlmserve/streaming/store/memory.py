@@ -23,7 +23,7 @@ def _copy(record: SessionRecord) -> SessionRecord:
 class MemoryStore:
     shared = False
     durable = False  # events die with the process
-    instant = True  # append never waits: sessions publish without a commit in flight
+    instant = True  # create and append never wait: a session starts once its row is in
 
     def __init__(self, ttl: float = 600.0) -> None:
         self.ttl = ttl
@@ -39,6 +39,9 @@ class MemoryStore:
             self._aliases[alias] = record.session_id
 
     async def append(self, session_id: str, event: Event) -> None:
+        self.append_now(session_id, event)
+
+    def append_now(self, session_id: str, event: Event) -> None:
         record = self._records.get(session_id)
         if record is not None:
             record.last_index = max(record.last_index, event.index)

@@ -1,17 +1,22 @@
-"""SQLiteStore: the embedded default. Every event is committed before ``append`` returns.
+"""SQLiteStore: the embedded default. An event is durable when ``append`` returns.
 
-New sessions and appends are group-committed (``store/group.py``): the rows that arrive while
-one transaction runs are written together in the next, so a busy server commits once per
-engine step rather than once per event, and an idle one at once. A transaction only inserts
-events: a session's ``last_index`` is read from its events (``MAX(idx)``), and its
+Events go first to this process's journal (``journal.py``): one line per event, written on the
+event loop's thread, durable against a crash of the process as soon as the kernel has it, so a
+session publishes it at once, as with the memory store. The journal's lines are copied into
+the events table in one transaction every ``_FLUSH_EVERY`` seconds (or ``_FLUSH_ROWS`` rows),
+on the store's own thread; every read (``get``, ``events``, ``gc``) copies what is waiting
+first, so it sees every event appended before it. A store that opens a database replays the
+journals that dead processes left (``kill -9`` between a write and its copy).
+
+Measured (``benchmarks/stores.py``, 8 sessions, one event each per 2 ms engine step): the
+journal costs 11-15 us of CPU per event over the memory store; committing every engine step
+to SQLite before publishing it (group commit, the design before) cost 35-55 us, a thread hop
+and a WAL transaction of whole pages per step.
+
+New sessions are group-committed (``store/group.py``): a burst of new streams is one
+transaction. A session's ``last_index`` is read from its events (``MAX(idx)``), and its
 ``updated_at`` is refreshed by appends at most once a second (heartbeats and state changes
 refresh it too).
-
-Measured alternative, not taken: committing on the event loop's thread (no hop to the worker
-thread, ~125 us of CPU each way) made a commit per loop turn instead of one per write under
-way, so more and smaller transactions; on this project's loaded 2-core VM a WAL commit of a
-few pages costs 100-800 us of wall time in write(), which then blocked the loop (in-process
-benchmark: 145-181 vs 80-109 us CPU per event, one session).
 
 One connection, used only from one dedicated worker thread, so calls from many concurrent
 sessions are serialised without a lock and never block the event loop. WAL mode with
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Callable
@@ -34,13 +40,16 @@ from vlmserve.errors import InvalidRequest
 from vlmserve.streaming.events import Event, SessionRecord, SessionState
 from vlmserve.streaming.store.base import already_exists, dump_meta, load_meta
 from vlmserve.streaming.store.group import GroupCommit
+from vlmserve.streaming.store.journal import EventJournal, JournalFile, leftovers, read_rows
 
 __all__ = ["SQLiteStore"]
 
 T = TypeVar("T")
 _Row = tuple[str, int, str | None, str, str | None, int]  # one events row
-_Item = _Row | SessionRecord  # what a group commit writes: new sessions, then events
 _TOUCH_EVERY = 1.0  # seconds between updated_at refreshes of a session by its appends
+_FLUSH_EVERY = 0.1  # seconds a journaled event waits before its copy into the table ...
+_FLUSH_ROWS = 1024  # ... or until this many wait
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -95,22 +104,32 @@ class SQLiteStore:
         if not _has_table(self._conn, "events"):
             self._conn.executescript(_EVENTS)
         self._conn.commit()
-        self._appends: GroupCommit[_Item] = GroupCommit(self._append_rows)
+        self._creates: GroupCommit[SessionRecord] = GroupCommit(self._insert_records)
         self._touched: dict[str, float] = {}  # session id -> when appends last set updated_at
+        self._journal: EventJournal | None = None
+        if self.path != ":memory:":
+            _replay(self._conn, Path(self.path))
+            self._journal = EventJournal(Path(self.path))
+        self._unflushed: list[_Row] = []  # journaled, not yet in the events table
+        self._kept: list[JournalFile] = []  # files whose copy failed: deleted by a later one
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
+        self.flushes = 0  # copies into the events table (for tests and benchmarks)
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, self._conn)
 
     async def create(self, record: SessionRecord) -> None:
-        """Group-committed with the appends (a burst of new streams: one transaction)."""
-        await self._appends.submit(record)
+        """Group-committed (a burst of new streams: one transaction)."""
+        await self._creates.submit(record)
 
     async def append(self, session_id: str, event: Event) -> None:
-        await self.append_nowait(session_id, event)
+        self.append_now(session_id, event)
 
-    def append_nowait(self, session_id: str, event: Event) -> asyncio.Future[None]:
-        """``append`` without a coroutine: the future is done once the event is committed."""
+    def append_now(self, session_id: str, event: Event) -> None:
+        """Journal the event (durable when this returns); it reaches the table later."""
         row = (
             session_id,
             event.index,
@@ -119,20 +138,60 @@ class SQLiteStore:
             dump_meta(event.meta),
             int(event.terminal),
         )
-        return self._appends.put(row)
+        if self._journal is not None:
+            self._journal.write(row)
+        self._unflushed.append(row)
+        if len(self._unflushed) >= _FLUSH_ROWS:
+            self._flush_soon(0.0)
+        elif self._timer is None or self._timer_loop is not asyncio.get_running_loop():
+            self._flush_soon(_FLUSH_EVERY)
 
-    async def _append_rows(self, items: list[_Item]) -> list[BaseException | None]:
-        touch = self._to_touch(items)
-        return await self._run(lambda conn: _insert_items(conn, items, touch))
+    def _flush_soon(self, delay: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer, self._timer_loop = loop.call_later(delay, self._start_flush), loop
 
-    def _to_touch(self, items: list[_Item]) -> list[str]:
-        """Sessions whose updated_at the batch refreshes: not touched for a second, or ending."""
+    def _start_flush(self) -> None:
+        self._timer = None
+        task = asyncio.get_running_loop().create_task(self._flush())
+        self._flushes.add(task)
+        task.add_done_callback(self._flush_done)
+
+    def _flush_done(self, task: asyncio.Task[None]) -> None:
+        self._flushes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("could not copy journaled events into %s", self.path,
+                      exc_info=task.exception())  # fmt: skip
+
+    async def _flush(self) -> None:
+        """Copy every journaled event into the events table (one transaction). The journal
+        file that held them is deleted once they are in; if the copy fails they stay queued
+        (and in the journal) for the next copy."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._unflushed:
+            return
+        rows, self._unflushed = self._unflushed, []
+        touch = self._to_touch(rows)
+        done = self._journal.rotate() if self._journal is not None else None
+        try:
+            await self._run(lambda conn: _copy_rows(conn, rows, touch))
+        except BaseException:
+            self._unflushed[:0] = rows
+            self._kept.extend([done] if done is not None else [])
+            raise
+        self.flushes += 1
+        for file in [*self._kept, *([done] if done is not None else [])]:
+            file.close(delete=True)
+        self._kept.clear()
+
+    def _to_touch(self, rows: list[_Row]) -> list[str]:
+        """Sessions whose updated_at the copy refreshes: not touched for a second, or ending."""
         now = time.monotonic()
         touch = []
-        for item in items:
-            if isinstance(item, SessionRecord):
-                continue
-            sid, _, _, _, _, terminal = item
+        for sid, _, _, _, _, terminal in rows:
             if terminal:
                 self._touched.pop(sid, None)
                 touch.append(sid)
@@ -140,6 +199,9 @@ class SQLiteStore:
                 self._touched[sid] = now
                 touch.append(sid)
         return touch
+
+    async def _insert_records(self, records: list[SessionRecord]) -> list[BaseException | None]:
+        return await self._run(lambda conn: _insert_records(conn, records))
 
     async def set_state(self, session_id: str, state: SessionState) -> None:
         await self._update(session_id, "state = ?", state.value)
@@ -157,6 +219,7 @@ class SQLiteStore:
         await self._run(work)
 
     async def get(self, session_id: str) -> SessionRecord | None:
+        await self._flush()
         return await self._run(lambda conn: _lookup(conn, session_id))
 
     async def events(self, session_id: str, after: int) -> list[Event]:
@@ -168,6 +231,7 @@ class SQLiteStore:
             ).fetchall()
             return [Event(i, data, ev, load_meta(meta), bool(t)) for i, data, ev, meta, t in rows]
 
+        await self._flush()
         return await self._run(work)
 
     async def wait_events(self, session_id: str, after: int, timeout: float) -> list[Event]:
@@ -194,47 +258,63 @@ class SQLiteStore:
                     conn.executemany(f"DELETE FROM {table} WHERE session_id = ?", expired)
             return len(expired)
 
+        await self._flush()
         return await self._run(work)
 
     async def close(self) -> None:
-        await self._run(lambda conn: conn.close())
-        self._executor.shutdown(wait=True)
-
-
-def _insert_items(
-    conn: sqlite3.Connection, items: list[_Item], touch: list[str]
-) -> list[BaseException | None]:
-    """One transaction for all ``items`` (a group commit); if it fails, each item alone, so
-    only a bad item (a taken session id, a duplicate index) fails its own caller."""
-    try:
-        _write_items(conn, items, touch)
-        return [None] * len(items)
-    except (sqlite3.Error, InvalidRequest):
-        pass
-    results: list[BaseException | None] = []
-    for item in items:
-        own = [] if isinstance(item, SessionRecord) or item[0] not in touch else [item[0]]
+        """Copy what the journal holds into the table, then close (the journal is deleted)."""
         try:
-            _write_items(conn, [item], own)
-            results.append(None)
-        except (sqlite3.Error, InvalidRequest) as exc:
-            results.append(exc)
-    return results
+            await self._flush()
+        finally:
+            if self._journal is not None and not self._unflushed:
+                self._journal.close()
+            await self._run(lambda conn: conn.close())
+            self._executor.shutdown(wait=True)
 
 
-def _write_items(conn: sqlite3.Connection, items: list[_Item], touch: list[str]) -> None:
-    now = time.time()
-    rows = [item for item in items if not isinstance(item, SessionRecord)]
+def _copy_rows(conn: sqlite3.Connection, rows: list[_Row], touch: list[str]) -> None:
+    """Journaled events into the table, one transaction. A row already there (the same
+    session and index: a journal replayed twice) is kept as it is."""
     with conn:
-        for item in items:
-            if isinstance(item, SessionRecord):
-                _insert_session(conn, item)
-        conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?)", rows)
+        conn.executemany("INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?)", rows)
         if touch:
+            now = time.time()
             conn.executemany(
                 "UPDATE sessions SET updated_at = ? WHERE session_id = ?",
                 [(now, sid) for sid in dict.fromkeys(touch)],
             )
+
+
+def _replay(conn: sqlite3.Connection, db: Path) -> None:
+    """Copy the journals that dead processes left into the table, then delete them."""
+    for file in leftovers(db):
+        rows = read_rows(file.path)
+        _copy_rows(conn, rows, [])
+        file.close(delete=True)
+        log.info("replayed %d journaled events from %s", len(rows), file.path.name)
+
+
+def _insert_records(
+    conn: sqlite3.Connection, records: list[SessionRecord]
+) -> list[BaseException | None]:
+    """One transaction for all ``records`` (a group commit); if it fails, each alone, so only
+    a taken session id fails its own caller."""
+    try:
+        with conn:
+            for record in records:
+                _insert_session(conn, record)
+        return [None] * len(records)
+    except (sqlite3.Error, InvalidRequest):
+        pass
+    results: list[BaseException | None] = []
+    for record in records:
+        try:
+            with conn:
+                _insert_session(conn, record)
+            results.append(None)
+        except (sqlite3.Error, InvalidRequest) as exc:
+            results.append(exc)
+    return results
 
 
 def _insert_session(conn: sqlite3.Connection, record: SessionRecord) -> None:

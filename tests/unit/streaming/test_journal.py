@@ -1,0 +1,150 @@
+"""SQLite's event journal: what a killed process left is replayed by the next store to open
+the database, a live process's journal is left alone, a torn line ends a file's replay, and a
+failed copy into the table loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from vlmserve.streaming import Event, SessionRecord, SessionState, SQLiteStore
+from vlmserve.streaming.store import sqlite as sqlite_module
+from vlmserve.streaming.store.journal import read_rows
+
+pytestmark = pytest.mark.timeout(60)
+
+WRITER = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from vlmserve.streaming import Event, SessionRecord, SessionState, SQLiteStore
+
+    async def main():
+        store = SQLiteStore(sys.argv[1])
+        now = time.time()
+        await store.create(SessionRecord("s", {}, SessionState.RUNNING, now, now))
+        for i in range(int(sys.argv[2])):
+            store.append_now("s", Event(i, f"e{i}"))
+        print("written", flush=True)
+        await asyncio.sleep(3600)  # killed before its copy into the table
+
+    asyncio.run(main())
+    """
+)
+
+
+def _record(sid: str = "s") -> SessionRecord:
+    now = time.time()
+    return SessionRecord(sid, {}, SessionState.RUNNING, now, now)
+
+
+def _table_count(db: Path) -> int:
+    with sqlite3.connect(db) as conn:
+        return int(conn.execute("SELECT COUNT(*) FROM events").fetchone()[0])
+
+
+async def test_a_killed_process_s_events_are_replayed_by_the_next_store(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(db), "500"],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
+        journals = list(tmp_path.glob("s.db.events-*.jsonl"))
+        assert len(journals) == 1 and len(read_rows(journals[0])) == 500
+        assert _table_count(db) == 0  # the copy waits for its interval: not yet in the table
+        blocked = SQLiteStore(db)  # the writer is alive: its journal is not touched
+        assert journals[0].exists() and await blocked.events("s", -1) == []
+        await blocked.close()
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+    store = SQLiteStore(db)
+    events = await store.events("s", -1)
+    assert [(e.index, e.data) for e in events] == [(i, f"e{i}") for i in range(500)]
+    assert not journals[0].exists()
+    assert (await store.get("s")).last_index == 499  # type: ignore[union-attr]
+    await store.close()
+
+
+async def test_a_torn_last_line_ends_the_replay_of_its_file(tmp_path: Path, caplog) -> None:
+    db = tmp_path / "s.db"
+    store = SQLiteStore(db)
+    await store.create(_record())
+    await store.close()
+    left = tmp_path / "s.db.events-dead0000-1.jsonl"
+    left.write_text('["s", 0, null, "a", null, 0]\n["s", 1, null, "b", null, 0]\n["s", 2, nu')
+    with caplog.at_level(logging.WARNING):
+        reopened = SQLiteStore(db)
+    assert [e.data for e in await reopened.events("s", -1)] == ["a", "b"]
+    assert "line 3 is torn or corrupt" in caplog.text
+    assert not left.exists()
+    await reopened.close()
+
+
+async def test_a_failed_copy_keeps_the_events_queued_and_their_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(_record())
+    store.append_now("s", Event(0, "a"))
+    first = store._journal.current.path  # type: ignore[union-attr]
+    real = sqlite_module._copy_rows
+    failures = iter([sqlite3.OperationalError("database is locked")])
+
+    def flaky(conn: sqlite3.Connection, rows: list, touch: list) -> None:  # type: ignore[type-arg]
+        for exc in failures:
+            raise exc
+        real(conn, rows, touch)
+
+    monkeypatch.setattr(sqlite_module, "_copy_rows", flaky)
+    with pytest.raises(sqlite3.OperationalError):
+        await store.events("s", -1)
+    assert first.exists() and store.flushes == 0  # its only copy is still on disk
+    store.append_now("s", Event(1, "b"))
+    assert [e.data for e in await store.events("s", -1)] == ["a", "b"]
+    assert not first.exists() and store.flushes == 1
+    await store.close()
+
+
+async def test_close_copies_everything_and_leaves_no_journal(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(_record())
+    for i in range(10):
+        store.append_now("s", Event(i, str(i)))
+    await store.close()
+    assert _table_count(tmp_path / "s.db") == 10
+    assert not list(tmp_path.glob("s.db.events-*"))
+
+
+async def test_many_appends_are_copied_before_the_interval(tmp_path: Path) -> None:
+    """A burst past ``_FLUSH_ROWS`` is copied at once: the queue in memory stays bounded."""
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(_record())
+    for i in range(sqlite_module._FLUSH_ROWS):
+        store.append_now("s", Event(i, "x"))
+    await asyncio.sleep(0.03)  # well under _FLUSH_EVERY
+    assert store.flushes == 1 and not store._unflushed
+    assert _table_count(tmp_path / "s.db") == sqlite_module._FLUSH_ROWS
+    await store.close()
+
+
+def test_an_in_memory_database_keeps_no_journal(tmp_path: Path) -> None:
+    async def run() -> list[str]:
+        store = SQLiteStore(":memory:")
+        await store.create(_record())
+        store.append_now("s", Event(0, "x"))
+        data = [e.data for e in await store.events("s", -1)]
+        await store.close()
+        return data
+
+    assert asyncio.run(run()) == ["x"]
+    assert not list(Path.cwd().glob(":memory:.events-*"))
