@@ -113,3 +113,29 @@ def test_both_gateway_setups_front_the_memory_worker_one_without_the_pass_throug
     assert specs["gateway-sessions"].env["VLMSERVE_GATEWAY_PASSTHROUGH"] == "false"
     assert "VLMSERVE_GATEWAY_PASSTHROUGH" not in specs["gateway"].env
     assert len({s.port for s in specs.values()}) == 5
+
+
+async def test_hops_times_the_request_and_the_first_token_of_one_stream() -> None:
+    """Through the stamping worker (in process): both paths are measured from the stamps of
+    the one content chunk, and a request is read to its end."""
+    hops = load("bench_hops", BENCH / "hops.py")
+    worker = load("bench_stamping", BENCH / "peers" / "stamping_worker.py")
+    transport = httpx.ASGITransport(app=worker.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://w") as client:
+        request, first = await hops.one_request(client, {"model": "tiny", "stream": True})
+        health = await client.get("/health")
+    assert 0 <= request < 50 and 0 <= first < 50
+    assert health.json()["resumableStreams"] is True  # a gateway passes its streams through
+    assert worker.stamps('data: {"choices":[{"delta":{"content":"12 34"}}]}') == (12, 34)
+    assert worker.stamps('data: {"choices":[{"delta":{"content":"Hi"}}]}') is None
+    assert worker.stamps("data: [DONE]") is None
+
+
+def test_hops_runs_the_worker_and_three_proxies_in_front_of_it(tmp_path: Path) -> None:
+    hops = load("bench_hops", BENCH / "hops.py")
+    specs = {s.name: s for s in hops.hop_specs([1, 2, 3, 4], tmp_path)}
+    assert list(specs) == ["direct", "gateway", "gateway-sessions", "byteproxy"]
+    assert specs["byteproxy"].env["BYTEPROXY_UPSTREAM"] == "http://127.0.0.1:1"
+    assert specs["gateway-sessions"].env == {"VLMSERVE_GATEWAY_PASSTHROUGH": "false"}
+    registry = (tmp_path / "registry.toml").read_text()
+    assert 'base_urls = ["http://127.0.0.1:1"]' in registry and "preflight = false" in registry

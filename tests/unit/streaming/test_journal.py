@@ -52,7 +52,9 @@ def _table_count(db: Path) -> int:
         return int(conn.execute("SELECT COUNT(*) FROM events").fetchone()[0])
 
 
-async def test_a_killed_process_s_events_are_replayed_by_the_next_store(tmp_path: Path) -> None:
+async def test_a_killed_process_s_events_are_replayed_by_the_next_store(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     db = tmp_path / "s.db"
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(db), "500"],
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -67,7 +69,9 @@ async def test_a_killed_process_s_events_are_replayed_by_the_next_store(tmp_path
     finally:
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait()
-    store = SQLiteStore(db)
+    with caplog.at_level(logging.INFO):
+        store = SQLiteStore(db)
+    assert f"replayed 500 journaled events from {journals[0].name}" in caplog.text
     events = await store.events("s", -1)
     assert [(e.index, e.data) for e in events] == [(i, f"e{i}") for i in range(500)]
     assert not journals[0].exists()
@@ -148,3 +152,119 @@ def test_an_in_memory_database_keeps_no_journal(tmp_path: Path) -> None:
 
     assert asyncio.run(run()) == ["x"]
     assert not list(Path.cwd().glob(":memory:.events-*"))
+
+
+async def test_a_failed_background_copy_is_logged_and_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(_record())
+    real = sqlite_module._copy_rows
+    failures = iter([sqlite3.OperationalError("database is locked")])
+
+    def flaky(conn: sqlite3.Connection, rows: list, touch: list) -> None:  # type: ignore[type-arg]
+        for exc in failures:
+            raise exc
+        real(conn, rows, touch)
+
+    monkeypatch.setattr(sqlite_module, "_copy_rows", flaky)
+    with caplog.at_level(logging.ERROR):
+        store.append_now("s", Event(0, "a"))
+        await asyncio.sleep(sqlite_module._FLUSH_EVERY * 3)  # the timer's copy fails
+    assert "could not copy journaled events into" in caplog.text and store.flushes == 0
+    store.append_now("s", Event(1, "b"))  # the next timer copies both
+    await asyncio.sleep(sqlite_module._FLUSH_EVERY * 3)
+    assert store.flushes == 1 and _table_count(tmp_path / "s.db") == 2
+    await store.close()
+
+
+def test_a_store_used_by_a_second_loop_copies_in_the_background(tmp_path: Path) -> None:
+    """A timer set on a loop that has ended never fires: the next loop's append sets one."""
+    store = SQLiteStore(tmp_path / "s.db")
+
+    async def first() -> None:
+        await store.create(_record())
+        store.append_now("s", Event(0, "a"))  # its loop ends before the copy
+
+    async def second() -> int:
+        store.append_now("s", Event(1, "b"))
+        await asyncio.sleep(sqlite_module._FLUSH_EVERY * 3)
+        return _table_count(tmp_path / "s.db")
+
+    asyncio.run(first())
+    assert asyncio.run(second()) == 2
+    asyncio.run(store.close())
+
+
+async def test_close_after_a_failed_copy_keeps_the_journal_for_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(conn: sqlite3.Connection, rows: list, touch: list) -> None:  # type: ignore[type-arg]
+        raise sqlite3.OperationalError("disk I/O error")
+
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(_record())
+    store.append_now("s", Event(0, "kept"))
+    monkeypatch.setattr(sqlite_module, "_copy_rows", broken)
+    with pytest.raises(sqlite3.OperationalError):
+        await store.close()
+    monkeypatch.undo()
+    reopened = SQLiteStore(tmp_path / "s.db")
+    assert [e.data for e in await reopened.events("s", -1)] == ["kept"]
+    await reopened.close()
+
+
+async def test_appends_refresh_updated_at_at_most_once_a_second_and_at_the_end(
+    tmp_path: Path,
+) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    record = _record()
+    record.updated_at = record.created_at = time.time() - 100
+    await store.create(record)
+    store.append_now("s", Event(0, "a"))
+    first = (await store.get("s")).updated_at  # type: ignore[union-attr]
+    assert first > time.time() - 5  # the session's first event refreshed it
+    store.append_now("s", Event(1, "b"))
+    assert (await store.get("s")).updated_at == first  # type: ignore[union-attr]  # < 1 s later
+    store.append_now("s", Event(2, "[DONE]", terminal=True))
+    assert (await store.get("s")).updated_at > first  # type: ignore[union-attr]  # the end
+    await store.close()
+
+
+async def test_events_after_an_index_are_the_session_s_own_in_order(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    for sid in ("s", "t"):
+        await store.create(_record(sid))
+    for i in (2, 0, 1, 3):
+        store.append_now("s", Event(i, f"s{i}"))
+        store.append_now("t", Event(i, f"t{i}"))
+    assert [(e.index, e.data) for e in await store.events("s", 1)] == [(2, "s2"), (3, "s3")]
+    assert [e.data for e in await store.events("t", -1)] == ["t0", "t1", "t2", "t3"]
+    assert await store.events("s", 3) == []
+    await store.close()
+
+
+async def test_journal_files_are_private_and_rotate_to_new_names(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(_record())
+    first = store._journal.current.path  # type: ignore[union-attr]
+    assert first.stat().st_mode & 0o777 == 0o600  # events are users' text
+    store.append_now("s", Event(0, "a"))
+    await store.events("s", -1)  # a copy: the journal moves on to a new file
+    second = store._journal.current.path  # type: ignore[union-attr]
+    assert second != first and second.exists() and not first.exists()
+    await store.close()
+    assert not second.exists()
+
+
+def test_a_corrupt_line_ends_its_file_s_replay(tmp_path: Path, caplog) -> None:
+    left = tmp_path / "x.jsonl"
+    left.write_text(
+        '["s", 0, null, "a", null, 0]\n'
+        '["s", "one", null, "b", null, 0]\n'
+        '["s", 2, null, "c", null, 0]\n'
+    )
+    with caplog.at_level(logging.WARNING):
+        assert read_rows(left) == [("s", 0, None, "a", None, 0)]
+    assert "line 2 is torn or corrupt; the rest is skipped" in caplog.text
+    assert read_rows(tmp_path / "gone.jsonl") == []

@@ -38,7 +38,6 @@ class JournalFile:
 
     path: Path
     fd: int
-    rows: int = 0
 
     def close(self, delete: bool) -> None:
         """Delete (first, so no one else opens it) and release the lock."""
@@ -83,7 +82,6 @@ class EventJournal:
         view = memoryview(line)
         while view:
             view = view[os.write(self.current.fd, view) :]
-        self.current.rows += 1
 
     def rotate(self) -> JournalFile:
         """Start a new file; the old one (still locked) is the caller's to close once its rows
@@ -91,9 +89,6 @@ class EventJournal:
         old, self.current = self.current, self._new_file()
         return old
 
-    def close(self) -> None:
-        """Delete the current file (the caller has committed its rows)."""
-        self.current.close(delete=True)
 
 
 def leftovers(db: Path) -> list[JournalFile]:

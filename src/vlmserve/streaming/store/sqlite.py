@@ -262,12 +262,16 @@ class SQLiteStore:
         return await self._run(work)
 
     async def close(self) -> None:
-        """Copy what the journal holds into the table, then close (the journal is deleted)."""
+        """Copy what the journal holds into the table, then close. The journal is deleted,
+        unless the copy failed: then its files are left, unlocked, for the next store to open
+        the database to replay."""
         try:
             await self._flush()
         finally:
-            if self._journal is not None and not self._unflushed:
-                self._journal.close()
+            for file in self._kept:
+                file.close(delete=False)
+            if self._journal is not None:
+                self._journal.current.close(delete=not self._unflushed)
             await self._run(lambda conn: conn.close())
             self._executor.shutdown(wait=True)
 
