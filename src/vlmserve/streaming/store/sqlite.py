@@ -49,6 +49,7 @@ _Row = tuple[str, int, str | None, str, str | None, int]  # one events row
 _TOUCH_EVERY = 1.0  # seconds between updated_at refreshes of a session by its appends
 _FLUSH_EVERY = 0.1  # seconds a journaled event waits before its copy into the table ...
 _FLUSH_ROWS = 1024  # ... or until this many wait
+_RETRY_AFTER = 1.0  # seconds before a failed copy is tried again
 log = logging.getLogger(__name__)
 
 _SCHEMA = """
@@ -159,10 +160,13 @@ class SQLiteStore:
         task.add_done_callback(self._flush_done)
 
     def _flush_done(self, task: asyncio.Task[None]) -> None:
+        """A background copy ended; one that failed is logged and tried again later."""
         self._flushes.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("could not copy journaled events into %s", self.path,
-                      exc_info=task.exception())  # fmt: skip
+            log.error("could not copy journaled events into %s; trying again in %.0f s",
+                      self.path, _RETRY_AFTER, exc_info=task.exception())  # fmt: skip
+            if self._timer is None:
+                self._flush_soon(_RETRY_AFTER)
 
     async def _flush(self) -> None:
         """Copy every journaled event into the events table (one transaction). The journal
