@@ -74,13 +74,14 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, object]) -> tup
     """(request path, first-token path) in ms of one streamed request, read to its end."""
     began = time.monotonic_ns()
     found: tuple[int, int] | None = None
-    read = 0
+    read, lines = 0, []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         async for line in response.aiter_lines():
+            lines.append(line)
             if found is None and (found := stamps(line)) is not None:
                 read = time.monotonic_ns()
     if found is None:
-        raise RuntimeError(f"no stamped chunk in the answer ({response.status_code})")
+        raise RuntimeError(f"no stamped chunk in the answer: {response.status_code} {lines[:3]}")
     arrived, sent = found
     return (arrived - began) / 1e6, (read - sent) / 1e6
 

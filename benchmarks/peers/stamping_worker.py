@@ -3,11 +3,12 @@
     python -m uvicorn stamping_worker:app --app-dir benchmarks/peers --http httptools --port 8000
 
 ``/health`` says what a vlmserve worker says (so a gateway passes its streams through as
-bytes); a chat POST gets a stream of a role chunk, then, after ``PREFILL_S`` (a prefill), one
-content chunk whose text is ``"<arrived> <sent>"``: ``time.monotonic_ns()`` when the request's
-head reached this process and when the chunk was handed to the socket. The clock is the
-machine's, so a client on the same machine subtracts its own stamps from them
-(``benchmarks/hops.py``): the request's path to the worker, and the first token's path back.
+bytes). A chat POST gets a stream of a role chunk; after ``PREFILL_S`` (a prefill) one content
+chunk whose text is ``"<arrived> <sent>"``; a finish chunk; ``[DONE]``. The stamps are
+``time.monotonic_ns()`` when the request's head reached this process and when the content
+chunk was handed to the socket. The clock is the machine's, so a client on the same machine
+subtracts its own stamps from them (``benchmarks/hops.py``): the request's path to the worker,
+and the first token's path back.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ HEALTH = json.dumps({"ok": True, "modelReady": True, "resumableStreams": True}).
 _STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"x-session-id", b"stamped")]
 
 
-def content_chunk(delta: dict[str, str]) -> bytes:
-    choice = {"index": 0, "delta": delta, "finish_reason": None}
+def content_chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
     chunk = {"id": "chatcmpl-stamped", "object": "chat.completion.chunk", "created": 1,
              "model": "tiny", "choices": [choice]}  # fmt: skip
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
@@ -64,4 +65,6 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     sent = time.monotonic_ns()
     await send({"type": "http.response.body", "more_body": True,
                 "body": content_chunk({"content": f"{arrived} {sent}"})})  # fmt: skip
+    await send({"type": "http.response.body", "more_body": True,
+                "body": content_chunk({}, finish="stop")})  # fmt: skip
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
