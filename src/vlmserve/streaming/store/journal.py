@@ -5,8 +5,8 @@ A stream's event is durable once the operating system holds it: a process killed
 ``synchronous=NORMAL`` may). One ``write()`` of one line per event does that on the event
 loop's thread in a few microseconds; the store copies the lines into SQLite later, many at
 once (``sqlite.py``). Committing each engine step to SQLite before sending it cost a thread
-hop and a WAL transaction of whole pages per step: 35-55 us of CPU per event against the
-memory store, ~10% of a tiny model's output tokens on a 2-core CPU (issue 22).
+hop and a WAL transaction of whole pages per step: +50-70 us of CPU per event over the
+memory store, against +14-28 us with the journal, measured in turn (issue 22).
 
 Files: ``<db>.events-<owner>-<n>.jsonl`` beside the database, one line per event
 (``[session_id, index, event, data, meta, terminal]``). The process writing a file holds an

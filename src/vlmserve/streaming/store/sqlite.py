@@ -8,10 +8,10 @@ on the store's own thread; every read (``get``, ``events``, ``gc``) copies what 
 first, so it sees every event appended before it. A store that opens a database replays the
 journals that dead processes left (``kill -9`` between a write and its copy).
 
-Measured (``benchmarks/stores.py``, 8 sessions, one event each per 2 ms engine step): the
-journal costs 11-15 us of CPU per event over the memory store; committing every engine step
-to SQLite before publishing it (group commit, the design before) cost 35-55 us, a thread hop
-and a WAL transaction of whole pages per step.
+Measured (``benchmarks/stores.py``, 8 sessions, one event each per 2 ms engine step, the two
+designs in turn): the journal costs +14-28 us of CPU per event over the memory store;
+committing every engine step to SQLite before publishing it (group commit, the design before)
+cost +50-70 us, a thread hop and a WAL transaction of whole pages per step.
 
 New sessions are group-committed (``store/group.py``): a burst of new streams is one
 transaction. A session's ``last_index`` is read from its events (``MAX(idx)``), and its
