@@ -52,6 +52,19 @@ def _table_count(db: Path) -> int:
         return int(conn.execute("SELECT COUNT(*) FROM events").fetchone()[0])
 
 
+def _fail_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next copy into the table fails (a locked database); the ones after it work."""
+    real = sqlite_module._copy_rows
+    failures = iter([sqlite3.OperationalError("database is locked")])
+
+    def flaky(conn: sqlite3.Connection, rows: list, touch: list) -> None:  # type: ignore[type-arg]
+        for exc in failures:
+            raise exc
+        real(conn, rows, touch)
+
+    monkeypatch.setattr(sqlite_module, "_copy_rows", flaky)
+
+
 async def test_a_killed_process_s_events_are_replayed_by_the_next_store(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -101,15 +114,7 @@ async def test_a_failed_copy_keeps_the_events_queued_and_their_file(
     await store.create(_record())
     store.append_now("s", Event(0, "a"))
     first = store._journal.current.path  # type: ignore[union-attr]
-    real = sqlite_module._copy_rows
-    failures = iter([sqlite3.OperationalError("database is locked")])
-
-    def flaky(conn: sqlite3.Connection, rows: list, touch: list) -> None:  # type: ignore[type-arg]
-        for exc in failures:
-            raise exc
-        real(conn, rows, touch)
-
-    monkeypatch.setattr(sqlite_module, "_copy_rows", flaky)
+    _fail_once(monkeypatch)
     with pytest.raises(sqlite3.OperationalError):
         await store.events("s", -1)
     assert first.exists() and store.flushes == 0  # its only copy is still on disk
@@ -159,15 +164,7 @@ async def test_a_failed_background_copy_is_logged_and_tried_again(
 ) -> None:
     store = SQLiteStore(tmp_path / "s.db")
     await store.create(_record())
-    real = sqlite_module._copy_rows
-    failures = iter([sqlite3.OperationalError("database is locked")])
-
-    def flaky(conn: sqlite3.Connection, rows: list, touch: list) -> None:  # type: ignore[type-arg]
-        for exc in failures:
-            raise exc
-        real(conn, rows, touch)
-
-    monkeypatch.setattr(sqlite_module, "_copy_rows", flaky)
+    _fail_once(monkeypatch)
     with caplog.at_level(logging.ERROR):
         store.append_now("s", Event(0, "a"))
         await asyncio.sleep(sqlite_module._FLUSH_EVERY * 3)  # the timer's copy fails
