@@ -90,7 +90,6 @@ class EventJournal:
         return old
 
 
-
 def leftovers(db: Path) -> list[JournalFile]:
     """Journal files of this database that no live process holds, locked for the caller."""
     found = []

@@ -41,11 +41,11 @@ from vlmserve.streaming.events import Event, SessionRecord, SessionState
 from vlmserve.streaming.store.base import already_exists, dump_meta, load_meta
 from vlmserve.streaming.store.group import GroupCommit
 from vlmserve.streaming.store.journal import EventJournal, JournalFile, leftovers, read_rows
+from vlmserve.streaming.store.journal import Row as _Row  # one events row
 
 __all__ = ["SQLiteStore"]
 
 T = TypeVar("T")
-_Row = tuple[str, int, str | None, str, str | None, int]  # one events row
 _TOUCH_EVERY = 1.0  # seconds between updated_at refreshes of a session by its appends
 _FLUSH_EVERY = 0.1  # seconds a journaled event waits before its copy into the table ...
 _FLUSH_ROWS = 1024  # ... or until this many wait
@@ -112,7 +112,7 @@ class SQLiteStore:
             _replay(self._conn, Path(self.path))
             self._journal = EventJournal(Path(self.path))
         self._unflushed: list[_Row] = []  # journaled, not yet in the events table
-        self._kept: list[JournalFile] = []  # files whose copy failed: deleted by a later one
+        self._kept: list[JournalFile] = []  # files of failed copies (their rows put back)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
         self._flushes: set[asyncio.Task[None]] = set()
@@ -177,19 +177,22 @@ class SQLiteStore:
             self._timer = None
         if not self._unflushed:
             return
+        # These rows and the files that hold them (those of failed copies, whose rows were put
+        # back, and the current one): deleted once the rows are in, kept again if not.
         rows, self._unflushed = self._unflushed, []
+        files, self._kept = self._kept, []
+        if self._journal is not None:
+            files.append(self._journal.rotate())
         touch = self._to_touch(rows)
-        done = self._journal.rotate() if self._journal is not None else None
         try:
             await self._run(lambda conn: _copy_rows(conn, rows, touch))
         except BaseException:
             self._unflushed[:0] = rows
-            self._kept.extend([done] if done is not None else [])
+            self._kept.extend(files)
             raise
         self.flushes += 1
-        for file in [*self._kept, *([done] if done is not None else [])]:
+        for file in files:
             file.close(delete=True)
-        self._kept.clear()
 
     def _to_touch(self, rows: list[_Row]) -> list[str]:
         """Sessions whose updated_at the copy refreshes: not touched for a second, or ending."""
@@ -308,21 +311,24 @@ def _insert_records(
     """One transaction for all ``records`` (a group commit); if it fails, each alone, so only
     a taken session id fails its own caller."""
     try:
-        with conn:
-            for record in records:
-                _insert_session(conn, record)
+        _insert_sessions(conn, records)
         return [None] * len(records)
     except (sqlite3.Error, InvalidRequest):
         pass
     results: list[BaseException | None] = []
     for record in records:
         try:
-            with conn:
-                _insert_session(conn, record)
+            _insert_sessions(conn, [record])
             results.append(None)
         except (sqlite3.Error, InvalidRequest) as exc:
             results.append(exc)
     return results
+
+
+def _insert_sessions(conn: sqlite3.Connection, records: list[SessionRecord]) -> None:
+    with conn:
+        for record in records:
+            _insert_session(conn, record)
 
 
 def _insert_session(conn: sqlite3.Connection, record: SessionRecord) -> None:
