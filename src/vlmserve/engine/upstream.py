@@ -20,7 +20,7 @@ from typing import Any
 
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import Chunk, GenerateRequest, ModelState, Serves
-from vlmserve.engine.upstream_http import RETRYABLE, UpstreamHTTP, UpstreamResponse
+from vlmserve.engine.upstream_http import RETRYABLE, UpstreamAnswer, UpstreamHTTP
 from vlmserve.engine.upstream_passthrough import PassThrough
 from vlmserve.engine.upstream_wire import (
     ChunkReader,
@@ -68,7 +68,7 @@ class UpstreamStream:
 
     body: dict[str, Any]
     replica: Replica
-    response: UpstreamResponse
+    response: UpstreamAnswer
     tried: set[str] = field(default_factory=set)
 
 
@@ -251,16 +251,17 @@ class UpstreamBackend(PassThrough, Backend):
     async def _open(self, body: dict[str, Any], tried: set[str]) -> UpstreamStream:
         client = self._require()
 
-        def send(replica: Replica) -> Awaitable[UpstreamResponse]:
+        def send(replica: Replica) -> Awaitable[UpstreamAnswer]:
             return client.open("POST", replica.url + "/v1/chat/completions",
-                               content=encode_body(body), headers=_STREAM_HEADERS)  # fmt: skip
+                               content=encode_body(body), headers=_STREAM_HEADERS,
+                               lean=True)  # fmt: skip
 
         replica, response = await self._first_success(tried, send)
         return UpstreamStream(body, replica, response, tried)
 
     async def _first_success(
-        self, tried: set[str], send: Callable[[Replica], Awaitable[UpstreamResponse]]
-    ) -> tuple[Replica, UpstreamResponse]:
+        self, tried: set[str], send: Callable[[Replica], Awaitable[UpstreamAnswer]]
+    ) -> tuple[Replica, UpstreamAnswer]:
         """Replicas in turn until one answers 2xx: connection errors, 5xx and 429 try the next;
         a 4xx raises at once; none left raises the last error (or 503)."""
         last: VlmserveError | None = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.engine.types import ModelState
-from vlmserve.engine.upstream_http import RETRYABLE, UpstreamResponse
+from vlmserve.engine.upstream_http import RETRYABLE, UpstreamAnswer
 from vlmserve.errors import ServiceUnavailable
 from vlmserve.gateway.pool import Replica, ReplicaPool
 
@@ -29,7 +29,7 @@ __all__ = ["PassThrough", "Passage"]
 class Passage:
     """One passed request's answer (``engine.protocol.PassedAnswer``)."""
 
-    response: UpstreamResponse
+    response: UpstreamAnswer
     replica: Replica
     pool: ReplicaPool | None  # None: a later request, outside the pool's accounting
     _closed: bool = False
@@ -99,7 +99,8 @@ class PassThrough:
         try:
             replica, response = await self._first_success(  # type: ignore[attr-defined]
                 set(),
-                lambda r: client.open("POST", r.url + path, content=content, headers=headers),
+                lambda r: client.open("POST", r.url + path, content=content, headers=headers,
+                                      lean=True),
             )
         except BaseException:
             self.pool.leave()
@@ -113,7 +114,7 @@ class PassThrough:
         client = self._require()  # type: ignore[attr-defined]
         try:
             response = await client.open(method, replica_url + path, content=content,
-                                         headers=headers)  # fmt: skip
+                                         headers=headers, lean=True)  # fmt: skip
         except RETRYABLE as exc:
             raise ServiceUnavailable(
                 f"the replica holding this stream ({replica_url}) cannot be reached: "

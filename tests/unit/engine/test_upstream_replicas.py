@@ -124,7 +124,7 @@ async def test_failure_reasons_say_what_happened(opened: list[Any]) -> None:
         await backend.prepare(request())
     assert "engine on fire" in info.value.message  # the last replica's own error, not "none"
     seen = states(backend, fake)
-    assert seen[A][1] == "ServerDisconnectedError on connect"
+    assert seen[A][1] == "UpstreamDisconnected on connect"  # the lean client's name for it
     assert seen[B][1].startswith("status 500: engine on fire")
 
 
