@@ -39,6 +39,7 @@ from vlmserve.api.routes import (
     worker,
 )
 from vlmserve.api.services import Services
+from vlmserve.api.telemetry import fastapi_telemetry
 from vlmserve.api.ui import install_console
 from vlmserve.config import Settings
 from vlmserve.gateway.registration import Registration
@@ -230,6 +231,7 @@ def build_app(
         responses=ERROR_RESPONSES,
         docs_url=None,  # served from bundled assets below: FastAPI's pages load a CDN
         redoc_url=None,
+        **fastapi_telemetry(),  # FastAPI's OpenTelemetry: on only where it is set up
     )
     clock = ActivityClock(settings.activity_file)
     services.models.activity = clock  # model leases (streams outliving requests) are activity
