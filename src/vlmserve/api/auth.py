@@ -29,6 +29,7 @@ the key itself. Without configured API keys there is one owner, ``ANONYMOUS``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -93,8 +94,10 @@ def normalize_path(path: str | bytes) -> str:
     return "/" + "/".join(segments)
 
 
+@functools.lru_cache(maxsize=4096)  # a request's path is classified twice (decoded, raw)
 def classify_path(path: str | bytes, public_paths: frozenset[str]) -> Access:
-    """Classify one path (raw or decoded); ``public_paths`` must already be normalised."""
+    """Classify one path (raw or decoded); ``public_paths`` must already be normalised.
+    Remembered per path: a pure function of its arguments, ~3 µs each time otherwise."""
     normal = normalize_path(path)
     if normal.startswith(ADMIN_PREFIXES) or _still_encoded(normal):
         return Access.ADMIN

@@ -36,6 +36,7 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
 _TPS_BUCKETS = (1.0, 5.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 150.0, 250.0, 500.0, 1000.0)
 _DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+_MAX_CHILDREN = 4096  # remembered label children (``Metrics._child``)
 
 
 class Metrics:
@@ -45,12 +46,25 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._namespace = namespace
         self._states_seen: dict[str, set[str]] = {}
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._add_request_series()
         self._add_generation_series()
         self._add_model_and_media_series()
 
     def _make(self, kind: Any, name: str, doc: str, labels: Sequence[str] = (), **kw: Any) -> Any:
         return kind(name, doc, labels, namespace=self._namespace, registry=self.registry, **kw)
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)`` (label values in the metric's order), remembered: the
+        series every request touches skip ``prometheus_client``'s checks and lock. Bounded:
+        a process whose label values keep changing starts over at ``_MAX_CHILDREN``."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) >= _MAX_CHILDREN:
+                self._children.clear()
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def _add_request_series(self) -> None:
         make = self._make
@@ -189,14 +203,14 @@ class Metrics:
 
     # -- requests (the middleware calls these) --
     def request_started(self, route: str) -> None:
-        self.requests_in_flight.labels(route=route).inc()
+        self._child(self.requests_in_flight, route).inc()
 
     def request_finished(
         self, route: str, in_flight_route: str, model: str, status: int, seconds: float
     ) -> None:
-        self.requests_in_flight.labels(route=in_flight_route).dec()
-        self.requests.labels(route=route, model=model, status=str(status)).inc()
-        self.request_duration.labels(route=route).observe(seconds)
+        self._child(self.requests_in_flight, in_flight_route).dec()
+        self._child(self.requests, route, model, str(status)).inc()
+        self._child(self.request_duration, route).observe(seconds)
 
     # -- engine side --
     def set_load(self, model: str, *, running: int, waiting: int, usage: float) -> None:
@@ -249,16 +263,16 @@ class Metrics:
             self.engine_process_rss.labels(model=model).set(process_rss_bytes)
 
     def observe_ttft(self, model: str, seconds: float) -> None:
-        self.ttft.labels(model=model).observe(seconds)
+        self._child(self.ttft, model).observe(seconds)
 
     def observe_time_per_output_token(self, model: str, seconds: float) -> None:
-        self.tpot.labels(model=model).observe(seconds)
+        self._child(self.tpot, model).observe(seconds)
 
     def observe_tokens(self, model: str, *, prompt: int = 0, output: int = 0) -> None:
         if prompt:
-            self.prompt_tokens.labels(model=model).inc(prompt)
+            self._child(self.prompt_tokens, model).inc(prompt)
         if output:
-            self.output_tokens.labels(model=model).inc(output)
+            self._child(self.output_tokens, model).inc(output)
 
     def observe_generation(
         self, model: str, *, prompt_tokens: int, output_tokens: int, ttft: float, total: float
@@ -267,7 +281,7 @@ class Metrics:
         self.observe_tokens(model, prompt=prompt_tokens, output=output_tokens)
         self.observe_ttft(model, ttft)
         if output_tokens > 0 and total > 0:
-            self.tokens_per_second.labels(model=model).observe(output_tokens / total)
+            self._child(self.tokens_per_second, model).observe(output_tokens / total)
         decode = total - ttft
         if output_tokens > 1 and decode >= 0:
             self.observe_time_per_output_token(model, decode / (output_tokens - 1))

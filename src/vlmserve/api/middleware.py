@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
-import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -67,7 +67,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        rid = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        rid = given if _SAFE_ID.match(given) else os.urandom(16).hex()  # uuid4's cost, less
         scope.setdefault("state", {})["request_id"] = rid
         status = 0
 
