@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import re
 import socket
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -99,10 +100,14 @@ async def test_the_request_carries_host_length_and_merged_headers(scripted) -> N
         "authorization: Bearer given"]  # one, the caller's  # fmt: skip
 
 
-async def test_a_header_that_would_split_the_request_is_refused(scripted) -> None:
+@pytest.mark.parametrize("header", [{"x-evil": "a\r\nhost: elsewhere"}, {"x-a:b": "1"},
+                                    {"x-nul": "a\0b"}])  # fmt: skip
+async def test_a_header_that_would_split_or_bend_the_request_is_refused(
+    scripted, header: dict[str, str]
+) -> None:
     server = await scripted(ok)
-    with pytest.raises(ValueError, match="x-evil"):
-        await lean().open("GET", server.url + "/", headers={"x-evil": "a\r\nhost: elsewhere"})
+    with pytest.raises(ValueError, match=re.escape(repr(next(iter(header))))):
+        await lean().open("GET", server.url + "/", headers=header)
     assert server.requests == []
 
 
@@ -364,13 +369,6 @@ async def test_the_request_line_host_and_length_of_a_plain_get_and_post(scripted
     assert "x-after: 1" in get and "host: evil" not in get  # a caller's Host is dropped
     assert not any(line.startswith("content-length") for line in get)  # no body, no length
     assert post[0] == "POST /v1/x HTTP/1.1" and "content-length: 0" in post
-
-
-async def test_a_header_name_with_a_colon_is_refused(scripted) -> None:
-    server = await scripted(ok)
-    with pytest.raises(ValueError, match="x-a:b"):
-        await lean().open("GET", server.url + "/", headers={"x-a:b": "1"})
-    assert server.requests == []
 
 
 async def test_a_chunked_body_ended_by_a_clean_close_is_cut_short_not_complete(scripted) -> None:
