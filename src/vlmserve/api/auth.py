@@ -72,6 +72,9 @@ class Access(IntEnum):
     ADMIN = 2
 
 
+_REMEMBERED_PATH_CHARS = 256  # paths up to this long have their class remembered
+
+
 def normalize_path(path: str | bytes) -> str:
     """The strictest reading of a URL path: ``"/V1/%2e%2e//Admin/x/"`` -> ``"/admin/x"``."""
     raw = path.encode("utf-8", errors="surrogateescape") if isinstance(path, str) else path
@@ -94,10 +97,21 @@ def normalize_path(path: str | bytes) -> str:
     return "/" + "/".join(segments)
 
 
-@functools.lru_cache(maxsize=4096)  # a request's path is classified twice (decoded, raw)
 def classify_path(path: str | bytes, public_paths: frozenset[str]) -> Access:
     """Classify one path (raw or decoded); ``public_paths`` must already be normalised.
-    Remembered per path: a pure function of its arguments, ~3 µs each time otherwise."""
+    Remembered for short paths (a request's is classified twice, decoded and raw, ~3 µs each
+    otherwise); a long one, which a client without a key may send, is never held."""
+    if len(path) <= _REMEMBERED_PATH_CHARS:
+        return _classify_remembered(path, public_paths)
+    return _classify(path, public_paths)
+
+
+@functools.lru_cache(maxsize=4096)
+def _classify_remembered(path: str | bytes, public_paths: frozenset[str]) -> Access:
+    return _classify(path, public_paths)
+
+
+def _classify(path: str | bytes, public_paths: frozenset[str]) -> Access:
     normal = normalize_path(path)
     if normal.startswith(ADMIN_PREFIXES) or _still_encoded(normal):
         return Access.ADMIN

@@ -139,7 +139,7 @@ class UpstreamHTTP:
                    lean: bool = False) -> UpstreamAnswer:  # fmt: skip
         """Send a request; the answer's status and headers are in, its body not yet read.
         ``lean``: through ``LeanHTTP`` where it can go (``http``, no proxy, no own timeout)."""
-        if lean and timeout is None and url.startswith("http://") and self._proxy(url) is None:
+        if lean and timeout is None and _lean_can(url) and self._proxy(url) is None:
             if self._lean is None:
                 self._lean = LeanHTTP(connect_timeout=self.connect_timeout,
                                       read_timeout=self.read_timeout,
@@ -184,6 +184,11 @@ class UpstreamHTTP:
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
+
+
+def _lean_can(url: str) -> bool:
+    """Plain ``http`` without credentials in the URL (aiohttp turns those into Basic auth)."""
+    return url.startswith("http://") and "@" not in url[7:].partition("/")[0]
 
 
 def environment_proxy(scheme: str, host: str) -> str | None:

@@ -93,6 +93,7 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.header_list: list[tuple[str, str]] = []
         self.head_in = self.complete = self.paused = self.seen_byte = self.keep_alive = False
+        self.interim = self.stray = False  # a 1xx head; bytes of another answer after this one
         self.body: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.decoder: Any = None  # a zlib decompressor for a gzip or deflate answer
@@ -132,11 +133,23 @@ class _Connection(asyncio.Protocol):
             204, 304) and self.status >= 200  # fmt: skip
 
     # --- httptools callbacks ------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:  # another answer on the wire after this one's end: never part of it
+            self.stray, self.keep_alive = True, False
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_list.append((name.decode("latin-1"), value.decode("latin-1")))
+        if not self.stray:  # decoded as aiohttp decodes them
+            self.header_list.append((name.decode("utf-8", "surrogateescape"),
+                                     value.decode("utf-8", "surrogateescape")))  # fmt: skip
 
     def on_headers_complete(self) -> None:
-        self.status, self.head_in = self.parser.get_status_code(), True
+        status = self.parser.get_status_code()
+        if self.stray or (100 <= status < 200 and status != 101):
+            if not self.stray:  # 100 Continue, 103 Early Hints: the answer follows
+                self.interim = True
+                self.header_list.clear()
+            return
+        self.status, self.head_in = status, True
         coding = next((v for n, v in self.header_list if n.lower() == "content-encoding"), "")
         coding = coding.strip().lower()
         if coding in ("gzip", "x-gzip", "deflate"):  # asked for identity, compressed anyway
@@ -149,6 +162,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.stray:
+            return
         if self.decoder is not None:
             try:
                 body = self.decoder.decompress(body)
@@ -167,6 +182,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.stray or self.interim:
+            self.interim = False
+            return
         # asked now: once ``feed_data`` returns, the parser has moved on and says False
         self.keep_alive = self.parser.should_keep_alive()
         self.complete = True
@@ -240,6 +258,8 @@ class _Connection(asyncio.Protocol):
     def recycle(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
+        if self.paused and self.transport is not None:  # an answer left unread at its end
+            self.transport.resume_reading()
         self.busy = False
         self._reset()
 
@@ -311,7 +331,9 @@ class LeanHTTP:
             except LeanConnectionError:
                 if conn.seen_byte:
                     raise
-                # closed by the replica while idle (its keep-alive timeout): a new connection
+                # closed by the replica while idle (its keep-alive timeout): a new connection.
+                # (A replica that read the request and then closed without a byte gets it
+                # twice, as another replica would from ``_first_success``.)
         return await self._exchange(key, await self._connect(key, url), request)
 
     def _idle_connection(self, key: tuple[str, int]) -> _Connection | None:
@@ -330,7 +352,7 @@ class LeanHTTP:
                 loop.create_connection(lambda: _Connection(origin, self.read_timeout), *key),
                 self.connect_timeout,
             )
-        except TimeoutError as exc:
+        except (TimeoutError, asyncio.TimeoutError) as exc:  # two classes before 3.11
             raise UpstreamUnreachable(f"connecting to {url} timed out after "
                                       f"{self.connect_timeout} s") from exc  # fmt: skip
         except OSError as exc:

@@ -232,3 +232,17 @@ async def test_health_spelled_differently_is_still_public() -> None:
     assert await call_headers(app, "/health") == 200
     for variant in ("/health/", "/v1/../health", "/HEALTH"):  # through auth, then the router
         assert await call_headers(app, variant) in (307, 404)
+
+
+def test_path_classes_are_remembered_for_short_paths_only() -> None:
+    from vlmserve.api import auth
+
+    public = frozenset({"/health"})
+    auth._classify_remembered.cache_clear()
+    assert auth.classify_path("/v1/models", public) is auth.Access.API
+    assert auth.classify_path("/v1/models", public) is auth.Access.API
+    assert auth._classify_remembered.cache_info().hits == 1
+    long_admin = "/" + "a/" * 200 + "../" * 200 + "admin/x"  # normalises to /admin/x
+    assert auth.classify_path(long_admin, public) is auth.Access.ADMIN  # the same answer
+    assert auth.classify_path(long_admin.encode(), public) is auth.Access.ADMIN
+    assert auth._classify_remembered.cache_info().currsize == 1  # never held

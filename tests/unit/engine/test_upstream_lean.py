@@ -271,6 +271,10 @@ async def test_upstream_http_goes_lean_only_where_it_can(
     timed = await http.open("GET", server.url + "/", lean=True, timeout=1)  # its own timeout
     assert type(timed).__name__ == "UpstreamResponse"
     timed.close()
+    with_user = server.url.replace("http://", "http://user:pw@")  # aiohttp's Basic auth
+    basic = await http.open("GET", with_user + "/", lean=True)
+    assert type(basic).__name__ == "UpstreamResponse"
+    basic.close()
     await http.aclose()
     assert http._lean is None
 
@@ -400,3 +404,50 @@ async def test_a_connect_that_hangs_gives_up_after_connect_timeout() -> None:
             for s in queued:
                 s.close()
     assert 0.15 < asyncio.get_running_loop().time() - started < 5
+
+
+async def test_an_answer_left_unread_while_reading_was_paused_leaves_a_working_connection(
+    scripted,
+) -> None:
+    size = 300 * 1024  # over the high-water mark: reading pauses with the answer all in
+
+    async def big_then_small(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        if request.startswith(b"GET /big"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size + b"x" * size)
+        else:
+            writer.write(OK)
+        return True
+
+    server = await scripted(big_then_small)
+    http = lean(read_timeout=2)
+    response = await http.open("GET", server.url + "/big")
+    await asyncio.sleep(0.2)
+    assert response._conn.paused and response._conn.complete  # the case in question
+    await anext(response.chunks())
+    response.close()  # read in part, but whole: pooled
+    again = await http.open("GET", server.url + "/small")
+    assert await again.read() == b"ok" and server.connections == 1  # the same, reading again
+    again.close()
+
+
+async def test_an_informational_head_is_skipped_and_stray_bytes_never_join_an_answer(
+    scripted,
+) -> None:
+    async def hints_then_stray(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        if request.startswith(b"GET /first"):
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n"
+                         b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfirst"
+                         b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nst")  # fmt: skip
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecond")
+        return True
+
+    server = await scripted(hints_then_stray)
+    http = lean()
+    first = await http.open("GET", server.url + "/first")
+    assert first.status == 200 and "link" not in first.headers
+    assert await first.read() == b"first"
+    first.close()  # stray bytes followed it: the connection is not kept
+    second = await http.open("GET", server.url + "/second")
+    assert await second.read() == b"second" and server.connections == 2
+    second.close()
