@@ -252,9 +252,8 @@ class UpstreamBackend(PassThrough, Backend):
         client = self._require()
 
         def send(replica: Replica) -> Awaitable[UpstreamAnswer]:
-            return client.open("POST", replica.url + "/v1/chat/completions",
-                               content=encode_body(body), headers=_STREAM_HEADERS,
-                               lean=True)  # fmt: skip
+            url, content = replica.url + "/v1/chat/completions", encode_body(body)
+            return client.open("POST", url, content=content, headers=_STREAM_HEADERS, lean=True)
 
         replica, response = await self._first_success(tried, send)
         return UpstreamStream(body, replica, response, tried)
