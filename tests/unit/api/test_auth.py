@@ -245,4 +245,6 @@ def test_path_classes_are_remembered_for_short_paths_only() -> None:
     long_admin = "/" + "a/" * 200 + "../" * 200 + "admin/x"  # normalises to /admin/x
     assert auth.classify_path(long_admin, public) is auth.Access.ADMIN  # the same answer
     assert auth.classify_path(long_admin.encode(), public) is auth.Access.ADMIN
+    long_public = "/" + "a/../" * 100 + "health"  # normalises to /health
+    assert auth.classify_path(long_public, public) is auth.Access.PUBLIC
     assert auth._classify_remembered.cache_info().currsize == 1  # never held
