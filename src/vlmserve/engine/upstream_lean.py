@@ -310,7 +310,7 @@ class LeanHTTP:
     def __init__(self, *, connect_timeout: float, read_timeout: float,
                  headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        self.headers = dict(headers or {})
+        self.headers = {name.lower(): value for name, value in (headers or {}).items()}
         self.idle: dict[tuple[str, int], list[_Connection]] = {}
 
     async def open(self, method: str, url: str, *, content: bytes | None = None,
@@ -319,7 +319,7 @@ class LeanHTTP:
         parts = urlsplit(url)
         key = (parts.hostname or "", parts.port or 80)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        merged = {name.lower(): value for name, value in self.headers.items()}
+        merged = dict(self.headers)  # the session's own, names already in lower case
         merged.update((name.lower(), value) for name, value in (headers or {}).items())
         merged["accept-encoding"] = "identity"  # bodies pass as they come: never compressed
         host = parts.netloc.rpartition("@")[2]  # never a user's credentials in Host
