@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU check, in one call of a lent GPU machine: tests/gpu, then benchmarks/gpu.py.
+#
+# The machine has torch, transformers, pytest and httpx but not vlmserve's other core needs.
+# Before the call, download them here as py3.12 wheels into .whl/ (ignored by git, named
+# in the call's carry):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     -d .whl pydantic pydantic_core pydantic-settings annotated-types typing-inspection \
+#     python-dotenv av typing_extensions pytest-asyncio      # the versions pip list shows
+# Then run `bash scripts/gpu_check.sh` there. Logs and gpu.json go to $OUT (else gpu-out/).
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+python3 -c 'import torch, transformers, pytest; print("torch", torch.__version__,
+    "transformers", transformers.__version__, "pytest", pytest.__version__)' | tee -a "$out/device.txt"
+timeout "${GPU_TESTS_S:-240}" python3 -m pytest tests/gpu --confcutdir tests/gpu \
+    -p no:cacheprovider -W default -q -rA 2>&1 | tee "$out/pytest.log"
+tests=$?
+timeout "${GPU_BENCH_S:-420}" python3 benchmarks/gpu.py --json "$out/gpu.json" "$@" 2>&1 \
+    | grep --line-buffered -v -e 'Loading weights' -e 'Writing model' | tee "$out/bench.log"
+bench=$?
+echo "tests exit $tests, benchmark exit $bench"
+[ "$tests" = 0 ] && [ "$bench" = 0 ]
