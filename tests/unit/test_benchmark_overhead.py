@@ -139,3 +139,30 @@ def test_hops_runs_the_worker_and_three_proxies_in_front_of_it(tmp_path: Path) -
     assert specs["gateway-sessions"].env == {"VLMSERVE_GATEWAY_PASSTHROUGH": "false"}
     registry = (tmp_path / "registry.toml").read_text()
     assert 'base_urls = ["http://127.0.0.1:1"]' in registry and "preflight = false" in registry
+
+
+def test_sqlite_budgets_are_judged_round_by_round_against_the_neighbouring_baseline() -> None:
+    """Drift that slows both setups alike (memory 3,000 -> 2,000 tok/s) cancels in each
+    round's pair; the ratio of the medians (kept as ``cost_of_medians``) would not."""
+    overhead = load("bench_overhead", BENCH / "overhead.py")
+    from peers.tables import summarize
+
+    tps = {"memory": [3000.0, 2000.0, 2500.0], "sqlite": [2940.0, 1900.0, 2000.0]}
+    ttft = {"memory": [50.0, 60.0, 40.0], "sqlite": [51.0, 64.8, 60.0]}
+    samples = []
+    for name in tps:
+        for rnd in range(3):
+            report = {"output_throughput": tps[name][rnd], "ttft_ms": {"median": ttft[name][rnd]},
+                      "requests": 1, "failed": 0, "tpot_ms": {"median": 1.0},
+                      "e2e_ms": {"median": 1.0}}  # fmt: skip
+            samples.append(overhead.Sample(name, 8, rnd, report, 1.0))
+    paired = overhead.paired_costs(samples)
+    assert paired[("sqlite", 8, "tok/s")] == pytest.approx(0.05)  # of 0.02, 0.05, 0.20
+    assert paired[("sqlite", 8, "ttft")] == pytest.approx(0.08)  # of 0.02, 0.08, 0.50
+    rows = summarize([(s.server, s.concurrency, s.report) for s in samples])
+    checks = {c["metric"]: c for c in overhead.budgets(rows, None, paired)}
+    assert checks["tok/s"]["cost"] == pytest.approx(0.05) and checks["tok/s"]["ok"]
+    assert checks["tok/s"]["cost_of_medians"] == pytest.approx(0.20)
+    assert checks["ttft"]["cost"] == pytest.approx(0.08) and checks["ttft"]["ok"]
+    unpaired = {c["metric"]: c for c in overhead.budgets(rows)}
+    assert unpaired["tok/s"]["cost"] == pytest.approx(0.20) and not unpaired["tok/s"]["ok"]

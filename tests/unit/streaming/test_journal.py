@@ -34,6 +34,10 @@ WRITER = textwrap.dedent(
         await store.create(SessionRecord("s", {}, SessionState.RUNNING, now, now))
         for i in range(int(sys.argv[2])):
             store.append_now("s", Event(i, f"e{i}"))
+        if sys.argv[3:] == ["end"]:  # the session's end and a new owner, journaled too
+            await store.heartbeat("s", "owner-b")
+            store.append_now("s", Event(int(sys.argv[2]), "[DONE]", terminal=True))
+            await store.set_state("s", SessionState.CANCELLED)
         print("written", flush=True)
         await asyncio.sleep(3600)  # killed before its copy into the table
 
@@ -89,6 +93,57 @@ async def test_a_killed_process_s_events_are_replayed_by_the_next_store(
     assert [(e.index, e.data) for e in events] == [(i, f"e{i}") for i in range(500)]
     assert not journals[0].exists()
     assert (await store.get("s")).last_index == 499  # type: ignore[union-attr]
+    await store.close()
+
+
+async def test_a_killed_process_s_state_change_and_owner_are_replayed(tmp_path: Path) -> None:
+    """set_state and heartbeat are journaled like events: a ``kill -9`` before their copy
+    into the table loses neither."""
+    db = tmp_path / "s.db"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(db), "3", "end"],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
+        with sqlite3.connect(db) as conn:  # not in the table yet
+            assert conn.execute("SELECT state, owner FROM sessions").fetchall() == [
+                ("running", "")
+            ]
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+    store = SQLiteStore(db)
+    record = await store.get("s")
+    assert record is not None and record.state is SessionState.CANCELLED
+    assert record.owner == "owner-b" and record.last_index == 3
+    assert [e.terminal for e in await store.events("s", -1)] == [False, False, False, True]
+    await store.close()
+
+
+async def test_an_update_line_that_is_not_one_ends_the_replay(tmp_path: Path, caplog) -> None:
+    db = tmp_path / "s.db"
+    store = SQLiteStore(db)
+    await store.create(_record())
+    await store.close()
+    left = tmp_path / "s.db.events-dead0000-1.jsonl"
+    left.write_text('["s", 0, null, "a", null, 0]\n["s", "state", "finished", 1.0]\n'
+                    '["s", "state", "exploded", 2.0]\n["s", 1, null, "b", null, 0]\n')  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        reopened = SQLiteStore(db)
+    record = await reopened.get("s")
+    assert record is not None and record.state is SessionState.FINISHED
+    assert [e.data for e in await reopened.events("s", -1)] == ["a"]
+    assert "line 3 is torn or corrupt" in caplog.text
+    await reopened.close()
+
+
+async def test_a_state_change_reaches_the_table_without_a_read(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    store = SQLiteStore(db)
+    await store.create(_record())
+    await store.set_state("s", SessionState.FINISHED)
+    await asyncio.sleep(sqlite_module._FLUSH_EVERY * 3)  # the timer's copy
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT state FROM sessions").fetchone() == ("finished",)
     await store.close()
 
 

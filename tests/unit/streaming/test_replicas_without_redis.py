@@ -32,14 +32,22 @@ N = 30
 
 
 class SharedSQLiteStore(SQLiteStore):
-    """Every append is in the table when it returns (not only in this process's journal), so
-    the other replica reads it as it would read Redis."""
+    """Every append, state change and heartbeat is in the tables when it returns (not only in
+    this process's journal), so the other replica reads it as it would read Redis."""
 
     shared = True  # type: ignore[misc]
     append_now = None  # type: ignore[assignment]  # sessions await ``append``
 
     async def append(self, session_id: str, event: Event) -> None:
         SQLiteStore.append_now(self, session_id, event)
+        await self._flush()
+
+    async def set_state(self, session_id: str, state: SessionState) -> None:
+        await super().set_state(session_id, state)
+        await self._flush()
+
+    async def heartbeat(self, session_id: str, owner: str) -> None:
+        await super().heartbeat(session_id, owner)
         await self._flush()
 
 

@@ -43,11 +43,15 @@ async def test_create_get_and_alias_lookup(any_store) -> None:
     assert await any_store.get("nope") is None
 
 
-@pytest.mark.parametrize(("sid", "aliases"), [("s1", ()), ("a1", ()), ("s2", ("a1",))])
-async def test_create_rejects_a_taken_id_or_alias(any_store, sid, aliases) -> None:
+@pytest.mark.parametrize(
+    ("sid", "aliases", "taken"),
+    [("s1", (), "s1"), ("a1", (), "a1"), ("s2", ("a1",), "a1"), ("s2", ("a2", "s1"), "s1")],
+)
+async def test_create_rejects_a_taken_id_or_alias(any_store, sid, aliases, taken) -> None:
     await any_store.create(record())
-    with pytest.raises(InvalidRequest, match="already exists"):
+    with pytest.raises(InvalidRequest, match=f"^session '{taken}' already exists"):
         await any_store.create(record(sid, aliases))
+    assert await any_store.get("a2") is None  # nothing of a refused session is kept
 
 
 async def test_append_events_state_and_heartbeat(any_store) -> None:

@@ -7,10 +7,20 @@ import json
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+import orjson
+
 from vlmserve.errors import InvalidRequest
 from vlmserve.streaming.events import Event, SessionRecord, SessionState
 
-__all__ = ["AppendNow", "SessionStore", "already_exists", "dump_meta", "load_meta", "store_event"]
+__all__ = [
+    "AppendNow",
+    "SessionStore",
+    "already_exists",
+    "dump_meta",
+    "dump_request",
+    "load_meta",
+    "store_event",
+]
 
 AppendNow = Callable[[str, Event], None]  # a store's append that is done when it returns
 
@@ -53,7 +63,23 @@ def already_exists(name: str) -> InvalidRequest:
 
 
 def dump_meta(meta: dict[str, Any] | None) -> str | None:
-    return None if meta is None else json.dumps(meta)
+    """Per event (a chat chunk's token ids): orjson, about 6x faster than ``json.dumps``; the
+    standard library for what orjson refuses (an integer wider than 64 bits)."""
+    if meta is None:
+        return None
+    try:
+        return orjson.dumps(meta, option=orjson.OPT_NON_STR_KEYS).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(meta)
+
+
+def dump_request(request: dict[str, Any]) -> str:
+    """A session's request (inline images included) as JSON text: orjson, json for what it
+    refuses (an integer wider than 64 bits)."""
+    try:
+        return orjson.dumps(request, option=orjson.OPT_NON_STR_KEYS).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(request)
 
 
 def load_meta(text: str | None) -> dict[str, Any] | None:

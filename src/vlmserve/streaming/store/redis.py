@@ -26,7 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from vlmserve.streaming.events import FINAL_STATES, Event, SessionRecord, SessionState
-from vlmserve.streaming.store.base import already_exists, dump_meta, load_meta
+from vlmserve.streaming.store.base import already_exists, dump_meta, dump_request, load_meta
 from vlmserve.streaming.store.group import GroupCommit
 
 __all__ = ["RedisStore"]
@@ -62,13 +62,15 @@ class RedisStore:
         if not await self._redis.hsetnx(key, "session_id", sid):
             raise already_exists(sid)
         taken: list[str] = []
-        for alias in record.aliases:
-            if not await self._redis.set(self._key("alias", alias), sid, nx=True, ex=self._ttl_s):
+        for alias in record.aliases:  # neither another session's id nor its alias
+            if await self._redis.exists(self._key("session", alias)) or not await self._redis.set(
+                self._key("alias", alias), sid, nx=True, ex=self._ttl_s
+            ):
                 await self._redis.delete(key, *(self._key("alias", a) for a in taken))
                 raise already_exists(alias)
             taken.append(alias)
         mapping = {
-            "request": json.dumps(record.request),
+            "request": dump_request(record.request),
             "state": record.state.value,
             "created_at": repr(record.created_at),
             "updated_at": repr(record.updated_at),

@@ -13,10 +13,13 @@ designs in turn): the journal costs +14-28 us of CPU per event over the memory s
 committing every engine step to SQLite before publishing it (group commit, the design before)
 cost +50-70 us, a thread hop and a WAL transaction of whole pages per step.
 
-New sessions are group-committed (``store/group.py``): a burst of new streams is one
-transaction. A session's ``last_index`` is read from its events (``MAX(idx)``), and its
-``updated_at`` is refreshed by appends at most once a second (heartbeats and state changes
-refresh it too).
+State changes and heartbeats (a session's ``state``, ``owner`` and ``updated_at``) are
+journaled like events and copied with them: before, each was a thread hop and a transaction
+of its own, once per request at its end. New sessions are group-committed
+(``store/group.py``): a burst of new streams is one transaction, whose check for a taken id or
+alias is one query (``sqlite_sessions.py``). A session's ``last_index`` is read from its
+events (``MAX(idx)``), and its ``updated_at`` is refreshed by appends at most once a second
+(heartbeats and state changes refresh it too).
 
 One connection, used only from one dedicated worker thread, so calls from many concurrent
 sessions are serialised without a lock and never block the event loop. WAL mode with
@@ -27,7 +30,6 @@ Opening an existing file keeps its data, so a restarted server can replay or con
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sqlite3
 import time
@@ -36,12 +38,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from vlmserve.errors import InvalidRequest
 from vlmserve.streaming.events import Event, SessionRecord, SessionState
-from vlmserve.streaming.store.base import already_exists, dump_meta, load_meta
+from vlmserve.streaming.store.base import dump_meta, load_meta
 from vlmserve.streaming.store.group import GroupCommit
-from vlmserve.streaming.store.journal import EventJournal, JournalFile, leftovers, read_rows
+from vlmserve.streaming.store.journal import (
+    Entry,
+    EventJournal,
+    JournalFile,
+    Update,
+    is_event,
+    is_update,
+    leftovers,
+    read_rows,
+)
 from vlmserve.streaming.store.journal import Row as _Row  # one events row
+from vlmserve.streaming.store.sqlite_sessions import insert_records, lookup
 
 __all__ = ["SQLiteStore"]
 
@@ -111,7 +122,7 @@ class SQLiteStore:
         if self.path != ":memory:":
             _replay(self._conn, Path(self.path))
             self._journal = EventJournal(Path(self.path))
-        self._unflushed: list[_Row] = []  # journaled, not yet in the events table
+        self._unflushed: list[Entry] = []  # journaled, not yet in the tables
         self._kept: list[JournalFile] = []  # files of failed copies (their rows put back)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
@@ -131,17 +142,14 @@ class SQLiteStore:
 
     def append_now(self, session_id: str, event: Event) -> None:
         """Journal the event (durable when this returns); it reaches the table later."""
-        row = (
-            session_id,
-            event.index,
-            event.event,
-            event.data,
-            dump_meta(event.meta),
-            int(event.terminal),
-        )
+        meta = dump_meta(event.meta)
+        self._enqueue((session_id, event.index, event.event, event.data, meta, event.terminal))
+
+    def _enqueue(self, entry: Entry) -> None:
+        """Into the journal, then queued for the next copy into the tables."""
         if self._journal is not None:
-            self._journal.write(row)
-        self._unflushed.append(row)
+            self._journal.write(entry)
+        self._unflushed.append(entry)
         if len(self._unflushed) >= _FLUSH_ROWS:
             self._flush_soon(0.0)
         elif self._timer is None or self._timer_loop is not asyncio.get_running_loop():
@@ -194,11 +202,11 @@ class SQLiteStore:
         for file in files:
             file.close(delete=True)
 
-    def _to_touch(self, rows: list[_Row]) -> list[str]:
+    def _to_touch(self, rows: list[Entry]) -> list[str]:
         """Sessions whose updated_at the copy refreshes: not touched for a second, or ending."""
         now = time.monotonic()
         touch = []
-        for sid, _, _, _, _, terminal in rows:
+        for sid, _, _, _, _, terminal in _events(rows):
             if terminal:
                 self._touched.pop(sid, None)
                 touch.append(sid)
@@ -208,26 +216,18 @@ class SQLiteStore:
         return touch
 
     async def _insert_records(self, records: list[SessionRecord]) -> list[BaseException | None]:
-        return await self._run(lambda conn: _insert_records(conn, records))
+        return await self._run(lambda conn: insert_records(conn, records))
 
     async def set_state(self, session_id: str, state: SessionState) -> None:
-        await self._update(session_id, "state = ?", state.value)
+        """Journaled like an event (durable when this returns), copied with the events."""
+        self._enqueue((session_id, "state", state.value, time.time()))
 
     async def heartbeat(self, session_id: str, owner: str) -> None:
-        await self._update(session_id, "owner = ?", owner)
-
-    async def _update(self, session_id: str, assignment: str, value: str) -> None:
-        sql = f"UPDATE sessions SET {assignment}, updated_at = ? WHERE session_id = ?"
-
-        def work(conn: sqlite3.Connection) -> None:
-            with conn:
-                conn.execute(sql, (value, time.time(), session_id))
-
-        await self._run(work)
+        self._enqueue((session_id, "owner", owner, time.time()))
 
     async def get(self, session_id: str) -> SessionRecord | None:
         await self._flush()
-        return await self._run(lambda conn: _lookup(conn, session_id))
+        return await self._run(lambda conn: lookup(conn, session_id))
 
     async def events(self, session_id: str, after: int) -> list[Event]:
         def work(conn: sqlite3.Connection) -> list[Event]:
@@ -283,17 +283,34 @@ class SQLiteStore:
             self._executor.shutdown(wait=True)
 
 
-def _copy_rows(conn: sqlite3.Connection, rows: list[_Row], touch: list[str]) -> None:
-    """Journaled events into the table, one transaction. A row already there (the same
-    session and index: a journal replayed twice) is kept as it is."""
+def _copy_rows(conn: sqlite3.Connection, rows: list[Entry], touch: list[str]) -> None:
+    """Journaled entries into the tables, one transaction: events (a row already there, the
+    same session and index from a journal replayed twice, is kept as it is), then the
+    sessions' state and owner changes in the order they were made."""
     with conn:
-        conn.executemany("INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?)", rows)
+        conn.executemany("INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?)", _events(rows))
+        for sid, column, value, at in _updates(rows):
+            conn.execute(_UPDATE[column], (value, at, sid))
         if touch:
             now = time.time()
             conn.executemany(
                 "UPDATE sessions SET updated_at = ? WHERE session_id = ?",
                 [(now, sid) for sid in dict.fromkeys(touch)],
             )
+
+
+_UPDATE = {
+    column: f"UPDATE sessions SET {column} = ?, updated_at = ? WHERE session_id = ?"
+    for column in ("state", "owner")
+}
+
+
+def _events(entries: list[Entry]) -> list[_Row]:
+    return [e for e in entries if is_event(e)]
+
+
+def _updates(entries: list[Entry]) -> list[Update]:
+    return [e for e in entries if is_update(e)]
 
 
 def _replay(conn: sqlite3.Connection, db: Path) -> None:
@@ -305,78 +322,6 @@ def _replay(conn: sqlite3.Connection, db: Path) -> None:
         log.info("replayed %d journaled events from %s", len(rows), file.path.name)
 
 
-def _insert_records(
-    conn: sqlite3.Connection, records: list[SessionRecord]
-) -> list[BaseException | None]:
-    """One transaction for all ``records`` (a group commit); if it fails, each alone, so only
-    a taken session id fails its own caller."""
-    try:
-        _insert_sessions(conn, records)
-        return [None] * len(records)
-    except (sqlite3.Error, InvalidRequest):
-        pass
-    results: list[BaseException | None] = []
-    for record in records:
-        try:
-            _insert_sessions(conn, [record])
-            results.append(None)
-        except (sqlite3.Error, InvalidRequest) as exc:
-            results.append(exc)
-    return results
-
-
-def _insert_sessions(conn: sqlite3.Connection, records: list[SessionRecord]) -> None:
-    with conn:
-        for record in records:
-            _insert_session(conn, record)
-
-
-def _insert_session(conn: sqlite3.Connection, record: SessionRecord) -> None:
-    for name in (record.session_id, *record.aliases):
-        if _lookup(conn, name) is not None:
-            raise already_exists(name)
-    conn.execute(
-        "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (record.session_id, json.dumps(record.request), record.state.value, record.created_at,
-         record.updated_at, record.last_index, record.owner),
-    )  # fmt: skip
-    conn.executemany(
-        "INSERT INTO aliases VALUES (?, ?)",
-        [(alias, record.session_id) for alias in record.aliases],
-    )
-
-
 def _has_table(conn: sqlite3.Connection, name: str) -> bool:
     found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,))
     return found.fetchone() is not None
-
-
-def _lookup(conn: sqlite3.Connection, name: str) -> SessionRecord | None:
-    """The record whose id or alias is ``name``."""
-    row = conn.execute("SELECT * FROM sessions WHERE session_id = ?", (name,)).fetchone()
-    if row is None:
-        alias = conn.execute("SELECT session_id FROM aliases WHERE alias = ?", (name,)).fetchone()
-        if alias is None:
-            return None
-        row = conn.execute("SELECT * FROM sessions WHERE session_id = ?", alias).fetchone()
-        if row is None:
-            return None
-    sid, request, state, created_at, updated_at, last_index, owner = row
-    (newest,) = conn.execute("SELECT MAX(idx) FROM events WHERE session_id = ?", (sid,)).fetchone()
-    last_index = max(last_index, -1 if newest is None else newest)
-    aliases = [
-        a
-        for (a,) in conn.execute(
-            "SELECT alias FROM aliases WHERE session_id = ? ORDER BY rowid", (sid,)
-        )
-    ]
-    return SessionRecord(
-        sid,
-        json.loads(request),
-        SessionState(state),
-        created_at,
-        updated_at,
-        last_index,
-        owner,
-        aliases,
-    )
