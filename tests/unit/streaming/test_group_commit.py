@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
 import time
 import uuid
@@ -78,9 +79,11 @@ async def test_sqlite_group_commits_survive_a_reopen(tmp_path: Path) -> None:
 async def test_an_append_alone_is_in_the_journal_at_once_and_read_back(tmp_path: Path) -> None:
     store = SQLiteStore(tmp_path / "s.db")
     await store.create(record("a"))
-    assert (store._creates.writes, store._creates.items) == (1, 1)  # the session's row
+    assert (store._name_checks.writes, store._name_checks.items) == (1, 1)  # its names
     store.append_now("a", Event(0, "x"))
-    assert read_rows(store._journal.current.path) == [("a", 0, None, "x", None, 0)]
+    created, appended = read_rows(store._journal.current.path)
+    assert created[0] == "a" and json.loads(created[1]) == record("a").request
+    assert appended == ("a", 0, None, "x", None, 0)
     assert [e.data for e in await store.events("a", -1)] == ["x"]  # copied for the read
     assert store.flushes == 1
     assert not list(tmp_path.glob("s.db.events-*-1.jsonl"))  # the copied file is deleted
@@ -175,7 +178,7 @@ async def test_sqlite_sessions_created_at_once_share_a_transaction(tmp_path: Pat
                                    return_exceptions=True)  # fmt: skip
     assert results[:8] == [None] * 8
     assert isinstance(results[8], InvalidRequest) and "already exists" in str(results[8])
-    assert store._creates.writes <= 3  # the first row alone, then the burst (and its retry)
+    assert store._name_checks.writes <= 3  # the first row alone, then the burst (and its retry)
     for name in names[:8]:
         assert (await store.get(name)).session_id == name  # type: ignore[union-attr]
     await store.close()

@@ -19,6 +19,7 @@ import pytest
 
 from vlmserve.streaming import Event, SessionRecord, SessionState, SQLiteStore
 from vlmserve.streaming.store import sqlite as sqlite_module
+from vlmserve.streaming.store import sqlite_copy
 from vlmserve.streaming.store.journal import read_rows
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,7 +59,7 @@ def _table_count(db: Path) -> int:
 
 def _fail_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The next copy into the table fails (a locked database); the ones after it work."""
-    real = sqlite_module._copy_rows
+    real = sqlite_copy.copy_entries
     failures = iter([sqlite3.OperationalError("database is locked")])
 
     def flaky(conn: sqlite3.Connection, rows: list, touch: list) -> None:  # type: ignore[type-arg]
@@ -66,7 +67,7 @@ def _fail_once(monkeypatch: pytest.MonkeyPatch) -> None:
             raise exc
         real(conn, rows, touch)
 
-    monkeypatch.setattr(sqlite_module, "_copy_rows", flaky)
+    monkeypatch.setattr(sqlite_copy, "copy_entries", flaky)
 
 
 async def test_a_killed_process_s_events_are_replayed_by_the_next_store(
@@ -78,7 +79,7 @@ async def test_a_killed_process_s_events_are_replayed_by_the_next_store(
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
         journals = list(tmp_path.glob("s.db.events-*.jsonl"))
-        assert len(journals) == 1 and len(read_rows(journals[0])) == 500
+        assert len(journals) == 1 and len(read_rows(journals[0])) == 501  # the session, 500 events
         assert _table_count(db) == 0  # the copy waits for its interval: not yet in the table
         blocked = SQLiteStore(db)  # the writer is alive: its journal is not touched
         assert journals[0].exists() and await blocked.events("s", -1) == []
@@ -88,7 +89,7 @@ async def test_a_killed_process_s_events_are_replayed_by_the_next_store(
         writer.wait()
     with caplog.at_level(logging.INFO):
         store = SQLiteStore(db)
-    assert f"replayed 500 journaled events from {journals[0].name}" in caplog.text
+    assert f"replayed 501 journaled entries from {journals[0].name}" in caplog.text
     events = await store.events("s", -1)
     assert [(e.index, e.data) for e in events] == [(i, f"e{i}") for i in range(500)]
     assert not journals[0].exists()
@@ -104,10 +105,8 @@ async def test_a_killed_process_s_state_change_and_owner_are_replayed(tmp_path: 
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
-        with sqlite3.connect(db) as conn:  # not in the table yet
-            assert conn.execute("SELECT state, owner FROM sessions").fetchall() == [
-                ("running", "")
-            ]
+        with sqlite3.connect(db) as conn:  # not in the tables yet, the session's row neither
+            assert conn.execute("SELECT state, owner FROM sessions").fetchall() == []
     finally:
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait()
@@ -259,7 +258,7 @@ async def test_close_after_a_failed_copy_keeps_the_journal_for_the_next_start(
     store = SQLiteStore(tmp_path / "s.db")
     await store.create(_record())
     store.append_now("s", Event(0, "kept"))
-    monkeypatch.setattr(sqlite_module, "_copy_rows", broken)
+    monkeypatch.setattr(sqlite_copy, "copy_entries", broken)
     with pytest.raises(sqlite3.OperationalError):
         await store.close()
     monkeypatch.undo()
@@ -338,3 +337,27 @@ async def test_a_live_journal_is_passed_over_and_a_dead_one_after_it_replayed(
     assert not dead.exists() and (tmp_path / "s.db.events-000000000000-1.jsonl").exists()
     await opened.close()
     await live.close()
+
+
+async def test_a_copy_larger_than_one_insert_keeps_every_event_and_touch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Events go in as multi-row INSERTs of SQLite's parameter limit: a copy over it is split,
+    and so are the sessions it touches, with nothing dropped."""
+    monkeypatch.setattr(sqlite_copy, "_rows_per_insert", lambda conn: 2)  # 11 names a touch
+    db = tmp_path / "s.db"
+    store = SQLiteStore(db)
+    sids = [f"s{i}" for i in range(13)]
+    for sid in sids:
+        await store.create(_record(sid))
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE sessions SET updated_at = 0")
+    for sid in sids:
+        store.append_now(sid, Event(0, sid))
+    store.append_now("s0", Event(0, "again"))  # a duplicate index: the first one is kept
+    store.append_now("s0", Event(1, "b"))
+    assert [e.data for e in await store.events("s0", -1)] == ["s0", "b"]
+    assert _table_count(db) == 14
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM sessions WHERE updated_at = 0").fetchone() == (0,)
+    await store.close()

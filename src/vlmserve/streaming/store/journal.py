@@ -8,9 +8,10 @@ once (``sqlite.py``). Committing each engine step to SQLite before sending it co
 hop and a WAL transaction of whole pages per step: +50-70 us of CPU per event over the
 memory store, against +14-28 us with the journal, measured in turn (issue 22).
 
-Files: ``<db>.events-<owner>-<n>.jsonl`` beside the database, one line per event
-(``[session_id, index, event, data, meta, terminal]``) or per change of a session's state or
-owner (``[session_id, "state" | "owner", value, time]``), in the order they happened. The
+Files: ``<db>.events-<owner>-<n>.jsonl`` beside the database, one line per new session
+(``[session_id, request, state, created_at, updated_at, last_index, owner, aliases]``), per
+event (``[session_id, index, event, data, meta, terminal]``) and per change of a session's
+state or owner (``[session_id, "state" | "owner", value, time]``), in the order they happened. The
 process writing a file holds an exclusive ``flock`` on it until its lines are in SQLite and the
 file is deleted, so a file no one holds is a dead process's leftover: the store replays those
 into SQLite when it opens. A torn last line (a power cut mid-write) ends that file's replay.
@@ -32,10 +33,12 @@ import orjson
 from vlmserve.streaming.events import SessionState
 
 __all__ = [
+    "Create",
     "Entry",
     "EventJournal",
     "JournalFile",
     "Update",
+    "is_create",
     "is_event",
     "is_update",
     "leftovers",
@@ -45,7 +48,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 Row = tuple[str, int, str | None, str, str | None, int]  # as the events table's columns
 Update = tuple[str, str, str, float]  # session id, column ("state" or "owner"), value, time
-Entry = Row | Update
+# as the sessions table's columns (request as JSON text), then the session's aliases
+Create = tuple[str, str, str, float, float, int, str, tuple[str, ...]]
+Entry = Row | Update | Create
 UPDATED_COLUMNS = ("state", "owner")
 _STATES = frozenset(state.value for state in SessionState)
 
@@ -56,6 +61,10 @@ def is_update(entry: Entry) -> TypeGuard[Update]:
 
 def is_event(entry: Entry) -> TypeGuard[Row]:
     return len(entry) == 6
+
+
+def is_create(entry: Entry) -> TypeGuard[Create]:
+    return len(entry) == 8
 
 
 @dataclass(slots=True)
@@ -154,6 +163,8 @@ def read_rows(path: Path) -> list[Entry]:
 def _row(value: Any) -> Entry:
     if isinstance(value, list) and len(value) == 4:
         return _update(value)
+    if isinstance(value, list) and len(value) == 8:
+        return _create(value)
     sid, index, event, data, meta, terminal = value
     if not isinstance(sid, str) or not isinstance(index, int) or not isinstance(data, str):
         raise TypeError("not an event row")
@@ -167,3 +178,15 @@ def _update(value: list[Any]) -> Update:
     if not isinstance(at, (int, float)) or (column == "state" and new not in _STATES):
         raise TypeError("not a session update")
     return (sid, column, new, float(at))
+
+
+def _create(value: list[Any]) -> Create:
+    sid, request, state, created_at, updated_at, last_index, owner, aliases = value
+    texts = (sid, request, owner, *aliases) if isinstance(aliases, list) else (None,)
+    if not all(isinstance(t, str) for t in texts) or state not in _STATES:
+        raise TypeError("not a new session")
+    times = (created_at, updated_at)
+    if not isinstance(last_index, int) or not all(isinstance(t, (int, float)) for t in times):
+        raise TypeError("not a new session")
+    return (sid, request, state, float(created_at), float(updated_at), last_index, owner,
+            tuple(aliases))  # fmt: skip

@@ -13,12 +13,13 @@ designs in turn): the journal costs +14-28 us of CPU per event over the memory s
 committing every engine step to SQLite before publishing it (group commit, the design before)
 cost +50-70 us, a thread hop and a WAL transaction of whole pages per step.
 
-State changes and heartbeats (a session's ``state``, ``owner`` and ``updated_at``) are
-journaled like events and copied with them: before, each was a thread hop and a transaction
-of its own, once per request at its end. New sessions are group-committed
-(``store/group.py``): a burst of new streams is one transaction, whose check for a taken id or
-alias is one query (``sqlite_sessions.py``). A session's ``last_index`` is read from its
-events (``MAX(idx)``), and its ``updated_at`` is refreshed by appends at most once a second
+New sessions, state changes and heartbeats are journaled and copied like events (session 18;
+``sqlite_copy.py``): before, a new session was a transaction of its own before its stream
+could start, and each state change a thread hop and a transaction, once per request at its
+end. A new session's names are checked against the tables first, in groups (a burst of new
+streams: one thread hop, one query per session) and held from then until its row is copied,
+so no two sessions take one name. A session's ``last_index`` is read from its events
+(``MAX(idx)``), and its ``updated_at`` is refreshed by appends at most once a second
 (heartbeats and state changes refresh it too).
 
 One connection, used only from one dedicated worker thread, so calls from many concurrent
@@ -39,20 +40,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from vlmserve.streaming.events import Event, SessionRecord, SessionState
-from vlmserve.streaming.store.base import dump_meta, load_meta
+from vlmserve.streaming.store import sqlite_copy
+from vlmserve.streaming.store.base import already_exists, dump_meta, dump_request, load_meta
 from vlmserve.streaming.store.group import GroupCommit
-from vlmserve.streaming.store.journal import (
-    Entry,
-    EventJournal,
-    JournalFile,
-    Update,
-    is_event,
-    is_update,
-    leftovers,
-    read_rows,
-)
-from vlmserve.streaming.store.journal import Row as _Row  # one events row
-from vlmserve.streaming.store.sqlite_sessions import insert_records, lookup
+from vlmserve.streaming.store.journal import Create, Entry, EventJournal, JournalFile, is_create
+from vlmserve.streaming.store.sqlite_sessions import lookup, taken_names
 
 __all__ = ["SQLiteStore"]
 
@@ -116,11 +108,14 @@ class SQLiteStore:
         if not _has_table(self._conn, "events"):
             self._conn.executescript(_EVENTS)
         self._conn.commit()
-        self._creates: GroupCommit[SessionRecord] = GroupCommit(self._insert_records)
+        # new sessions' names: checked against the tables in groups (a burst of new streams:
+        # one hop), held from the check until the session's row is copied
+        self._name_checks: GroupCommit[tuple[str, ...]] = GroupCommit(self._check_names)
+        self._held: set[str] = set()
         self._touched: dict[str, float] = {}  # session id -> when appends last set updated_at
         self._journal: EventJournal | None = None
         if self.path != ":memory:":
-            _replay(self._conn, Path(self.path))
+            sqlite_copy.replay(self._conn, Path(self.path))
             self._journal = EventJournal(Path(self.path))
         self._unflushed: list[Entry] = []  # journaled, not yet in the tables
         self._kept: list[JournalFile] = []  # files of failed copies (their rows put back)
@@ -134,8 +129,23 @@ class SQLiteStore:
         return await loop.run_in_executor(self._executor, fn, self._conn)
 
     async def create(self, record: SessionRecord) -> None:
-        """Group-committed (a burst of new streams: one transaction)."""
-        await self._creates.submit(record)
+        """Journaled like an event once its names are known to be free (durable when this
+        returns); the row reaches the table with the next copy."""
+        names = (record.session_id, *record.aliases)
+        for name in names:
+            if name in self._held:
+                raise already_exists(name)
+        self._held.update(names)
+        try:
+            await self._name_checks.submit(names)
+        except BaseException:
+            self._held.difference_update(names)
+            raise
+        self._enqueue(_create_entry(record))
+
+    async def _check_names(self, groups: list[tuple[str, ...]]) -> list[BaseException | None]:
+        taken = await self._run(lambda conn: [taken_names(conn, names) for names in groups])
+        return [None if name is None else already_exists(name) for name in taken]
 
     async def append(self, session_id: str, event: Event) -> None:
         self.append_now(session_id, event)
@@ -193,12 +203,14 @@ class SQLiteStore:
             files.append(self._journal.rotate())
         touch = self._to_touch(rows)
         try:
-            await self._run(lambda conn: _copy_rows(conn, rows, touch))
+            await self._run(lambda conn: sqlite_copy.copy_entries(conn, rows, touch))
         except BaseException:
             self._unflushed[:0] = rows
             self._kept.extend(files)
             raise
         self.flushes += 1
+        for sid, *_, aliases in filter(is_create, rows):
+            self._held.difference_update((sid, *aliases))
         for file in files:
             file.close(delete=True)
 
@@ -206,7 +218,7 @@ class SQLiteStore:
         """Sessions whose updated_at the copy refreshes: not touched for a second, or ending."""
         now = time.monotonic()
         touch = []
-        for sid, _, _, _, _, terminal in _events(rows):
+        for sid, _, _, _, _, terminal in sqlite_copy.events_of(rows):
             if terminal:
                 self._touched.pop(sid, None)
                 touch.append(sid)
@@ -214,9 +226,6 @@ class SQLiteStore:
                 self._touched[sid] = now
                 touch.append(sid)
         return touch
-
-    async def _insert_records(self, records: list[SessionRecord]) -> list[BaseException | None]:
-        return await self._run(lambda conn: insert_records(conn, records))
 
     async def set_state(self, session_id: str, state: SessionState) -> None:
         """Journaled like an event (durable when this returns), copied with the events."""
@@ -283,45 +292,12 @@ class SQLiteStore:
             self._executor.shutdown(wait=True)
 
 
-def _copy_rows(conn: sqlite3.Connection, rows: list[Entry], touch: list[str]) -> None:
-    """Journaled entries into the tables, one transaction: events (a row already there, the
-    same session and index from a journal replayed twice, is kept as it is), then the
-    sessions' state and owner changes in the order they were made."""
-    with conn:
-        conn.executemany("INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?)", _events(rows))
-        for sid, column, value, at in _updates(rows):
-            conn.execute(_UPDATE[column], (value, at, sid))
-        if touch:
-            now = time.time()
-            conn.executemany(
-                "UPDATE sessions SET updated_at = ? WHERE session_id = ?",
-                [(now, sid) for sid in dict.fromkeys(touch)],
-            )
-
-
-_UPDATE = {
-    column: f"UPDATE sessions SET {column} = ?, updated_at = ? WHERE session_id = ?"
-    for column in ("state", "owner")
-}
-
-
-def _events(entries: list[Entry]) -> list[_Row]:
-    return [e for e in entries if is_event(e)]
-
-
-def _updates(entries: list[Entry]) -> list[Update]:
-    return [e for e in entries if is_update(e)]
-
-
-def _replay(conn: sqlite3.Connection, db: Path) -> None:
-    """Copy the journals that dead processes left into the table, then delete them."""
-    for file in leftovers(db):
-        rows = read_rows(file.path)
-        _copy_rows(conn, rows, [])
-        file.close(delete=True)
-        log.info("replayed %d journaled events from %s", len(rows), file.path.name)
-
-
 def _has_table(conn: sqlite3.Connection, name: str) -> bool:
     found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,))
     return found.fetchone() is not None
+
+
+def _create_entry(record: SessionRecord) -> Create:
+    return (record.session_id, dump_request(record.request), record.state.value,
+            record.created_at, record.updated_at, record.last_index, record.owner,
+            tuple(record.aliases))  # fmt: skip

@@ -1,4 +1,4 @@
-"""The SQLite store's sessions and aliases tables: new records (group-committed) and lookups.
+"""The SQLite store's sessions and aliases tables: whether a name is taken, and lookups.
 
 Called on the store's own thread (``sqlite.py``) with its one connection.
 """
@@ -8,56 +8,12 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from vlmserve.errors import InvalidRequest
 from vlmserve.streaming.events import SessionRecord, SessionState
-from vlmserve.streaming.store.base import already_exists, dump_request
 
-__all__ = ["insert_records", "lookup"]
-
-
-def insert_records(
-    conn: sqlite3.Connection, records: list[SessionRecord]
-) -> list[BaseException | None]:
-    """One transaction for all ``records`` (a group commit); if it fails, each alone, so only
-    a taken session id fails its own caller."""
-    try:
-        _insert_sessions(conn, records)
-        return [None] * len(records)
-    except (sqlite3.Error, InvalidRequest):
-        pass
-    results: list[BaseException | None] = []
-    for record in records:
-        try:
-            _insert_sessions(conn, [record])
-            results.append(None)
-        except (sqlite3.Error, InvalidRequest) as exc:
-            results.append(exc)
-    return results
+__all__ = ["lookup", "taken_names"]
 
 
-def _insert_sessions(conn: sqlite3.Connection, records: list[SessionRecord]) -> None:
-    with conn:
-        for record in records:
-            _insert_session(conn, record)
-
-
-def _insert_session(conn: sqlite3.Connection, record: SessionRecord) -> None:
-    names = (record.session_id, *record.aliases)
-    taken = _taken(conn, names)
-    if taken is not None:
-        raise already_exists(taken)
-    conn.execute(
-        "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (record.session_id, dump_request(record.request), record.state.value,
-         record.created_at, record.updated_at, record.last_index, record.owner),
-    )  # fmt: skip
-    conn.executemany(
-        "INSERT INTO aliases VALUES (?, ?)",
-        [(alias, record.session_id) for alias in record.aliases],
-    )
-
-
-def _taken(conn: sqlite3.Connection, names: tuple[str, ...]) -> str | None:
+def taken_names(conn: sqlite3.Connection, names: tuple[str, ...]) -> str | None:
     """One of ``names`` that is already a session's id or alias (one query, not a lookup of
     each name's whole record)."""
     marks = ", ".join("?" * len(names))
