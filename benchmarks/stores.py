@@ -12,6 +12,12 @@ writer's too, closing the store included) per event, wall time, and the store's 
 round by round. This is the part of ``benchmarks/overhead.py``'s sqlite-vs-memory cost that
 belongs to the store and the session machinery, without the engine and the HTTP path.
 Also reported: what one thread hop (``run_in_executor`` of a no-op) costs on this machine.
+
+``--gil`` measures instead what copying the journal into SQLite costs beside a busy Python
+thread (the event loop under load): 40 copies of 272 events (8 sessions x 34 steps), one
+``INSERT`` statement per event (``executemany``, the copy before session 18) against the
+store's own copy (``sqlite_copy.copy_entries``: multi-row INSERTs). SQLite releases the GIL
+around each statement; beside a busy thread each release is a hand-over of the GIL.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ import asyncio
 import json
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +41,7 @@ from vlmserve.streaming.events import Emit
 from vlmserve.streaming.manager import SessionManager
 from vlmserve.streaming.store.memory import MemoryStore
 from vlmserve.streaming.store.sqlite import SQLiteStore
+from vlmserve.streaming.store.sqlite_copy import copy_entries
 
 DATA = json.dumps({"id": "chatcmpl-b", "object": "chat.completion.chunk", "created": 1,
                    "model": "m", "choices": [{"index": 0, "delta": {"content": " tok"},
@@ -124,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--redis", action="store_true", help="also Redis (starts a redis-server)")
+    p.add_argument("--gil", action="store_true", help="the journal copy beside a busy thread")
     ns = p.parse_args(argv)
+    if ns.gil:
+        return gil_check()
     names = ["memory", "sqlite"] + (["redis"] if ns.redis else [])
     redis, redis_url = start_redis() if ns.redis else (None, None)
     print(f"one thread hop: {hop_us():.0f} us CPU")
@@ -141,6 +153,55 @@ def main(argv: list[str] | None = None) -> int:
         if redis is not None:
             redis.terminate()
     return 0
+
+
+def gil_check(copies: int = 40, steps: int = 34, sessions: int = 8) -> int:
+    """Print the CPU (copying thread) and wall time per event of the two ways to copy, alone
+    and beside a thread that runs Python without pause."""
+    rows = [(f"chatcmpl-{s:024x}", i, None, DATA, '{"token_ids":[1]}', 0)
+            for i in range(copies * steps) for s in range(sessions)]  # fmt: skip
+    batch = steps * sessions
+    for busy in (False, True):
+        for name, copy in (("one INSERT per event", _per_event), ("copy_entries", _copy_all)):
+            cpu, wall = _timed_copies(copy, rows, batch, busy)
+            print(f"{'busy thread beside' if busy else 'alone':<18} {name:<21} "
+                  f"{cpu:7.1f} us CPU/event  {wall:8.1f} us wall/event")  # fmt: skip
+    return 0
+
+
+def _per_event(conn: sqlite3.Connection, rows: list[Any]) -> None:
+    with conn:
+        conn.executemany("INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?)", rows)
+
+
+def _copy_all(conn: sqlite3.Connection, rows: list[Any]) -> None:
+    copy_entries(conn, rows, [])
+
+
+def _timed_copies(copy: Any, rows: list[Any], batch: int, busy: bool) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory(prefix="vlmserve-gil-") as work:
+        store = SQLiteStore(Path(work) / "s.db")  # the store's schema and pragmas
+        conn, stop = store._conn, threading.Event()
+        spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+        if busy:
+            spinner.start()
+        cpu, wall = 0.0, time.perf_counter()
+        for start in range(0, len(rows), batch):
+            began = time.thread_time()
+            copy(conn, rows[start : start + batch])
+            cpu += time.thread_time() - began
+        wall = time.perf_counter() - wall
+        stop.set()
+        if busy:
+            spinner.join()
+        asyncio.run(store.close())
+    return cpu / len(rows) * 1e6, wall / len(rows) * 1e6
+
+
+def _spin(stop: threading.Event) -> None:
+    n = 0
+    while not stop.is_set():
+        n += 1
 
 
 async def _measured(store: Any, ns: argparse.Namespace, tag: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import httpx
 import pytest
@@ -61,6 +62,25 @@ async def test_stores_bench_counts_every_event(store: str, tmp_path: Path) -> No
     assert out["events"] == 3 * (5 + 1)  # each event and each session's [DONE]
     assert out["cpu_us_per_event"] > 0
     assert (out["copies"] == "-") == (store == "memory")
+
+
+def test_stores_bench_gil_check_times_both_copies_and_stores_every_event(capsys) -> None:
+    stores = load("bench_stores", BENCH / "stores.py")
+    copied = []
+    real = stores._copy_all
+    stores._copy_all = lambda conn, rows: (real(conn, rows), copied.append(_count(conn)))
+    try:
+        assert stores.gil_check(copies=2, steps=3, sessions=2) == 0
+    finally:
+        stores._copy_all = real
+    assert copied == [6, 12] * 2  # alone, then beside the busy thread: every event in
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and all("us CPU/event" in line for line in lines)
+    assert sum("copy_entries" in line for line in lines) == 2
+
+
+def _count(conn: Any) -> int:
+    return int(conn.execute("SELECT COUNT(*) FROM events").fetchone()[0])
 
 
 async def test_interleaved_ttft_times_each_setup_in_turn_at_its_first_token() -> None:

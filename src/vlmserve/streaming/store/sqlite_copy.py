@@ -8,9 +8,9 @@ twice (a crash after its copy, before its file was deleted) changes nothing.
 
 Events go in as multi-row INSERTs, a few statements per copy rather than one per event:
 SQLite releases the GIL around each statement, and while the event loop's thread is busy each
-release is a hand-over of the GIL between the threads. 270 rows beside a busy thread
-(``/tmp/multirow.py`` of session 18, in docs/performance.md): ``executemany`` 100 us of CPU
-per row and 4.5 ms of wall time, multi-row INSERTs 6 us and 62 us.
+release is a hand-over of the GIL between the threads (``python benchmarks/stores.py --gil``:
+copies of 272 events beside a busy thread, one INSERT per event against this module's copy;
+figures in docs/performance.md, session 18).
 """
 
 from __future__ import annotations
