@@ -118,23 +118,6 @@ async def test_a_killed_process_s_state_change_and_owner_are_replayed(tmp_path: 
     await store.close()
 
 
-async def test_an_update_line_that_is_not_one_ends_the_replay(tmp_path: Path, caplog) -> None:
-    db = tmp_path / "s.db"
-    store = SQLiteStore(db)
-    await store.create(_record())
-    await store.close()
-    left = tmp_path / "s.db.events-dead0000-1.jsonl"
-    left.write_text('["s", 0, null, "a", null, 0]\n["s", "state", "finished", 1.0]\n'
-                    '["s", "state", "exploded", 2.0]\n["s", 1, null, "b", null, 0]\n')  # fmt: skip
-    with caplog.at_level(logging.WARNING):
-        reopened = SQLiteStore(db)
-    record = await reopened.get("s")
-    assert record is not None and record.state is SessionState.FINISHED
-    assert [e.data for e in await reopened.events("s", -1)] == ["a"]
-    assert "line 3 is torn or corrupt" in caplog.text
-    await reopened.close()
-
-
 async def test_a_state_change_reaches_the_table_without_a_read(tmp_path: Path) -> None:
     db = tmp_path / "s.db"
     store = SQLiteStore(db)
@@ -146,17 +129,35 @@ async def test_a_state_change_reaches_the_table_without_a_read(tmp_path: Path) -
     await store.close()
 
 
-async def test_a_torn_last_line_ends_the_replay_of_its_file(tmp_path: Path, caplog) -> None:
+_A, _B = '["s", 0, null, "a", null, 0]\n', '["s", 1, null, "b", null, 0]\n'
+_FINISHED = '["s", "state", "finished", 1.0]\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "data", "state"),
+    [
+        (_A + _B + '["s", 2, nu', ["a", "b"], SessionState.RUNNING),  # torn by a power cut
+        # the second change names no state
+        (_A + _FINISHED + '["s", "state", "exploded", 2.0]\n' + _B, ["a"], SessionState.FINISHED),
+        # a new session whose alias is not a name
+        (_A + '["s2", "{}", "running", 1.0, 1.0, -1, "", [7]]\n' + _B, ["a"], SessionState.RUNNING),
+    ],
+)
+async def test_a_torn_or_corrupt_line_ends_the_replay_of_its_file(
+    tmp_path: Path, caplog, text: str, data: list[str], state: SessionState
+) -> None:
     db = tmp_path / "s.db"
     store = SQLiteStore(db)
     await store.create(_record())
     await store.close()
     left = tmp_path / "s.db.events-dead0000-1.jsonl"
-    left.write_text('["s", 0, null, "a", null, 0]\n["s", 1, null, "b", null, 0]\n["s", 2, nu')
+    left.write_text(text)
     with caplog.at_level(logging.WARNING):
         reopened = SQLiteStore(db)
-    assert [e.data for e in await reopened.events("s", -1)] == ["a", "b"]
-    assert "line 3 is torn or corrupt" in caplog.text
+    assert [e.data for e in await reopened.events("s", -1)] == data
+    assert (await reopened.get("s")).state is state  # type: ignore[union-attr]
+    assert await reopened.get("s2") is None
+    assert "is torn or corrupt; the rest is skipped" in caplog.text
     assert not left.exists()
     await reopened.close()
 
