@@ -5,6 +5,7 @@ failed copy into the table loses nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -362,3 +363,37 @@ async def test_a_copy_larger_than_one_insert_keeps_every_event_and_touch(
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT COUNT(*) FROM sessions WHERE updated_at = 0").fetchone() == (0,)
     await store.close()
+
+
+_GOOD_CREATE = ["s", "{}", "running", 1.0, 2.0, -1, "o", ["a1"]]
+
+
+def _but(**changes: object) -> list[object]:
+    fields = ["sid", "request", "state", "created", "updated", "last", "owner", "aliases"]
+    return [changes.get(name, value) for name, value in zip(fields, _GOOD_CREATE, strict=True)]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [5, "state", "finished", 1.0],  # a session id that is not a string
+        ["s", "owner", 5, 1.0],  # an owner that is not a string
+        ["s", "colour", "red", 1.0],  # no such column
+        ["s", "state", "finished", "noon"],  # no time
+        _but(sid=5),
+        _but(state="exploded"),
+        _but(aliases="a1"),  # a string, not a list of names
+        _but(aliases=[7]),
+        _but(last="-1"),
+        _but(created="then"),
+        _but(updated=None),
+    ],
+)
+def test_a_line_of_the_right_length_but_wrong_fields_ends_the_file(
+    tmp_path: Path, bad: list[object]
+) -> None:
+    path = tmp_path / "j.jsonl"
+    good = [["s", 0, None, "a", None, 0], ["s", "state", "finished", 1.5], _GOOD_CREATE]
+    path.write_text("".join(json.dumps(line) + "\n" for line in [*good, bad, good[0]]))
+    assert read_rows(path) == [("s", 0, None, "a", None, 0), ("s", "state", "finished", 1.5),
+                               ("s", "{}", "running", 1.0, 2.0, -1, "o", ("a1",))]  # fmt: skip
