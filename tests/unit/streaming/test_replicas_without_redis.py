@@ -22,6 +22,7 @@ from vlmserve.streaming import (
     Event,
     Resumption,
     SessionManager,
+    SessionRecord,
     SessionState,
     SQLiteStore,
 )
@@ -32,14 +33,18 @@ N = 30
 
 
 class SharedSQLiteStore(SQLiteStore):
-    """Every append, state change and heartbeat is in the tables when it returns (not only in
-    this process's journal), so the other replica reads it as it would read Redis."""
+    """Every new session, append, state change and heartbeat is in the tables when it returns
+    (not only in this process's journal), so the other replica reads it as it would Redis."""
 
     shared = True  # type: ignore[misc]
     append_now = None  # type: ignore[assignment]  # sessions await ``append``
 
     async def append(self, session_id: str, event: Event) -> None:
         SQLiteStore.append_now(self, session_id, event)
+        await self._flush()
+
+    async def create(self, record: SessionRecord) -> None:
+        await super().create(record)
         await self._flush()
 
     async def set_state(self, session_id: str, state: SessionState) -> None:
