@@ -397,3 +397,22 @@ def test_a_line_of_the_right_length_but_wrong_fields_ends_the_file(
     path.write_text("".join(json.dumps(line) + "\n" for line in [*good, bad, good[0]]))
     assert read_rows(path) == [("s", 0, None, "a", None, 0), ("s", "state", "finished", 1.5),
                                ("s", "{}", "running", 1.0, 2.0, -1, "o", ("a1",))]  # fmt: skip
+
+
+async def test_a_new_session_whose_journal_write_fails_leaves_its_names_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    journal = store._journal
+    assert journal is not None
+
+    def full(entry: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        await store.create(_record("s"))
+    monkeypatch.undo()
+    await store.create(_record("s"))  # the name was not kept by the failed attempt
+    assert (await store.get("s")) is not None
+    await store.close()

@@ -138,10 +138,10 @@ class SQLiteStore:
         self._held.update(names)
         try:
             await self._name_checks.submit(names)
-        except BaseException:
+            self._enqueue(_create_entry(record))
+        except BaseException:  # a taken name, or the journal's write failed (a full disk)
             self._held.difference_update(names)
             raise
-        self._enqueue(_create_entry(record))
 
     async def _check_names(self, groups: list[tuple[str, ...]]) -> list[BaseException | None]:
         taken = await self._run(lambda conn: [taken_names(conn, names) for names in groups])
