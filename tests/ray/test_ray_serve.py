@@ -190,7 +190,9 @@ def test_killing_a_model_replica_mid_stream_ends_in_complete_answers(
         assert_complete(events)
         assert usage_of(events)["completion_tokens"] == LONG
         assert text_of(events) == text_of(reference)
-    assert ray_serve.continued() - before == streams  # each of its streams went on elsewhere
+    # each of its streams still under way went on elsewhere; one may have ended between the
+    # count and the kill (a CI run saw 2 of 3), so the count is an upper bound
+    assert 1 <= ray_serve.continued() - before <= streams
 
 
 def _start_streams(ray_serve: RayServe, pool: ThreadPoolExecutor, n: int) -> list[Future[Any]]:
