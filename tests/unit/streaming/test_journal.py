@@ -416,3 +416,16 @@ async def test_a_new_session_whose_journal_write_fails_leaves_its_names_free(
     await store.create(_record("s"))  # the name was not kept by the failed attempt
     assert (await store.get("s")) is not None
     await store.close()
+
+
+async def test_an_event_sqlite_could_not_store_fails_its_append_not_every_copy(
+    tmp_path: Path,
+) -> None:
+    """A lone surrogate (not UTF-8) is refused at once; the journal and the copies go on."""
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.create(_record())
+    with pytest.raises(TypeError):  # orjson.JSONEncodeError
+        store.append_now("s", Event(0, "\ud800"))
+    store.append_now("s", Event(0, "ok"))
+    assert [e.data for e in await store.events("s", -1)] == ["ok"]
+    await store.close()
