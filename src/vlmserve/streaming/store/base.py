@@ -63,19 +63,13 @@ def already_exists(name: str) -> InvalidRequest:
 
 
 def dump_meta(meta: dict[str, Any] | None) -> str | None:
-    """Per event (a chat chunk's token ids): orjson, about 6x faster than ``json.dumps``; the
-    standard library for what orjson refuses (an integer wider than 64 bits)."""
-    if meta is None:
-        return None
-    try:
-        return orjson.dumps(meta, option=orjson.OPT_NON_STR_KEYS).decode()
-    except orjson.JSONEncodeError:
-        return json.dumps(meta)
+    """Per event (a chat chunk's token ids), so orjson: about 6x faster than ``json.dumps``."""
+    return None if meta is None else dump_request(meta)
 
 
 def dump_request(request: dict[str, Any]) -> str:
-    """A session's request (inline images included) as JSON text: orjson, json for what it
-    refuses (an integer wider than 64 bits)."""
+    """A dict (a session's request, inline images included) as JSON text: orjson, the
+    standard library for what orjson refuses (an integer wider than 64 bits)."""
     try:
         return orjson.dumps(request, option=orjson.OPT_NON_STR_KEYS).decode()
     except orjson.JSONEncodeError:

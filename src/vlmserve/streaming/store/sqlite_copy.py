@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from vlmserve.streaming.store.journal import (
+    UPDATED_COLUMNS,
     Create,
     Entry,
     Row,
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 _UPDATE = {
     column: f"UPDATE sessions SET {column} = ?, updated_at = ? WHERE session_id = ?"
-    for column in ("state", "owner")
+    for column in UPDATED_COLUMNS
 }
 
 
