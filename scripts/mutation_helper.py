@@ -51,20 +51,20 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/unit/gateway/test_proxy_bytes.py",
     ],
     "src/vlmserve/streaming/store/*.py": ["tests/unit/streaming"],
-    "src/vlmserve/engine/hf/batching/faults.py": ["tests/unit/engine/test_batching_faults.py"],
-    "src/vlmserve/engine/hf/batching/kv_cache.py": ["tests/unit/engine/test_paged_kv.py"],
-    "src/vlmserve/engine/hf/batching/block_manager.py": [
+    "src/vlmserve/engine/core/faults.py": ["tests/unit/engine/test_batching_faults.py"],
+    "src/vlmserve/engine/core/kv_cache.py": ["tests/unit/engine/test_paged_kv.py"],
+    "src/vlmserve/engine/core/block_manager.py": [
         "tests/unit/engine/test_block_books.py",
         "tests/unit/engine/test_prefix_cache.py",
         "tests/unit/engine/test_paged_kv.py",
     ],
-    "src/vlmserve/engine/hf/batching/prefix.py": ["tests/unit/engine/test_prefix_cache.py"],
-    "src/vlmserve/engine/hf/batching/scheduler.py": [
+    "src/vlmserve/engine/core/prefix.py": ["tests/unit/engine/test_prefix_cache.py"],
+    "src/vlmserve/engine/core/scheduler.py": [
         "tests/unit/engine/test_scheduler*.py",
         "tests/unit/engine/test_block_books.py",
         "tests/unit/engine/test_prefix_cache.py",
     ],
-    "src/vlmserve/engine/hf/batching/*.py": [
+    "src/vlmserve/engine/core/*.py": [
         "tests/unit/engine/test_batching.py",
         "tests/unit/engine/test_sampler*.py",
         "tests/unit/engine/test_scheduler*.py",

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from vlmserve.engine.hf.batching import OutOfMemory
-from vlmserve.engine.hf.batching.profile import activation_peak, dummy_prefill
+from vlmserve.engine.core import OutOfMemory
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.models.profile import activation_peak, dummy_prefill
 from vlmserve.engine.types import ChatMessage, GenerateRequest, SamplingParams, TextPart
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

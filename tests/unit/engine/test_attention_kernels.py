@@ -21,8 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForImageTextToText
 
-from vlmserve.engine.hf.batching.block_manager import BlockManager
-from vlmserve.engine.hf.batching.runner import PrefillRow, Qwen2VLRunner
+from vlmserve.engine.core.block_manager import BlockManager
+from vlmserve.engine.models.runner import PrefillRow, Qwen2VLRunner
 
 BLOCK = 16
 SDPA = "aten::scaled_dot_product_attention"

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from vlmserve.engine.hf.batching.sampler import Sampler
+from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.types import (

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from vlmserve.engine.hf.batching.block_manager import NULL_BLOCK, BlockManager
-from vlmserve.engine.hf.batching.scheduler import Scheduler
-from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
+from vlmserve.engine.core.block_manager import NULL_BLOCK, BlockManager
+from vlmserve.engine.core.scheduler import Scheduler
+from vlmserve.engine.core.sequence import SeqStatus, Sequence
 
 
 def seq(prompt_tokens: int) -> Sequence:

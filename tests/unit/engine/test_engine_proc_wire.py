@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from vlmserve.engine.hf.batching.faults import EngineFailed, OutOfMemory
+from vlmserve.engine.core.faults import EngineFailed, OutOfMemory
 from vlmserve.engine.proc.client import EngineProcClient, _Stream
 from vlmserve.engine.proc.wire import Ready, decode_error, encode_error
 from vlmserve.engine.types import ModelState

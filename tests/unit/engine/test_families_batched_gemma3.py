@@ -18,13 +18,13 @@ from test_families_batched import (
     test_greedy_output_is_identical_alone_and_joining_a_busy_batch,
 )
 
-from vlmserve.engine.hf.batching.architectures import build
-from vlmserve.engine.hf.batching.block_manager import BlockManager
-from vlmserve.engine.hf.batching.runner import PrefillRow
-from vlmserve.engine.hf.batching.vision_cache import VisionCache
+from vlmserve.engine.core.block_manager import BlockManager
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.inputs import build_inputs
 from vlmserve.engine.hf.loading import LoadOptions, load_model
+from vlmserve.engine.models.architectures import build
+from vlmserve.engine.models.runner import PrefillRow
+from vlmserve.engine.models.vision_cache import VisionCache
 from vlmserve.testing import FAMILIES
 
 __all__ = [

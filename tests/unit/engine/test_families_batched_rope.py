@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from vlmserve.engine.hf.batching.rope import RotaryTables, rotary_axes
+from vlmserve.engine.models.rope import RotaryTables, rotary_axes
 
 
 def qwen2_5() -> tuple[Any, list[int], bool]:

@@ -17,14 +17,14 @@ import torch
 from test_chunked_prefill import Forwards
 from test_families_batched import backend_for, request, run
 
-from vlmserve.engine.hf.batching.architectures import build
-from vlmserve.engine.hf.batching.block_manager import BlockManager
-from vlmserve.engine.hf.batching.paging import whole_blocks
-from vlmserve.engine.hf.batching.runner import PrefillRow
-from vlmserve.engine.hf.batching.vision_cache import VisionCache
+from vlmserve.engine.core.block_manager import BlockManager
+from vlmserve.engine.core.paging import whole_blocks
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.inputs import build_inputs
 from vlmserve.engine.hf.loading import LoadOptions, load_model
+from vlmserve.engine.models.architectures import build
+from vlmserve.engine.models.runner import PrefillRow
+from vlmserve.engine.models.vision_cache import VisionCache
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, SamplingParams, TextPart
 from vlmserve.testing import FAMILIES
 from vlmserve.testing.media import gradient_image

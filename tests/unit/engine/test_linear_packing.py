@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmserve.engine.hf.batching.linear import PACK_MIN_ELEMENTS, can_pack, fuse
+from vlmserve.engine.models.linear import PACK_MIN_ELEMENTS, can_pack, fuse
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build"

@@ -20,13 +20,13 @@ import pytest
 import torch
 from test_batching import make_backend, request, run
 
-from vlmserve.engine.hf.batching.block_manager import NULL_BLOCK, BlockManager
-from vlmserve.engine.hf.batching.engine import END
-from vlmserve.engine.hf.batching.kv_cache import KVBudget, PagedKVCache
-from vlmserve.engine.hf.batching.profile import activation_peak, dummy_prefill
-from vlmserve.engine.hf.batching.scheduler import Scheduler
-from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
+from vlmserve.engine.core.block_manager import NULL_BLOCK, BlockManager
+from vlmserve.engine.core.engine import END
+from vlmserve.engine.core.kv_cache import KVBudget, PagedKVCache
+from vlmserve.engine.core.scheduler import Scheduler
+from vlmserve.engine.core.sequence import SeqStatus, Sequence
 from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.models.profile import activation_peak, dummy_prefill
 from vlmserve.engine.types import FinishReason
 from vlmserve.errors import InvalidRequest
 

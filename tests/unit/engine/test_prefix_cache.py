@@ -20,10 +20,10 @@ from test_batching import make_backend, run
 from test_families_batched import backend_for
 from test_paged_kv import crowd
 
-from vlmserve.engine.hf.batching.block_manager import BlockManager
-from vlmserve.engine.hf.batching.prefix import block_hashes
-from vlmserve.engine.hf.batching.scheduler import Scheduler
-from vlmserve.engine.hf.batching.sequence import Sequence
+from vlmserve.engine.core.block_manager import BlockManager
+from vlmserve.engine.core.prefix import block_hashes
+from vlmserve.engine.core.scheduler import Scheduler
+from vlmserve.engine.core.sequence import Sequence
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, SamplingParams, TextPart
 from vlmserve.testing.media import gradient_image

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from vlmserve.engine.hf.batching.linear import ModuleLinear
 from vlmserve.engine.hf.loading import LoadOptions, load_model
+from vlmserve.engine.models.linear import ModuleLinear
 from vlmserve.errors import ConfigError
 
 pytest.importorskip("torchao", reason="torchao is in the dev extra")

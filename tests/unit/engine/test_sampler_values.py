@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from vlmserve.engine.hf.batching.sampler import Sampler, _inverse_cdf, _top_k_top_p
+from vlmserve.engine.core.sampler import Sampler, _inverse_cdf, _top_k_top_p
 from vlmserve.engine.types import GREEDY_BELOW, MIN_PENALTY, MIN_TEMPERATURE, SamplingParams
 
 

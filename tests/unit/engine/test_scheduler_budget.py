@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vlmserve.engine.hf.batching.scheduler import Scheduler
-from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
+from vlmserve.engine.core.scheduler import Scheduler
+from vlmserve.engine.core.sequence import SeqStatus, Sequence
 
 
 def seq(prompt_tokens: int) -> Sequence:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vlmserve.engine.hf.batching.block_manager import BlockManager
-from vlmserve.engine.hf.batching.scheduler import Scheduler
-from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
+from vlmserve.engine.core.block_manager import BlockManager
+from vlmserve.engine.core.scheduler import Scheduler
+from vlmserve.engine.core.sequence import SeqStatus, Sequence
 from vlmserve.engine.types import BATCH_PRIORITY, INTERACTIVE_PRIORITY
 
 

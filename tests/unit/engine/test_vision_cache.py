@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmserve.engine.hf.batching.vision_cache import VisionCache, content_key
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.models.vision_cache import VisionCache, content_key
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, SamplingParams, TextPart
 from vlmserve.testing.media import gradient_image
 

@@ -1,6 +1,6 @@
 """The ``hf`` chat backend: a transformers model in this process, requests batched continuously.
 
-Qwen2-VL models run on the continuous-batching engine (``engine.hf.batching``, design in
+Qwen2-VL models run on the continuous-batching engine (``engine.core``, design in
 docs/engine.md): requests join the running batch at step boundaries and leave the moment
 they finish. Other architectures fall back to ``model.generate``, one request at a time.
 Either way the model runs on one dedicated thread; tokens are handed back to the event
@@ -20,8 +20,8 @@ from typing import Any
 
 from vlmserve.engine.coalesce import coalesced
 from vlmserve.engine.configs import ChatEngineConfig
-from vlmserve.engine.hf.batching import END, BatchEngine, supports
-from vlmserve.engine.hf.batching.faults import describe
+from vlmserve.engine.core import END, BatchEngine
+from vlmserve.engine.core.faults import describe
 from vlmserve.engine.hf.capabilities import Capabilities, capabilities
 from vlmserve.engine.hf.generation import run_generation
 from vlmserve.engine.hf.inputs import Prepared, build_inputs, render_prompt
@@ -30,6 +30,7 @@ from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.hf.processor_cache import CachedImageProcessor
 from vlmserve.engine.hf.processor_cache import install as install_processor_cache
 from vlmserve.engine.hf.threads import off_loop
+from vlmserve.engine.models import supports
 from vlmserve.engine.outputs import OutputParsers, parse_outputs
 from vlmserve.engine.parsers import detect_reasoning_parser
 from vlmserve.engine.types import BackendStats, ChatMessage, Chunk, GenerateRequest, Serves

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from vlmserve.engine.hf.batching.families._common import new_runner, qwen2_or_llama_ok
-from vlmserve.engine.hf.batching.vision import MediaItem, PromptEmbedder
-from vlmserve.engine.hf.batching.vision_cache import VisionCache
+from vlmserve.engine.models.families._common import new_runner, qwen2_or_llama_ok
+from vlmserve.engine.models.vision import MediaItem, PromptEmbedder
+from vlmserve.engine.models.vision_cache import VisionCache
 
 __all__ = ["MODEL_TYPES", "OnevisionEmbedder", "build", "supports"]
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from vlmserve.engine.hf.batching.families._common import decoder_ok, new_runner
-from vlmserve.engine.hf.batching.vision import MediaItem, PromptEmbedder
-from vlmserve.engine.hf.batching.vision_cache import VisionCache
+from vlmserve.engine.models.families._common import decoder_ok, new_runner
+from vlmserve.engine.models.vision import MediaItem, PromptEmbedder
+from vlmserve.engine.models.vision_cache import VisionCache
 
 __all__ = ["MODEL_TYPES", "LlavaEmbedder", "build", "supports"]
 

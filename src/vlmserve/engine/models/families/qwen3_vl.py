@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from vlmserve.engine.hf.batching.families._common import decoder_ok, new_runner
-from vlmserve.engine.hf.batching.families.qwen2_vl import QwenVLEmbedder
-from vlmserve.engine.hf.batching.vision import MediaItem, PromptEmbedder
-from vlmserve.engine.hf.batching.vision_cache import VisionCache
+from vlmserve.engine.models.families._common import decoder_ok, new_runner
+from vlmserve.engine.models.families.qwen2_vl import QwenVLEmbedder
+from vlmserve.engine.models.vision import MediaItem, PromptEmbedder
+from vlmserve.engine.models.vision_cache import VisionCache
 
 __all__ = ["MODEL_TYPES", "Qwen3VLEmbedder", "build", "supports"]
 

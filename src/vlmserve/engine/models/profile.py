@@ -20,8 +20,8 @@ import logging
 
 import torch
 
-from vlmserve.engine.hf.batching.block_manager import blocks_for
-from vlmserve.engine.hf.batching.runner import DecoderRunner, PrefillRow
+from vlmserve.engine.core.block_manager import blocks_for
+from vlmserve.engine.models.runner import DecoderRunner, PrefillRow
 
 __all__ = ["activation_peak", "dummy_prefill"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vlmserve.engine.hf.batching.families import FAMILIES
-from vlmserve.engine.hf.batching.vision import PromptEmbedder
-from vlmserve.engine.hf.batching.vision_cache import VisionCache
+from vlmserve.engine.models.families import FAMILIES
+from vlmserve.engine.models.vision import PromptEmbedder
+from vlmserve.engine.models.vision_cache import VisionCache
 
 __all__ = ["build", "supports"]
 

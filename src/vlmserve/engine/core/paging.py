@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from vlmserve.engine.hf.batching.block_manager import BlockManager
-from vlmserve.engine.hf.batching.kv_cache import GPU_MEMORY_UTILIZATION, KVBudget
-from vlmserve.engine.hf.batching.profile import activation_peak
-from vlmserve.engine.hf.batching.runner import DecoderRunner, PrefillRow
-from vlmserve.engine.hf.batching.sequence import Sequence
+from vlmserve.engine.core.block_manager import BlockManager
+from vlmserve.engine.core.kv_cache import GPU_MEMORY_UTILIZATION, KVBudget
+from vlmserve.engine.core.sequence import Sequence
+from vlmserve.engine.models.profile import activation_peak
+from vlmserve.engine.models.runner import DecoderRunner, PrefillRow
 
 __all__ = ["NOT_SAMPLED", "KVPaging", "whole_blocks"]
 

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlmserve.engine.hf.batching.kv_cache import PagedKVCache, block_bytes
-from vlmserve.engine.hf.batching.linear import Linear, fuse
-from vlmserve.engine.hf.batching.rope import RotaryTables
+from vlmserve.engine.core.kv_cache import PagedKVCache, block_bytes
+from vlmserve.engine.models.linear import Linear, fuse
+from vlmserve.engine.models.rope import RotaryTables
 
 __all__ = ["DecoderRunner", "PrefillRow", "Qwen2VLRunner"]
 

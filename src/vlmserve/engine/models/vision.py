@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from vlmserve.engine.hf.batching.runner import PrefillRow
-from vlmserve.engine.hf.batching.vision_cache import VisionCache, content_key
+from vlmserve.engine.models.runner import PrefillRow
+from vlmserve.engine.models.vision_cache import VisionCache, content_key
 
 __all__ = ["MediaItem", "PromptEmbedder", "RowInputs"]
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from vlmserve.engine.hf.batching.scheduler import Scheduler
+from vlmserve.engine.core.scheduler import Scheduler
 
 __all__ = ["PHASES", "EngineGauges", "StepTimer"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmserve.engine.hf.batching.runner import DecoderRunner
+from vlmserve.engine.models.runner import DecoderRunner
 
 __all__ = ["decoder_ok", "new_runner", "qwen2_or_llama_ok"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vlmserve.engine.hf.batching.sequence import Sequence
+from vlmserve.engine.core.sequence import Sequence
 
 __all__ = ["fork"]
 

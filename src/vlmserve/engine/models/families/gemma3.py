@@ -18,12 +18,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlmserve.engine.hf.batching.families.llava import LlavaEmbedder
-from vlmserve.engine.hf.batching.linear import fuse
-from vlmserve.engine.hf.batching.rope import RotaryTables
-from vlmserve.engine.hf.batching.runner import DecoderRunner, PrefillRow, _Layer
-from vlmserve.engine.hf.batching.vision import PromptEmbedder, RowInputs
-from vlmserve.engine.hf.batching.vision_cache import VisionCache
+from vlmserve.engine.models.families.llava import LlavaEmbedder
+from vlmserve.engine.models.linear import fuse
+from vlmserve.engine.models.rope import RotaryTables
+from vlmserve.engine.models.runner import DecoderRunner, PrefillRow, _Layer
+from vlmserve.engine.models.vision import PromptEmbedder, RowInputs
+from vlmserve.engine.models.vision_cache import VisionCache
 
 __all__ = ["MODEL_TYPES", "Gemma3Embedder", "Gemma3Runner", "build", "supports"]
 

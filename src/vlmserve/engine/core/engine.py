@@ -27,30 +27,30 @@ from typing import Any, TypeVar
 
 import torch
 
-from vlmserve.engine.hf.batching.architectures import build
-from vlmserve.engine.hf.batching.choices import fork
-from vlmserve.engine.hf.batching.detok_fast import fast_decoder
-from vlmserve.engine.hf.batching.faults import (
+from vlmserve.engine.core.choices import fork
+from vlmserve.engine.core.detok_fast import fast_decoder
+from vlmserve.engine.core.faults import (
     EngineFailed,
     EngineStateError,
     out_of_memory,
     request_error,
     retry_alone,
 )
-from vlmserve.engine.hf.batching.gauges import EngineGauges, StepTimer
-from vlmserve.engine.hf.batching.kv_cache import DEFAULT_BLOCK_SIZE, GPU_MEMORY_UTILIZATION
-from vlmserve.engine.hf.batching.lifecycle import EngineLifecycle
-from vlmserve.engine.hf.batching.outbox import END, Outbox
-from vlmserve.engine.hf.batching.paging import NOT_SAMPLED, KVPaging
-from vlmserve.engine.hf.batching.prefix import block_hashes
-from vlmserve.engine.hf.batching.runner import PrefillRow
-from vlmserve.engine.hf.batching.sampler import Sampler
-from vlmserve.engine.hf.batching.scheduler import Scheduler
-from vlmserve.engine.hf.batching.sequence import Group, SeqStatus, Sequence
-from vlmserve.engine.hf.batching.vision_cache import VisionCache
+from vlmserve.engine.core.gauges import EngineGauges, StepTimer
+from vlmserve.engine.core.kv_cache import DEFAULT_BLOCK_SIZE, GPU_MEMORY_UTILIZATION
+from vlmserve.engine.core.lifecycle import EngineLifecycle
+from vlmserve.engine.core.outbox import END, Outbox
+from vlmserve.engine.core.paging import NOT_SAMPLED, KVPaging
+from vlmserve.engine.core.prefix import block_hashes
+from vlmserve.engine.core.sampler import Sampler
+from vlmserve.engine.core.scheduler import Scheduler
+from vlmserve.engine.core.sequence import Group, SeqStatus, Sequence
 from vlmserve.engine.hf.generation import _Run
 from vlmserve.engine.hf.inputs import Prepared
 from vlmserve.engine.hf.threads import model_threads
+from vlmserve.engine.models.architectures import build
+from vlmserve.engine.models.runner import PrefillRow
+from vlmserve.engine.models.vision_cache import VisionCache
 from vlmserve.engine.types import Chunk, FinishReason
 from vlmserve.errors import ServiceUnavailable
 

@@ -11,7 +11,7 @@ import contextlib
 from typing import Any
 
 from vlmserve.engine.coalesce import END
-from vlmserve.engine.hf.batching.sequence import Sequence
+from vlmserve.engine.core.sequence import Sequence
 
 __all__ = ["END", "Outbox", "deliver"]
 

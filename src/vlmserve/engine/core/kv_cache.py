@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmserve.engine.hf.batching.block_manager import NULL_BLOCK, blocks_for
+from vlmserve.engine.core.block_manager import NULL_BLOCK, blocks_for
 from vlmserve.errors import InvalidRequest
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "KVBudget", "PagedKVCache", "auto_budget", "block_bytes"]

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from vlmserve.engine.hf.batching.block_manager import BlockManager
-from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
+from vlmserve.engine.core.block_manager import BlockManager
+from vlmserve.engine.core.sequence import SeqStatus, Sequence
 
 __all__ = ["Scheduler"]
 

@@ -13,15 +13,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from vlmserve.engine.hf.batching.faults import EngineFailed
-from vlmserve.engine.hf.batching.outbox import END, Outbox, deliver
-from vlmserve.engine.hf.batching.scheduler import Scheduler
-from vlmserve.engine.hf.batching.sequence import SeqStatus, Sequence
+from vlmserve.engine.core.faults import EngineFailed
+from vlmserve.engine.core.outbox import END, Outbox, deliver
+from vlmserve.engine.core.scheduler import Scheduler
+from vlmserve.engine.core.sequence import SeqStatus, Sequence
 from vlmserve.errors import ServiceUnavailable
 
 __all__ = ["EngineLifecycle"]
 
-log = logging.getLogger("vlmserve.engine.hf.batching.engine")
+log = logging.getLogger("vlmserve.engine.core.engine")
 
 
 class EngineLifecycle:

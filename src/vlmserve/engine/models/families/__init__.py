@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from vlmserve.engine.hf.batching.families import (
+from vlmserve.engine.models.families import (
     gemma3,
     idefics3,
     internvl,

@@ -1,0 +1,13 @@
+"""The batched engine, model-agnostic (design: docs/engine.md).
+
+``BatchEngine`` (engine.py) runs the step loop; ``Scheduler`` admits requests by free KV
+blocks (``BlockManager``) and preempts; the model runner (``engine.models``) does prefill
+and decode forwards over a ``PagedKVCache`` under a byte budget; ``Sampler`` picks tokens
+for all rows at once. The model code (runners, rotary tables, vision, one adapter per
+family) lives in ``engine.models``.
+"""
+
+from vlmserve.engine.core.engine import END, BatchEngine
+from vlmserve.engine.core.faults import EngineFailed, OutOfMemory, RequestFailed
+
+__all__ = ["END", "BatchEngine", "EngineFailed", "OutOfMemory", "RequestFailed"]
