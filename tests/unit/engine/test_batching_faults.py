@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from vlmserve.engine.core import EngineFailed, OutOfMemory, RequestFailed
 from vlmserve.engine.core.engine import BatchEngine
-from vlmserve.engine.core.faults import out_of_memory
+from vlmserve.engine.core.faults import EngineFailed, OutOfMemory, RequestFailed, out_of_memory
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.lifecycle import ModelState
 from vlmserve.engine.hf.loading import LoadOptions

@@ -25,7 +25,7 @@ from test_batching import Outcome, run, wait_for
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions
-from vlmserve.engine.models import supports
+from vlmserve.engine.models.architectures import supports
 from vlmserve.engine.types import (
     ChatMessage,
     GenerateRequest,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from support import MODEL, make_settings
-from vlmserve.engine.core import EngineFailed
+from vlmserve.engine.core.faults import EngineFailed
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.types import (
     ChatMessage,

@@ -6,8 +6,3 @@ and decode forwards over a ``PagedKVCache`` under a byte budget; ``Sampler`` pic
 for all rows at once. The model code (runners, rotary tables, vision, one adapter per
 family) lives in ``engine.models``.
 """
-
-from vlmserve.engine.core.engine import END, BatchEngine
-from vlmserve.engine.core.faults import EngineFailed, OutOfMemory, RequestFailed
-
-__all__ = ["END", "BatchEngine", "EngineFailed", "OutOfMemory", "RequestFailed"]

@@ -20,7 +20,7 @@ from typing import Any
 
 from vlmserve.engine.coalesce import coalesced
 from vlmserve.engine.configs import ChatEngineConfig
-from vlmserve.engine.core import END, BatchEngine
+from vlmserve.engine.core.engine import END, BatchEngine
 from vlmserve.engine.core.faults import describe
 from vlmserve.engine.hf.capabilities import Capabilities, capabilities
 from vlmserve.engine.hf.generation import run_generation
@@ -30,7 +30,7 @@ from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.hf.processor_cache import CachedImageProcessor
 from vlmserve.engine.hf.processor_cache import install as install_processor_cache
 from vlmserve.engine.hf.threads import off_loop
-from vlmserve.engine.models import supports
+from vlmserve.engine.models.architectures import supports
 from vlmserve.engine.outputs import OutputParsers, parse_outputs
 from vlmserve.engine.parsers import detect_reasoning_parser
 from vlmserve.engine.types import BackendStats, ChatMessage, Chunk, GenerateRequest, Serves

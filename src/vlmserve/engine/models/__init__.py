@@ -4,8 +4,3 @@ linears (``linear.py``), vision features and their cache (``vision.py``,
 ``vision_cache.py``), the activation profile (``profile.py``), and one small adapter per VLM
 family (``families/``); ``architectures.py`` maps a checkpoint to them.
 """
-
-from vlmserve.engine.models.architectures import supports
-from vlmserve.engine.models.vision_cache import VisionCache
-
-__all__ = ["VisionCache", "supports"]
