@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from vlmserve.engine.core import OutOfMemory
+from vlmserve.engine.core.faults import OutOfMemory
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.models.profile import activation_peak, dummy_prefill
@@ -89,3 +89,65 @@ async def test_a_real_cuda_out_of_memory_fails_one_request_with_a_503(
     assert isinstance(got[0], OutOfMemory) and got[0].status_code == 503
     assert got[1] == alone
     assert engine.failure is None
+
+
+def test_decode_reads_the_paged_cache_in_place_through_cuda_graphs(
+    backend: HFChatBackend,
+) -> None:
+    engine = backend.engine
+    assert engine is not None
+    assert engine.decode_mode == "paged attention, CUDA graphs"
+    cache = engine.runner.cache
+    assert cache is not None
+    gather = cache.gather
+
+    def no_gather(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("decode gathered cache blocks")
+
+    cache.gather = no_gather  # type: ignore[method-assign]
+    try:
+        got = asyncio.run(_together(backend, 5))
+    finally:
+        cache.gather = gather  # type: ignore[method-assign]
+    assert all(len(g) == 16 for g in got)
+    assert engine.runner.paged is not None and engine.runner.paged.graphs
+
+
+async def _together(backend: HFChatBackend, n: int, max_tokens: int = 16) -> list[list[int]]:
+    return list(
+        await asyncio.gather(*(tokens(backend, request(f"row {i}", max_tokens)) for i in range(n)))
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_graph_replays_give_the_eager_steps_tokens_at_bucket_sizes(
+    backend: HFChatBackend, rows: int
+) -> None:
+    engine = backend.engine
+    assert engine is not None and engine.runner.paged is not None
+    paged = engine.runner.paged
+    graphed = asyncio.run(_together(backend, rows, 32))
+    paged.use_graphs = False
+    try:
+        eager = asyncio.run(_together(backend, rows, 32))
+    finally:
+        paged.use_graphs = True
+    assert graphed == eager
+
+
+def test_the_paged_kernel_equals_gathered_attention_on_cuda() -> None:
+    from vlmserve.engine.models import paged_attention as pa
+
+    torch.manual_seed(0)
+    blocks, size, kv_heads, dim, heads = 300, 16, 2, 128, 12
+    lengths = [1, 16, 17, 300, 1000, 4000 - 1]
+    width = max(-(-n // size) for n in lengths)
+    for dtype in (torch.bfloat16, torch.float16):
+        k = torch.randn(blocks, size, kv_heads, dim, dtype=dtype, device=CUDA)
+        v = torch.randn(blocks, size, kv_heads, dim, dtype=dtype, device=CUDA)
+        tables = torch.randint(1, blocks, (len(lengths), width), dtype=torch.int32, device=CUDA)
+        q = torch.randn(len(lengths), heads, dim, dtype=dtype, device=CUDA)
+        lens = torch.tensor(lengths, dtype=torch.int32, device=CUDA)
+        got = pa.paged_decode(q, k, v, tables, lens, dim**-0.5, pa.splits_for(width, size))
+        want = pa.reference(q, k, v, tables, lens, dim**-0.5)
+        assert (got.float() - want.float()).abs().max().item() < 2e-2, dtype

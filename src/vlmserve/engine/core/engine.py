@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from vlmserve.engine.configs import ChatEngineConfig
 from vlmserve.engine.core.choices import fork
 from vlmserve.engine.core.detok_fast import fast_decoder
 from vlmserve.engine.core.faults import (
@@ -37,7 +38,7 @@ from vlmserve.engine.core.faults import (
     retry_alone,
 )
 from vlmserve.engine.core.gauges import EngineGauges, StepTimer
-from vlmserve.engine.core.kv_cache import DEFAULT_BLOCK_SIZE, GPU_MEMORY_UTILIZATION
+from vlmserve.engine.core.kv_cache import DEFAULT_BLOCK_SIZE
 from vlmserve.engine.core.lifecycle import EngineLifecycle
 from vlmserve.engine.core.outbox import END, Outbox
 from vlmserve.engine.core.paging import NOT_SAMPLED, KVPaging
@@ -70,36 +71,44 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         model: Any,
         tokenizer: Any,
         eos_ids: set[int],
+        config: ChatEngineConfig,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        vision_cache_bytes: int,
         submit: Callable[[Callable[[], None]], Any],
-        stream_interval: int = 4,
         model_id: str = "model",
         on_fatal: Callable[[BaseException, Any], None] | None = None,
-        kv_cache_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        logprobs_mode: str = "raw",
-        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-        prefix_caching: bool = False,
     ):
+        """``config``: the model's engine settings (``ChatEngineConfig``); ``submit`` runs
+        a callable on the model's executor thread; ``on_fatal(cause, loop)`` tells the owner
+        that the engine failed."""
+        c = config
+        self.config = c
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
         self._hf_tokenizer = tokenizer
-        self.vision_cache = VisionCache(vision_cache_bytes)
+        self.vision_cache = VisionCache(c.vision_cache_bytes)
         self.runner, self.embedder = build(model, self.vision_cache)
         vocab = int(model.config.get_text_config().vocab_size)
         self.vocab = vocab
-        self.sampler = Sampler(vocab, eos_ids, logprobs_mode)
+        self.sampler = Sampler(vocab, eos_ids, c.logprobs_mode)
         # a prompt longer than chunk_size is computed in chunks of it, one per step
-        self.chunk_size = max_num_batched_tokens
-        # the KV budget (None/0: kv_cache.auto_budget less a prefill's activations on CUDA),
+        self.chunk_size = c.max_num_batched_tokens
+        # the KV budget (0: kv_cache.auto_budget less a prefill's activations on CUDA),
         # allocated once, in blocks
-        self.paging = KVPaging(self.runner, kv_cache_bytes, block_size, gpu_memory_utilization,
-                               max_num_batched_tokens, prefix_caching)  # fmt: skip
+        self.paging = KVPaging(
+            self.runner,
+            c.kv_cache_bytes or None,
+            block_size,
+            c.gpu_memory_utilization,
+            c.max_num_batched_tokens,
+            c.prefix_caching,
+        )
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks)
+        self.decode_mode = self.runner.use_paged_decode(
+            c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager
+        )
+        log.info("%s: decode runs with %s", model_id, self.decode_mode)
+        self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, self.blocks)
         self.scheduler.prefix_hasher = self._block_hashes
         self.model_id = model_id  # in messages
         self._submit = submit  # runs a callable on the model's executor thread
@@ -115,7 +124,7 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self._threads = model_threads(model, self.runner.device)
         self.tokens_generated = 0
         self.steps = 0
-        self.stream_interval = max(1, stream_interval)  # steps between outputs under load
+        self.stream_interval = max(1, c.stream_interval)  # steps between outputs under load
         self.peak_running = 0  # most rows decoded in one step since start
         self.timer = StepTimer()  # step seconds by phase (/metrics)
         self.prefilled_rows = 0  # prompts prefilled (a recomputed row counts again)

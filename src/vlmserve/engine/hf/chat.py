@@ -90,16 +90,15 @@ class HFChatBackend(HFModel):
         )
 
     def _new_engine(self, loaded: Any) -> BatchEngine:
-        c = self.config
         return BatchEngine(
-            loaded.model, loaded.processor.tokenizer, _eos_ids(loaded.model),
-            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            vision_cache_bytes=c.vision_cache_bytes, stream_interval=c.stream_interval,
-            submit=lambda fn: self._executor.submit(fn), model_id=self.model_id,
-            on_fatal=self._engine_failed, kv_cache_bytes=c.kv_cache_bytes or None,
-            logprobs_mode=c.logprobs_mode, gpu_memory_utilization=c.gpu_memory_utilization,
-            prefix_caching=c.prefix_caching,
-        )  # fmt: skip
+            loaded.model,
+            loaded.processor.tokenizer,
+            _eos_ids(loaded.model),
+            self.config,
+            submit=lambda fn: self._executor.submit(fn),
+            model_id=self.model_id,
+            on_fatal=self._engine_failed,
+        )
 
     def capabilities(self) -> frozenset[str] | None:
         caps = self._caps if self.state is ModelState.READY else None

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.engine.core.kv_cache import PagedKVCache, block_bytes
+from vlmserve.engine.models import paged_attention
+from vlmserve.engine.models.graphs import PagedDecode, graphs_unsupported, paged_supported
 from vlmserve.engine.models.linear import Linear, fuse
 from vlmserve.engine.models.rope import RotaryTables
 
@@ -107,6 +109,7 @@ class DecoderRunner:
         self.layers = [self._layer(layer) for layer in lm.layers]
         self.ropes = self._rotary(lm.rotary_emb, sections, interleaved)  # by layer kind
         self.cache: PagedKVCache | None = None  # allocate_cache(), once the budget is known
+        self.paged: PagedDecode | None = None  # use_paged_decode(): CUDA's decode step
 
     def _rotary(
         self, rotary: Any, sections: list[int] | None, interleaved: bool
@@ -297,6 +300,40 @@ class DecoderRunner:
         positions = torch.cat(parts, dim=1)
         return {kind: tables.multimodal(positions) for kind, tables in self.ropes.items()}
 
+    def use_paged_decode(self, max_rows: int, max_len: int = 0, *, graphs: bool) -> str:
+        """Decode through ``PagedDecode`` where it applies (CUDA with Triton, the base
+        runner's attention): attention reads the cache in place, and with ``graphs`` each
+        batch-size bucket's step is a CUDA graph. -> how decode runs, for the log."""
+        if not paged_supported(self):
+            return "gathered attention"
+        why = graphs_unsupported(self) if graphs else "--enforce-eager"
+        self.paged = PagedDecode(self, max_rows, max_len, graphs=why is None)
+        return "paged attention, CUDA graphs" if why is None else f"paged attention, eager ({why})"
+
+    def paged_step(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        splits: tuple[int, int],
+    ) -> torch.Tensor:
+        """The decode forward on device tensors (``PagedDecode``): ids, positions, slots
+        [B]; tables [B, MB] and lengths [B] (keys each row attends to) int32 -> logits
+        [B, V]. Nothing here depends on host values, so it can be captured."""
+        cache = self._kv()
+        x = self.embed(ids)  # [B, hidden]
+        ropes = {k: (t.cos_full[positions], t.sin_full[positions]) for k, t in self.ropes.items()}
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [B, H, D], k/v [B, KVH, D]
+            cache.write(li, slots, k, v)
+            o = paged_attention.paged_decode(
+                q, cache.k[li], cache.v[li], tables, lengths, self.scale, splits
+            )  # [B, H, D]
+            x = self._mlp(x, o.reshape(o.shape[0], -1), layer)
+        return self._logits(x)
+
     def decode(
         self,
         tokens: list[int],
@@ -307,6 +344,8 @@ class DecoderRunner:
         """One token per row b: feed tokens[b] at rotary position positions[b], write it as
         token lengths[b] of the row whose blocks are tables[b] (room already made), attend
         to its tokens 0..lengths[b]. -> logits [B, V]."""
+        if self.paged is not None:
+            return self.paged.run(tokens, positions, lengths, tables)
         cache = self._kv()
         bs = cache.block_size
         width = max(len(t) for t in tables)
