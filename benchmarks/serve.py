@@ -40,6 +40,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers.cache import CacheCheck, cache_table, run_cache_check
+from peers.drive import drive
 from peers.servers import (
     PEERS,
     VLMSERVE,
@@ -156,6 +157,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens (ignore_eos)")
     p.add_argument("--prompt-words", type=int, default=32)
     p.add_argument(
+        "--long-words", type=int, default=0,
+        help="words of the long workload; 0: as many as make ~2,000 tokens with the checkpoint's "
+        "tokenizer (1,500 with Qwen2-VL's, ~750 with the test checkpoints' small BPE)",
+    )  # fmt: skip
+    p.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16", "float16"],
         help="one dtype for every server; default: float32 for --size tiny, and each server's "
         "own default (auto) for --size medium (a bfloat16-saved checkpoint)",
@@ -195,6 +201,8 @@ def default_peers_dir() -> Path:
 def build_config(ns: argparse.Namespace) -> BenchConfig:
     if any(c < 1 for c in ns.concurrency) or ns.rounds < 1 or ns.max_tokens < 1:
         raise SystemExit("--concurrency, --rounds and --max-tokens must be at least 1")
+    if ns.long_words < 0:
+        raise SystemExit("--long-words must be at least 0")
     if ns.cache_rounds < 1 or ns.cache_requests < 1:
         raise SystemExit("--cache-rounds and --cache-requests must be at least 1")
     peers_dir = Path(ns.peers_dir) if ns.peers_dir else default_peers_dir()
@@ -226,6 +234,7 @@ def build_config(ns: argparse.Namespace) -> BenchConfig:
         in_process=ns.in_process,
         settle=ns.settle,
         workloads=list(dict.fromkeys(ns.workloads)),
+        long_words=ns.long_words,
     )
 
 
@@ -237,6 +246,8 @@ def describe_workloads(cfg: BenchConfig, console: Console) -> None:
         if spec.tokens and not cfg.long_words:
             cfg.long_words = words_for_tokens(cfg.model_dir, spec.tokens)
             console.print(f"{workload}: {cfg.long_words} words, ~{spec.tokens} text tokens")
+        elif spec.tokens:
+            console.print(f"{workload}: {cfg.long_words} words (--long-words)")
         if spec.image or spec.video_frames:
             tokens = media_tokens(cfg.model_dir, spec, cfg.image)
             console.print(f"{workload}: {tokens} visual tokens per request")
@@ -280,30 +291,6 @@ def measure(
     transport = BodyRewrite(extra, connections=concurrency) if extra else None
     report = asyncio.run(drive(spec.url, bodies, concurrency, transport))
     return report.to_dict()
-
-
-async def drive(
-    url: str, bodies: list[dict[str, Any]], concurrency: int, transport: Any = None
-) -> Any:
-    """As ``vllm bench serve`` without a rate: every request queued at once, a semaphore caps
-    those in flight, each timed from its own send (``vlmserve.client.stream``)."""
-    from vlmserve.client.http import open_client
-    from vlmserve.client.stats import build_report
-    from vlmserve.client.stream import stream_chat
-
-    slots = asyncio.Semaphore(concurrency)
-    client = open_client(url, api_key=None, timeout=600.0, transport=transport,
-                         connections=concurrency)  # fmt: skip
-
-    async def one(body: dict[str, Any]) -> Any:
-        async with slots:
-            return await stream_chat(client, body)
-
-    async with client:
-        started = time.perf_counter()
-        records = await asyncio.gather(*(one(b) for b in bodies))
-        duration = time.perf_counter() - started
-    return build_report(records, duration, config={"concurrency": concurrency})
 
 
 def start(spec: ServerSpec, cfg: BenchConfig, out: Outcome, console: Console) -> Server | None:

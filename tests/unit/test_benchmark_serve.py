@@ -4,6 +4,7 @@ No peer and no model server is started here (the benchmark itself is run by hand
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import io
 import json
@@ -290,6 +291,10 @@ def test_workload_flag_takes_several_once_each_and_rejects_unknown_ones(tmp_path
     with pytest.raises(SystemExit):
         config(tmp_path, "--workload", "audio")
     assert "invalid choice: 'audio'" in capsys.readouterr().err
+    assert cfg.long_words == 0  # sized by the checkpoint's tokenizer at the start
+    assert config(tmp_path, "--long-words", "1500").long_words == 1500
+    with pytest.raises(SystemExit, match="--long-words"):
+        config(tmp_path, "--long-words", "-1")
 
 
 def test_summary_and_ratios_are_per_workload_with_itl_p50_and_p99():
@@ -373,6 +378,7 @@ def _text(body: dict) -> str:
 
 
 def test_drive_streams_the_bodies_and_reports_itl(live_server):
+    from peers.drive import drive
     from peers.workloads import WORKLOADS, build_bodies
 
     from support import MODEL
@@ -382,7 +388,7 @@ def test_drive_streams_the_bodies_and_reports_itl(live_server):
         WORKLOADS["short"], (0, "measure", 2, 0), requests=3, model=MODEL, max_tokens=5,
         prompt_words=8, image=(32, 32), ignore_eos=True,
     )  # fmt: skip
-    got = serve.asyncio.run(serve.drive(server.url, bodies, 2)).to_dict()
+    got = asyncio.run(drive(server.url, bodies, 2)).to_dict()
     assert (got["completed"], got["failed"]) == (3, 0)
     assert got["total_output_tokens"] == 15
     assert got["itl_ms"]["median"] > 0 and got["itl_ms"]["p99"] >= got["itl_ms"]["median"]
