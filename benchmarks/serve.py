@@ -145,8 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--workload", nargs="+", choices=list(WORKLOADS), default=["short"], dest="workloads",
         help="request mixes, each measured at every level: short (--prompt-words words + "
-        "--image PNG), long (1,500 words), photo (1280x960 JPEG + words), video (16 frames "
-        "448x448 at 2 fps + words)",
+        "--image PNG), long (~2,000 tokens of text), photo (1280x960 JPEG + words), video "
+        "(16 frames 448x448 at 2 fps + words)",
     )  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level")
@@ -293,7 +293,15 @@ def measure(
     return report.to_dict()
 
 
-def start(spec: ServerSpec, cfg: BenchConfig, out: Outcome, console: Console) -> Server | None:
+def start(
+    spec: ServerSpec,
+    cfg: BenchConfig,
+    out: Outcome,
+    console: Console,
+    workloads: list[str] | None = None,
+) -> Server | None:
+    """Start ``spec`` and warm it up with ``--warmup`` requests of each of ``workloads``
+    (default: every workload of the run)."""
     if spec.missing:
         out.status[spec.name] = f"not installed: {spec.missing}"
         console.print(f"[yellow]{spec.name}: {out.status[spec.name]}")
@@ -304,7 +312,7 @@ def start(spec: ServerSpec, cfg: BenchConfig, out: Outcome, console: Console) ->
         began = time.monotonic()
         server.start(cfg.startup_timeout)
         console.print(f"  ready in {time.monotonic() - began:.1f}s; warming up")
-        for workload in cfg.workloads if cfg.warmup > 0 else []:
+        for workload in (workloads or cfg.workloads) if cfg.warmup > 0 else []:
             bodies = bodies_for(spec, cfg, workload, ("warmup", spec.name), cfg.warmup)
             measure(spec, cfg, bodies, min(8, cfg.warmup))
     except Exception as exc:  # any failure is reported per server; the run goes on
@@ -328,7 +336,9 @@ def run_rounds(specs: list[ServerSpec], cfg: BenchConfig, console: Console) -> O
                         if out.status.get(spec.name, "ok") != "ok":
                             continue
                         if spec.name not in running:
-                            server = start(spec, cfg, out, console)
+                            # --one-at-a-time: a fresh server per turn, warmed for it only
+                            only = [workload] if cfg.one_at_a_time else None
+                            server = start(spec, cfg, out, console, only)
                             if server is None:
                                 continue
                             running[spec.name] = server

@@ -334,9 +334,9 @@ def test_rounds_send_new_requests_per_workload_level_and_round_the_same_to_every
         def stop(self) -> None:
             pass
 
-    def start(spec, cfg, out, console):
+    def start(spec, cfg, out, console, workloads=None):
         out.status[spec.name] = "ok"
-        for workload in cfg.workloads:  # as serve.start warms up
+        for workload in workloads or cfg.workloads:  # as serve.start warms up
             sent.append((spec.name, -1, serve.bodies_for(spec, cfg, workload, ("warmup",), 2)))
         return Running()
 
@@ -392,3 +392,23 @@ def test_drive_streams_the_bodies_and_reports_itl(live_server):
     assert (got["completed"], got["failed"]) == (3, 0)
     assert got["total_output_tokens"] == 15
     assert got["itl_ms"]["median"] > 0 and got["itl_ms"]["p99"] >= got["itl_ms"]["median"]
+
+
+def test_one_at_a_time_warms_each_fresh_server_for_its_own_workload_only(tmp_path, monkeypatch):
+    cfg = config(tmp_path, "--no-sequential", "--concurrency", "1", "--rounds", "1",
+                 "--workload", "short", "photo", "--one-at-a-time", "--settle", "0")  # fmt: skip
+    warmed: list[list[str] | None] = []
+
+    class Running:
+        def stop(self) -> None:
+            pass
+
+    def start(spec, cfg, out, console, workloads=None):
+        out.status[spec.name] = "ok"
+        warmed.append(workloads)
+        return Running()
+
+    monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(serve, "measure", lambda *args: report(10.0, 5.0))
+    serve.run_rounds(serve.plan_specs(cfg, [1]), cfg, Console(file=io.StringIO()))
+    assert warmed == [["short"], ["photo"]]
