@@ -1,6 +1,7 @@
 """GPU benchmark: vlmserve's hf engine beside plain transformers, on Qwen2-VL-2B-sized models.
 
     python benchmarks/gpu.py --json gpu.json          # real 2B configurations, random bf16 weights
+    python benchmarks/gpu.py --quick                  # the level set of scripts/gpu_check.sh
     python benchmarks/gpu.py --tiny --json tiny.json  # the same code, tiny checkpoint, CPU, seconds
 
 What it measures (every number beside plain HF transformers, one request at a time, same device):
@@ -8,15 +9,22 @@ What it measures (every number beside plain HF transformers, one request at a ti
 1. copy bandwidth: a large on-device tensor copy, (read + write bytes) / seconds.
 2. TPOT at concurrency 1 (ms per output token after the first, from whole-request latencies:
    (T(n) - T(1)) / (n - 1)) of HFChatBackend and of ``model.generate``, next to the bandwidth
-   floor: bytes read per decode step (every weight but the vision tower's) / copy bandwidth.
-3. output tokens/s with 8, 32 and 64 concurrent requests through HFChatBackend (its public
-   API: prepare + generate; each level warmed up first with as many other prompts), next to
-   ``model.generate`` run one request after another (that rate does not depend on how many
-   requests wait, so it is measured once).
+   floor: bytes read per decode step (every weight but the vision tower's, plus the row's
+   keys and values) / copy bandwidth.
+3. per context (prompt tokens per row: short ~100, 1k, 4k), the TPOT at concurrency 1 and the
+   output tokens/s with 1, 8, 32, 64 and 128 concurrent requests through HFChatBackend (its
+   public API: prepare + generate; each level warmed up first with as many other prompts, and
+   every prompt distinct, so no prefix cache serves a timed one), next to ``model.generate``
+   run one request after another at the short context, and to the floor at that level
+   (c tokens per step of weights + c rows' KV bytes at the copy bandwidth).
 4. embedding images/s for 448x448 images (112x112 with --tiny) sent as concurrent
    single-image requests through HFEmbedBackend (VLM2Vec-2B: base + a random LoRA, merged
    at load), next to plain transformers embedding one image per forward pass (last token
    of the final hidden state; the plain base: a merged LoRA costs nothing extra).
+
+Each phase prints its duration as it ends (and the JSON has them under ``phases_s``).
+``--quick`` (contexts short and 4k, levels 1, 8 and 64, fewer requests and images) keeps
+``scripts/gpu_check.sh`` within 5 minutes, compilation included.
 
 No downloads: Qwen2-VL-2B-Instruct's real configuration (hidden 1536, 28 layers, 12 heads,
 2 kv heads, intermediate 8960, vocab 151936, vision depth 32 / width 1280 / 16 heads) is
@@ -32,13 +40,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -47,7 +55,12 @@ from typing import Any
 import torch
 from PIL import Image
 from rich.console import Console
-from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from floor import copy_bandwidth, decode_weight_bytes, kv_bytes_per_token, sync
+from gpu_model import CONTEXTS, build_real_checkpoint, context_prompts, free_memory, real_config
+from gpu_report import ratios, table
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.embed import EmbedInput, HFEmbedBackend
@@ -56,8 +69,12 @@ from vlmserve.engine.types import ChatMessage, GenerateRequest, SamplingParams, 
 from vlmserve.testing import build_lora_adapter, build_qwen2_vl
 from vlmserve.testing.media import gradient_image
 
+__all__ = ["Plan", "copy_bandwidth", "decode_weight_bytes", "main", "parse_args", "real_config"]
+
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16384  # Qwen2-VL's image processor defaults
 IMAGE_PROMPT = "Represent the given image."
+LEVELS = [1, 8, 32, 64, 128]
+QUICK_LEVELS = [1, 8, 64]
 
 
 @dataclass(slots=True)
@@ -66,114 +83,39 @@ class Plan:
     device: str
     dtype: str
     max_tokens: int  # output tokens per request (EOS ignored)
-    prompt_words: int  # words of filler text per chat prompt
+    prompt_words: int  # words of filler text per short chat prompt
     concurrency: list[int]
     sequential: int  # requests for the one-at-a-time generate rate
     images: int  # images embedded per measurement
     image_size: int
     embed_max_batch: int
     copy_mib: int
+    contexts: list[str] = field(default_factory=lambda: ["short"])  # "short" first
+    quick: bool = False
     workdir: Path = field(default_factory=Path)
 
 
-# --- checkpoints -------------------------------------------------------------------------
-def real_config(tiny_dir: Path) -> Any:
-    """Qwen2-VL-2B-Instruct's config.json numbers; special token ids from the tiny tokenizer."""
-    from transformers import AutoConfig, Qwen2VLConfig
+class Phases:
+    """Times each phase of the run, printing its duration as it ends."""
 
-    tiny = AutoConfig.from_pretrained(tiny_dir)
-    text = tiny.get_text_config()
-    text_config = {
-        "vocab_size": 151936,
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,  # head_dim 128
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 32768,
-        "max_window_layers": 28,
-        "use_sliding_window": False,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 1000000.0,
-            "mrope_section": [16, 24, 24],
-        },
-        "bos_token_id": text.bos_token_id,
-        "eos_token_id": text.eos_token_id,
-        "pad_token_id": text.pad_token_id,
-        "tie_word_embeddings": True,
-    }
-    vision_config = {
-        "depth": 32,
-        "embed_dim": 1280,
-        "num_heads": 16,
-        "mlp_ratio": 4,
-        "hidden_size": 1536,  # the merger projects into the text hidden size
-        "hidden_act": "quick_gelu",
-        "in_channels": 3,
-        "patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-    }
-    ids = {k: getattr(tiny, k) for k in ("image_token_id", "video_token_id")}
-    ids |= {k: getattr(tiny, k) for k in ("vision_start_token_id", "vision_end_token_id")}
-    return Qwen2VLConfig(
-        text_config=text_config, vision_config=vision_config, tie_word_embeddings=True, **ids
-    )
+    def __init__(self, console: Console):
+        self.console = console
+        self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
 
-
-def build_real_checkpoint(out: Path, device: str) -> Path:
-    """Random-weight Qwen2-VL-2B (bf16, safetensors) + the tiny processor, written to ``out``."""
-    from transformers import AutoProcessor, GenerationConfig, Qwen2VLForConditionalGeneration
-
-    tiny_dir = build_qwen2_vl()
-    with torch.device(device):  # initialise on the GPU: seconds instead of minutes on CPU
-        model = Qwen2VLForConditionalGeneration(real_config(tiny_dir)).to(torch.bfloat16)
-    model.save_pretrained(out)
-    del model
-    free_memory()
-    AutoProcessor.from_pretrained(tiny_dir).save_pretrained(out)
-    GenerationConfig.from_pretrained(tiny_dir).save_pretrained(out)
-    return out
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - began
+            self.seconds[name] = round(took, 2)
+            total = time.perf_counter() - self.started
+            self.console.print(f"phase {name}: {took:.1f} s (total {total:.1f} s)")
 
 
 # --- plain transformers baselines --------------------------------------------------------
-def copy_bandwidth(device: torch.device, mib: int) -> float:
-    """Bytes/s moved by ``dst.copy_(src)`` of ``mib`` MiB (read + write), best of 5."""
-    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        started = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - started)
-    return 2 * src.numel() / best
-
-
-def decode_weight_bytes(model: Any) -> tuple[int, int]:
-    """(all weight bytes, bytes read per decode step: all but the vision tower's)."""
-    params = list(model.named_parameters())  # tied embedding/lm_head counted once
-    total = sum(p.numel() * p.element_size() for _, p in params)
-    vision = sum(p.numel() * p.element_size() for n, p in params if ".visual." in f".{n}")
-    return total, total - vision
-
-
 def hf_generate(model: Any, processor: Any, prompt: str, n: int) -> float:
     """Seconds for a greedy ``model.generate`` of exactly ``n`` new tokens."""
     inputs = processor(text=[prompt], return_tensors="pt").to(model.device)
@@ -261,34 +203,47 @@ async def timed(work: Awaitable[Any]) -> float:
     return time.perf_counter() - started
 
 
-async def vlmserve_chat(
-    plan: Plan, ckpt: Path, texts: list[str], warm: list[str]
-) -> dict[str, Any]:
+async def vlmserve_chat(plan: Plan, ckpt: Path, tokenizer: Any, phases: Phases) -> dict:
+    """Per context: TPOT at c=1, output tokens/s at every level, the prompt's token count."""
     options = LoadOptions(source=str(ckpt), device=plan.device, dtype=plan.dtype)
     top = max(plan.concurrency)
     backend = HFChatBackend(
         "bench-chat", options, max_model_len=32768, max_queued=top + 1, max_num_seqs=top
     )
-    await asyncio.to_thread(backend.load)
+    out: dict[str, Any] = {}
     try:
-        await stream(backend, texts[0], 4)  # warm-up
-        latencies = {}
-        for n in (plan.max_tokens, 1):  # best of 3 whole-request latencies, as for HF
-            latencies[n] = min([await timed(stream(backend, texts[0], n)) for _ in range(3)])
-        tpot = per_token(latencies.__getitem__, plan.max_tokens, tries=1)
-        rates = {}
-        for c in plan.concurrency:
-            # first-seen batch shapes (kernel choice, allocator growth) outside the timing;
-            # other prompts, so that the prefix cache holds none of the timed ones
-            await asyncio.gather(*(stream(backend, t, 4) for t in warm[:c]))
-            started = time.perf_counter()
-            runs = await asyncio.gather(*(stream(backend, t, plan.max_tokens) for t in texts[:c]))
-            tokens = sum(runs)
-            rates[str(c)] = tokens / (time.perf_counter() - started)
+        with phases("vlmserve load + warm-up"):
+            await asyncio.to_thread(backend.load)
+            await stream(backend, "Warm-up: say something.", 4)
+        for context in plan.contexts:
+            with phases(f"vlmserve context {context}"):
+                out[context] = await one_context(plan, backend, tokenizer, context)
     finally:
         backend.close()
         free_memory()
-    return {"tpot_s": tpot, "tokens_per_s": rates}
+    return out
+
+
+async def one_context(plan: Plan, backend: HFChatBackend, tokenizer: Any, context: str) -> dict:
+    def texts(count: int, label: str) -> list[str]:
+        return context_prompts(tokenizer, context, plan.prompt_words, count, label)
+
+    first = texts(1, "TPOT")[0]
+    latencies = {}
+    for n in (plan.max_tokens, 1):  # best of 3 whole-request latencies, as for HF
+        latencies[n] = min([await timed(stream(backend, first, n)) for _ in range(3)])
+    tpot = per_token(latencies.__getitem__, plan.max_tokens, tries=1)
+    rates = {}
+    for c in plan.concurrency:
+        # first-seen batch shapes (kernel choice, allocator growth, compiled graphs) outside
+        # the timing, with other prompts than the timed ones
+        await asyncio.gather(*(stream(backend, t, 4) for t in texts(c, f"Warm-up c{c}")))
+        timed_texts = texts(c, f"Request c{c}")
+        started = time.perf_counter()
+        runs = await asyncio.gather(*(stream(backend, t, plan.max_tokens) for t in timed_texts))
+        rates[str(c)] = sum(runs) / (time.perf_counter() - started)
+    prompt_tokens = len(tokenizer(first)["input_ids"])
+    return {"prompt_tokens": prompt_tokens, "tpot_s": tpot, "tokens_per_s": rates}
 
 
 async def vlmserve_embed(plan: Plan, ckpt: Path, adapter: Path | None) -> float:
@@ -318,97 +273,85 @@ async def vlmserve_embed(plan: Plan, ckpt: Path, adapter: Path | None) -> float:
 
 
 # --- the run -----------------------------------------------------------------------------
-def prompts(plan: Plan, count: int, label: str = "Request") -> list[str]:
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "at", "dawn"]
-    filler = " ".join(words[i % len(words)] for i in range(plan.prompt_words))
-    return [f"{label} {i}: continue this text. {filler}" for i in range(count)]
+def run(plan: Plan, console: Console) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoTokenizer
 
-
-def run(plan: Plan) -> dict[str, Any]:
     device = torch.device(plan.device)
-    if plan.tiny:
-        ckpt = build_qwen2_vl()
-        adapter: Path | None = build_lora_adapter(ckpt)
-    else:
-        ckpt = build_real_checkpoint(plan.workdir / "qwen2-vl-2b-random", plan.device)
-        adapter = build_lora_adapter(ckpt, out_dir=plan.workdir / "vlm2vec-lora-random")
-    texts = prompts(plan, max(plan.concurrency))
-    bandwidth = copy_bandwidth(device, plan.copy_mib)
-    hf = hf_baselines(plan, ckpt, texts)
-    warm = prompts(plan, max(plan.concurrency), label="Warm-up")
-    ours = asyncio.run(vlmserve_chat(plan, ckpt, texts, warm))
-    embed_rate = asyncio.run(vlmserve_embed(plan, ckpt, adapter))
-    floor = hf["decode_weight_bytes"] / bandwidth
+    phases = Phases(console)
+    with phases("checkpoint"):
+        if plan.tiny:
+            ckpt = build_qwen2_vl()
+            adapter: Path | None = build_lora_adapter(ckpt)
+        else:
+            ckpt = build_real_checkpoint(plan.workdir / "qwen2-vl-2b-random", plan.device)
+            adapter = build_lora_adapter(ckpt, out_dir=plan.workdir / "vlm2vec-lora-random")
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    short = context_prompts(tokenizer, "short", plan.prompt_words, plan.sequential, "HF")
+    with phases("copy bandwidth"):
+        bandwidth = copy_bandwidth(device, plan.copy_mib)
+    with phases("HF baselines"):
+        hf = hf_baselines(plan, ckpt, short)
+    ours = asyncio.run(vlmserve_chat(plan, ckpt, tokenizer, phases))
+    with phases("vlmserve embed"):
+        embed_rate = asyncio.run(vlmserve_embed(plan, ckpt, adapter))
+    kv = kv_bytes_per_token(
+        AutoConfig.from_pretrained(ckpt), torch.finfo(getattr(torch, plan.dtype)).bits // 8
+    )
+    weights = hf["decode_weight_bytes"]
+    contexts = {}
+    for name, got in ours.items():
+        row_kv = kv * (got["prompt_tokens"] + plan.max_tokens // 2)  # mid-answer context
+        contexts[name] = {
+            "prompt_tokens": got["prompt_tokens"],
+            "tpot_ms": got["tpot_s"] * 1e3,
+            "floor_ms": (weights + row_kv) / bandwidth * 1e3,
+            "tokens_per_s": got["tokens_per_s"],
+            "floor_tokens_per_s": {
+                str(c): c * bandwidth / (weights + c * row_kv) for c in plan.concurrency
+            },
+        }
+    short_ctx = contexts["short"]
     result = {
         "mode": "tiny" if plan.tiny else "qwen2-vl-2b-random",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "plan": {k: v for k, v in asdict(plan).items() if k != "workdir"},
         "weight_bytes": hf["weight_bytes"],
-        "decode_weight_bytes": hf["decode_weight_bytes"],
+        "decode_weight_bytes": weights,
+        "kv_bytes_per_token": kv,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "tpot_ms": {
-            "bandwidth_floor": floor * 1e3,
+            "bandwidth_floor": short_ctx["floor_ms"],
             "hf_generate": hf["tpot_s"] * 1e3,
-            "vlmserve": ours["tpot_s"] * 1e3,
+            "vlmserve": short_ctx["tpot_ms"],
         },
         "tokens_per_s": {
             "hf_generate_one_at_a_time": hf["tokens_per_s"],
-            "vlmserve": ours["tokens_per_s"],
+            "vlmserve": short_ctx["tokens_per_s"],
         },
+        "contexts": contexts,
         "embed_images_per_s": {
             "image_size": plan.image_size,
             "hf_one_per_forward": hf["images_per_s"],
             "vlmserve": embed_rate,
         },
+        "phases_s": phases.seconds,
     }
     result["ratios"] = ratios(result)
     return result
 
 
-def ratios(result: dict[str, Any]) -> dict[str, float | None]:
-    """Each vlmserve figure over its plain-transformers one; TPOTs over the bandwidth floor."""
-    tpot, tok, emb = result["tpot_ms"], result["tokens_per_s"], result["embed_images_per_s"]
-    base = tok["hf_generate_one_at_a_time"]
-    out = {
-        "hf_tpot_over_floor": _ratio(tpot["hf_generate"], tpot["bandwidth_floor"]),
-        "vlmserve_tpot_over_floor": _ratio(tpot["vlmserve"], tpot["bandwidth_floor"]),
-        "vlmserve_tpot_over_hf": _ratio(tpot["vlmserve"], tpot["hf_generate"]),
-        "vlmserve_embed_over_hf": _ratio(emb["vlmserve"], emb["hf_one_per_forward"]),
-    }
-    for c, rate in tok["vlmserve"].items():
-        out[f"vlmserve_tokens_c{c}_over_hf"] = _ratio(rate, base)
-    return out
+def _levels(text: str) -> list[int]:
+    levels = [int(c) for c in text.split(",") if c.strip()]
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated levels, each >= 1")
+    return levels
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b > 0 else None  # None: too fast to time (only seen with --tiny)
-
-
-def _fmt(value: float | None, unit: str = "") -> str:
-    return "n/a" if value is None else f"{value:.2f}{unit}"
-
-
-def table(result: dict[str, Any]) -> Table:
-    tpot, tok, emb = result["tpot_ms"], result["tokens_per_s"], result["embed_images_per_s"]
-    r, bandwidth = result["ratios"], result["copy_bandwidth_gb_s"]
-    title = f"vlmserve hf engine vs plain transformers ({result['mode']}, {result['device']})"
-    out = Table(title=f"{title}\ncopy bandwidth {bandwidth:.1f} GB/s")
-    for name in ("metric", "HF one at a time", "vlmserve", "vlmserve / HF", "note"):
-        out.add_column(name, justify="left" if name in ("metric", "note") else "right")
-    floor = (
-        f"floor {tpot['bandwidth_floor']:.3f} ms: HF {_fmt(r['hf_tpot_over_floor'], 'x')}, "
-        f"vlmserve {_fmt(r['vlmserve_tpot_over_floor'], 'x')}"
-    )
-    ms = (f"{tpot['hf_generate']:.2f}", f"{tpot['vlmserve']:.2f}")
-    out.add_row("TPOT ms, 1 request", *ms, _fmt(r["vlmserve_tpot_over_hf"]), floor)
-    base = f"{tok['hf_generate_one_at_a_time']:.1f}"
-    for c, rate in tok["vlmserve"].items():
-        ratio = _fmt(r[f"vlmserve_tokens_c{c}_over_hf"])
-        out.add_row(f"output tok/s, {c} concurrent", base, f"{rate:.1f}", ratio, "HF: in turn")
-    rates = (f"{emb['hf_one_per_forward']:.1f}", f"{emb['vlmserve']:.1f}")
-    size, ratio = emb["image_size"], _fmt(r["vlmserve_embed_over_hf"])
-    out.add_row(f"embed images/s, {size}x{size}", *rates, ratio, "HF: one per forward")
-    return out
+def _contexts(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if not names or any(n not in CONTEXTS for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated, of {', '.join(CONTEXTS)}")
+    return ["short", *(n for n in dict.fromkeys(names) if n != "short")]
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Plan, Path | None, Path | None]:
@@ -419,30 +362,45 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, Path | None, Path |
     )
     add = parser.add_argument
     add("--tiny", action="store_true", help="tiny random checkpoint on CPU (float32), seconds")
+    add("--quick", action="store_true",
+        help="contexts short,4k (tiny: short,1k), levels 1,8,64 (tiny: 1,8), fewer requests "
+        "and images: what scripts/gpu_check.sh runs, within its 5 minutes")  # fmt: skip
     add("--json", type=Path, help="also write the results to this JSON file")
     add("--device", help="default: cuda (cpu with --tiny)")
     add("--max-tokens", type=int, help="output tokens per request (default 64; tiny 16)")
-    add("--concurrency", default="8,32,64", help="comma-separated levels (default 8,32,64)")
-    add("--images", type=int, help="images per embedding run (default 64; tiny 4)")
+    add("--concurrency", type=_levels,
+        help="comma-separated levels (default 1,8,32,64,128; --quick 1,8,64)")  # fmt: skip
+    add("--contexts", type=_contexts,
+        help="comma-separated prompt lengths per row of short (~100 tokens), 1k, 4k (default "
+        "all; --tiny short,1k; --quick short,4k); short is always measured")  # fmt: skip
+    add("--images", type=int, help="images per embedding run (default 64; quick 16; tiny 4)")
     add("--image-size", type=int, help="image width and height (default 448; tiny 112)")
     add("--embed-max-batch", type=int, default=16, help="items per embedding forward pass")
     add("--workdir", type=Path, help="where the 2B checkpoint goes (default: temp, removed)")
     args = parser.parse_args(argv)
-    tiny = args.tiny
+    tiny, quick = args.tiny, args.quick
     if not tiny and args.device in (None, "cuda") and not torch.cuda.is_available():
         parser.error("no CUDA GPU visible: run on a GPU machine, or pass --tiny for a CPU run")
+    if tiny:
+        levels = [1, 8] if quick else LEVELS[:4]
+        contexts = ["short", "1k"]  # the tiny checkpoint has 4,096 positions
+    else:
+        levels = QUICK_LEVELS if quick else LEVELS
+        contexts = ["short", "4k"] if quick else list(CONTEXTS)
     plan = Plan(
         tiny=tiny,
         device=args.device or ("cpu" if tiny else "cuda"),
         dtype="float32" if tiny else "bfloat16",
         max_tokens=args.max_tokens or (16 if tiny else 64),
         prompt_words=16 if tiny else 96,
-        concurrency=[int(c) for c in args.concurrency.split(",")],
-        sequential=2 if tiny else 4,
-        images=args.images or (4 if tiny else 64),
+        concurrency=args.concurrency or levels,
+        sequential=2 if tiny or quick else 4,
+        images=args.images or (4 if tiny else 16 if quick else 64),
         image_size=args.image_size or (112 if tiny else 448),
         embed_max_batch=args.embed_max_batch,
         copy_mib=64 if tiny else 2048,
+        contexts=args.contexts or contexts,
+        quick=quick,
     )
     return plan, args.json, args.workdir
 
@@ -453,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     temp = None if workdir or plan.tiny else Path(tempfile.mkdtemp(prefix="vlmserve-gpu-"))
     plan.workdir = workdir or temp or Path(".")
     try:
-        result = run(plan)
+        result = run(plan, console)
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)

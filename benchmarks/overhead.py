@@ -69,7 +69,7 @@ from peers.servers import SERVED_NAME, Server, ServerSpec, free_ports, vlmserve_
 from peers.settle import wait_idle
 from peers.tables import Row, summarize
 from peers.ttft import added_ms, interleaved_ttft
-from serve import BenchConfig, Outcome, build_config, measure, requests_for, start
+from serve import BenchConfig, Outcome, bodies_for, build_config, measure, requests_for, start
 from serve import parse_args as serve_args
 
 __all__ = ["budgets", "cpu_per_token", "main", "overhead_specs", "paired_costs"]
@@ -198,7 +198,8 @@ def _measure_one(server: Server, cfg: BenchConfig, c: int, rnd: int, console: Co
     spec = server.spec
     wait_idle(cfg.settle)  # the previous setup's leftover work must not slow this one
     total, own = _cpu_seconds(server)
-    report = measure(spec, cfg, c, requests_for(cfg, c))
+    bodies = bodies_for(spec, cfg, "short", ("measure", c, rnd), requests_for(cfg, c))
+    report = measure(spec, cfg, bodies, c)
     after = _cpu_seconds(server)
     sample = Sample(spec.name, c, rnd, report, after[0] - total, after[1] - own)
     console.print(

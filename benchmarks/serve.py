@@ -4,16 +4,22 @@
     python benchmarks/serve.py --peer vllm --rounds 3 --json out.json
     python benchmarks/serve.py --peer vllm --peer transformers-serve --concurrency 1 8
     python benchmarks/serve.py --peer vllm --size medium --concurrency 1 8   # ~100M params, bf16
+    python benchmarks/serve.py --size medium --workload short long photo video
 
 Every server serves the same checkpoint (default: the tiny random-weight Qwen2-VL) on a free
-loopback port and is driven by the same client (``vlmserve.client.loadtest``) with image requests
-of a fixed output length. Measurements are interleaved: each round visits every concurrency level
-and, within it, every server in turn (the order rotates per round), so slow drift of the machine
-hits all servers alike. Only one server is under load at a time; the others sit idle (or are
-stopped, with ``--one-at-a-time``), and each measurement starts once the CPUs are idle
-(``--settle``: a server that keeps polling after its load would slow the next one). Peers
-live in their own venvs (``benchmarks/peers/``); a peer that is missing or fails to start is
-reported as such, never silently skipped.
+loopback port and is driven by the same client (``vlmserve.client``'s streaming reader and
+statistics) with requests of a fixed output length, of one or more workloads
+(``peers/workloads.py``: short, long, photo, video); every request's prompt and media are new
+to the server (seeded per workload, warm-up, level, round and request), so prefix and media
+caches only serve what real traffic would let them. Measurements are interleaved: each round
+visits every workload and concurrency level and, within it, every server in turn (the order
+rotates per round), so slow drift of the machine hits all servers alike. Only one server is
+under load at a time; the others sit idle (or are stopped, with ``--one-at-a-time``), and
+each measurement starts once the CPUs are idle (``--settle``: a server that keeps polling
+after its load would slow the next one). Peers live in their own venvs
+(``benchmarks/peers/``); a peer that is missing or fails to start is reported as such, never
+silently skipped. Besides TTFT and TPOT the tables give inter-token latency (ITL) p50/p99:
+the gaps between consecutive token chunks of each stream, pooled over the measurement.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers.cache import CacheCheck, cache_table, run_cache_check
+from peers.drive import drive
 from peers.servers import (
     PEERS,
     VLMSERVE,
@@ -46,18 +53,14 @@ from peers.servers import (
 )
 from peers.settle import wait_idle
 from peers.tables import Row, ratio_rows, render, summarize
+from peers.workloads import WORKLOADS, build_bodies, media_tokens, words_for_tokens
 
 
 def _medium() -> Any:
-    """The issue's medium checkpoint: big enough for the maths to matter on CPU (366 MB in
-    float32), saved in bfloat16 as every real Qwen2-VL is."""
-    from vlmserve.testing.tiny import TinySpec
+    """``vlmserve.testing.medium``: ~100M parameters in bfloat16, Qwen2-VL's real media bounds."""
+    from vlmserve.testing.medium import medium_spec
 
-    return TinySpec(
-        hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=8,
-        intermediate_size=2816, vision_depth=4, vision_embed_dim=256, vision_num_heads=4,
-        torch_dtype="bfloat16",
-    )  # fmt: skip
+    return medium_spec()
 
 
 def _tiny() -> Any:
@@ -97,6 +100,8 @@ class BenchConfig:
     cache_requests: int = 12
     in_process: bool = False  # also measure vlmserve --no-engine-process
     settle: float = 15.0  # at most this long, wait for an idle machine before each measurement
+    workloads: list[str] = field(default_factory=lambda: ["short"])  # peers/workloads.py
+    long_words: int = 0  # words of the long workload (0: sized by the checkpoint's tokenizer)
 
 
 @dataclass(slots=True)
@@ -106,6 +111,7 @@ class Sample:
     round: int
     report: dict[str, Any]
     settled_s: float = 0.0  # waited for an idle machine before it (``peers/settle.py``)
+    workload: str = "short"
 
 
 @dataclass(slots=True)
@@ -136,13 +142,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "medium (hidden 1024, 8 layers, ~100M parameters, saved in bfloat16 like real Qwen2-VL)",
     )  # fmt: skip
     p.add_argument("--peer", action="append", default=[], choices=sorted(PEERS), dest="peers")
+    p.add_argument(
+        "--workload", nargs="+", choices=list(WORKLOADS), default=["short"], dest="workloads",
+        help="request mixes, each measured at every level: short (--prompt-words words + "
+        "--image PNG), long (~2,000 tokens of text), photo (1280x960 JPEG + words), video "
+        "(16 frames 448x448 at 2 fps + words)",
+    )  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level")
     p.add_argument("--requests", type=int, default=0, help="per measurement (0: 2 x conc, >= 8)")
-    p.add_argument("--warmup", type=int, default=8, help="warm-up requests after each start")
+    p.add_argument("--warmup", type=int, default=8,
+                   help="warm-up requests per workload after each start")  # fmt: skip
     p.add_argument("--image", type=parse_image, default=(64, 64), help="WxH or none")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens (ignore_eos)")
     p.add_argument("--prompt-words", type=int, default=32)
+    p.add_argument(
+        "--long-words", type=int, default=0,
+        help="words of the long workload; 0: as many as make ~2,000 tokens with the checkpoint's "
+        "tokenizer (1,500 with Qwen2-VL's, ~750 with the test checkpoints' small BPE)",
+    )  # fmt: skip
     p.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16", "float16"],
         help="one dtype for every server; default: float32 for --size tiny, and each server's "
@@ -183,6 +201,8 @@ def default_peers_dir() -> Path:
 def build_config(ns: argparse.Namespace) -> BenchConfig:
     if any(c < 1 for c in ns.concurrency) or ns.rounds < 1 or ns.max_tokens < 1:
         raise SystemExit("--concurrency, --rounds and --max-tokens must be at least 1")
+    if ns.long_words < 0:
+        raise SystemExit("--long-words must be at least 0")
     if ns.cache_rounds < 1 or ns.cache_requests < 1:
         raise SystemExit("--cache-rounds and --cache-requests must be at least 1")
     peers_dir = Path(ns.peers_dir) if ns.peers_dir else default_peers_dir()
@@ -213,7 +233,24 @@ def build_config(ns: argparse.Namespace) -> BenchConfig:
         cache_max_pixels=ns.cache_max_pixels,
         in_process=ns.in_process,
         settle=ns.settle,
+        workloads=list(dict.fromkeys(ns.workloads)),
+        long_words=ns.long_words,
     )
+
+
+def describe_workloads(cfg: BenchConfig, console: Console) -> None:
+    """Size the long prompt with the checkpoint's tokenizer; print each workload's media
+    tokens, counted by the checkpoint's own processor on the same media."""
+    for workload in cfg.workloads:
+        spec = WORKLOADS[workload]
+        if spec.tokens and not cfg.long_words:
+            cfg.long_words = words_for_tokens(cfg.model_dir, spec.tokens)
+            console.print(f"{workload}: {cfg.long_words} words, ~{spec.tokens} text tokens")
+        elif spec.tokens:
+            console.print(f"{workload}: {cfg.long_words} words (--long-words)")
+        if spec.image or spec.video_frames:
+            tokens = media_tokens(cfg.model_dir, spec, cfg.image)
+            console.print(f"{workload}: {tokens} visual tokens per request")
 
 
 def plan_specs(cfg: BenchConfig, ports: list[int]) -> list[ServerSpec]:
@@ -233,34 +270,38 @@ def requests_for(cfg: BenchConfig, concurrency: int) -> int:
     return cfg.requests if cfg.requests > 0 else max(8, 2 * concurrency)
 
 
-def load_config(spec: ServerSpec, cfg: BenchConfig, concurrency: int, requests: int) -> Any:
-    """The same client settings for every server (``ignore_eos`` only where it is understood)."""
-    from vlmserve.client.loadtest import LoadConfig
-
-    return LoadConfig(
-        base_url=spec.url,
-        model=spec.model,
-        concurrency=concurrency,
-        requests=requests,
-        image=cfg.image,
-        max_tokens=cfg.max_tokens,
-        prompt_words=cfg.prompt_words,
+def bodies_for(
+    spec: ServerSpec, cfg: BenchConfig, workload: str, key: tuple[object, ...], requests: int
+) -> list[dict[str, Any]]:
+    """The requests of one measurement; ``key`` (phase, level, round) makes them new to every
+    server, and the same for every server measured under it."""
+    words = cfg.long_words if WORKLOADS[workload].tokens else cfg.prompt_words
+    return build_bodies(
+        WORKLOADS[workload], (cfg.seed, *key), requests=requests, model=spec.model,
+        max_tokens=cfg.max_tokens, prompt_words=words, image=cfg.image,
         ignore_eos=spec.ignore_eos,
-        seed=cfg.seed,
-    )
+    )  # fmt: skip
 
 
-def measure(spec: ServerSpec, cfg: BenchConfig, concurrency: int, requests: int) -> dict[str, Any]:
-    from vlmserve.client.loadtest import run_load
-
-    load = load_config(spec, cfg, concurrency, requests)
+def measure(
+    spec: ServerSpec, cfg: BenchConfig, bodies: list[dict[str, Any]], concurrency: int
+) -> dict[str, Any]:
+    """Send ``bodies`` with at most ``concurrency`` in flight; the load report as a dict."""
     extra = spec.extra_body(cfg.max_tokens)
     transport = BodyRewrite(extra, connections=concurrency) if extra else None
-    report = asyncio.run(run_load(load, transport=transport))
+    report = asyncio.run(drive(spec.url, bodies, concurrency, transport))
     return report.to_dict()
 
 
-def start(spec: ServerSpec, cfg: BenchConfig, out: Outcome, console: Console) -> Server | None:
+def start(
+    spec: ServerSpec,
+    cfg: BenchConfig,
+    out: Outcome,
+    console: Console,
+    workloads: list[str] | None = None,
+) -> Server | None:
+    """Start ``spec`` and warm it up with ``--warmup`` requests of each of ``workloads``
+    (default: every workload of the run)."""
     if spec.missing:
         out.status[spec.name] = f"not installed: {spec.missing}"
         console.print(f"[yellow]{spec.name}: {out.status[spec.name]}")
@@ -271,8 +312,9 @@ def start(spec: ServerSpec, cfg: BenchConfig, out: Outcome, console: Console) ->
         began = time.monotonic()
         server.start(cfg.startup_timeout)
         console.print(f"  ready in {time.monotonic() - began:.1f}s; warming up")
-        if cfg.warmup > 0:
-            measure(spec, cfg, min(8, cfg.warmup), cfg.warmup)
+        for workload in (workloads or cfg.workloads) if cfg.warmup > 0 else []:
+            bodies = bodies_for(spec, cfg, workload, ("warmup", spec.name), cfg.warmup)
+            measure(spec, cfg, bodies, min(8, cfg.warmup))
     except Exception as exc:  # any failure is reported per server; the run goes on
         server.stop()
         out.status[spec.name] = f"failed to start: {exc}"
@@ -287,33 +329,44 @@ def run_rounds(specs: list[ServerSpec], cfg: BenchConfig, console: Console) -> O
     running: dict[str, Server] = {}
     try:
         for rnd in range(cfg.rounds):
-            for c in cfg.concurrencies:
-                shift = rnd % len(specs)
-                for spec in specs[shift:] + specs[:shift]:
-                    if out.status.get(spec.name, "ok") != "ok":
-                        continue
-                    if spec.name not in running:
-                        server = start(spec, cfg, out, console)
-                        if server is None:
+            for workload in cfg.workloads:
+                for c in cfg.concurrencies:
+                    shift = rnd % len(specs)
+                    for spec in specs[shift:] + specs[:shift]:
+                        if out.status.get(spec.name, "ok") != "ok":
                             continue
-                        running[spec.name] = server
-                    n = requests_for(cfg, c)
-                    settled = wait_idle(cfg.settle)
-                    report = measure(spec, cfg, c, n)
-                    out.samples.append(Sample(spec.name, c, rnd, report, round(settled, 2)))
-                    console.print(
-                        f"round {rnd + 1}/{cfg.rounds} c={c:<3} {spec.name:<20} "
-                        f"{report['output_throughput']:8.1f} tok/s  "
-                        f"TTFT p50 {report['ttft_ms']['median']:7.1f} ms  "
-                        f"failed {report['failed']}/{report['requests']}  "
-                        f"(waited {settled:.1f}s for idle CPUs)"
-                    )
-                    if cfg.one_at_a_time:
-                        running.pop(spec.name).stop()
+                        if spec.name not in running:
+                            # --one-at-a-time: a fresh server per turn, warmed for it only
+                            only = [workload] if cfg.one_at_a_time else None
+                            server = start(spec, cfg, out, console, only)
+                            if server is None:
+                                continue
+                            running[spec.name] = server
+                        sample = measure_one(spec, cfg, workload, c, rnd, console)
+                        out.samples.append(sample)
+                        if cfg.one_at_a_time:
+                            running.pop(spec.name).stop()
     finally:
         for server in running.values():
             server.stop()
     return out
+
+
+def measure_one(
+    spec: ServerSpec, cfg: BenchConfig, workload: str, c: int, rnd: int, console: Console
+) -> Sample:
+    bodies = bodies_for(spec, cfg, workload, ("measure", c, rnd), requests_for(cfg, c))
+    settled = wait_idle(cfg.settle)
+    report = measure(spec, cfg, bodies, c)
+    console.print(
+        f"round {rnd + 1}/{cfg.rounds} {workload:<5} c={c:<3} {spec.name:<20} "
+        f"{report['output_throughput']:8.1f} tok/s  "
+        f"TTFT p50 {report['ttft_ms']['median']:7.1f} ms  "
+        f"ITL p50 {report['itl_ms']['median']:6.1f} p99 {report['itl_ms']['p99']:7.1f} ms  "
+        f"failed {report['failed']}/{report['requests']}  "
+        f"(waited {settled:.1f}s for idle CPUs)"
+    )
+    return Sample(spec.name, c, rnd, report, round(settled, 2), workload)
 
 
 def check_caches(spec: ServerSpec, cfg: BenchConfig, console: Console) -> CacheCheck | None:
@@ -359,12 +412,13 @@ def main(argv: list[str] | None = None) -> int:
         from vlmserve.testing import build_qwen2_vl
 
         cfg.model_dir = str(build_qwen2_vl(SIZES[cfg.size]()))
+    describe_workloads(cfg, console)
     if shutil.which("vlmserve") is None:
         console.print("[yellow]no `vlmserve` on PATH; using python -m vlmserve.cli.main")
     specs = plan_specs(cfg, free_ports(3 + len(cfg.peers)))
     out = run_rounds(specs, cfg, console)
     cache = check_caches(specs[0], cfg, console) if out.status.get(VLMSERVE) == "ok" else None
-    rows = summarize([(s.server, s.concurrency, s.report) for s in out.samples])
+    rows = summarize([(s.server, s.concurrency, s.report, s.workload) for s in out.samples])
     ratios = ratio_rows(rows, VLMSERVE, [s.name for s in specs if s.name != VLMSERVE])
     render(console, rows, ratios, out.status, VLMSERVE_ONE)
     if cache is not None:

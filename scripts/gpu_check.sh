@@ -9,6 +9,8 @@
 #     -d .whl pydantic pydantic_core pydantic-settings annotated-types typing-inspection \
 #     python-dotenv av typing_extensions pytest-asyncio      # the versions pip list shows
 # Then run `bash scripts/gpu_check.sh` there. Logs and gpu.json go to $OUT (else gpu-out/).
+# Arguments go to benchmarks/gpu.py; none: --quick (contexts short and 4k, levels 1, 8, 64),
+# so the whole check fits in 5 minutes, compilation included. Each stage prints its time.
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -24,8 +26,12 @@ python3 -c 'import torch, transformers, pytest; print("torch", torch.__version__
 timeout "${GPU_TESTS_S:-240}" python3 -m pytest tests/gpu --confcutdir tests/gpu \
     -p no:cacheprovider -W default -q -rA 2>&1 | tee "$out/pytest.log"
 tests=$?
+echo "tests took ${SECONDS}s"
+[ $# -gt 0 ] || set -- --quick
+bench_start=$SECONDS
 timeout "${GPU_BENCH_S:-420}" python3 benchmarks/gpu.py --json "$out/gpu.json" "$@" 2>&1 \
     | grep --line-buffered -v -e 'Loading weights' -e 'Writing model' | tee "$out/bench.log"
 bench=$?
+echo "benchmark took $((SECONDS - bench_start))s; the check ${SECONDS}s"
 echo "tests exit $tests, benchmark exit $bench"
 [ "$tests" = 0 ] && [ "$bench" = 0 ]

@@ -19,7 +19,8 @@ __all__ = ["Row", "ratio_rows", "render", "summarize"]
 
 @dataclass(slots=True)
 class Row:
-    """One server at one concurrency: medians over rounds (throughput range kept too)."""
+    """One server at one concurrency of one workload: medians over rounds (throughput range
+    kept too). ITL: each round's percentile of its pooled inter-token gaps, median of rounds."""
 
     server: str
     concurrency: int
@@ -33,15 +34,24 @@ class Row:
     tpot_p50_ms: float
     e2e_p50_ms: float
     usage_missing: int = 0  # replies without a usage chunk: tokens counted from stream chunks
+    workload: str = "short"
+    itl_p50_ms: float = float("nan")
+    itl_p99_ms: float = float("nan")
+    input_tokens: float = float("nan")  # prompt tokens per completed request (usage), median
 
 
-def summarize(samples: Iterable[tuple[str, int, dict[str, Any]]]) -> list[Row]:
-    """Group ``(server, concurrency, report)`` by server and concurrency, in first-seen order."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for server, concurrency, report in samples:
-        groups.setdefault((server, concurrency), []).append(report)
+Sample = tuple[str, int, dict[str, Any]] | tuple[str, int, dict[str, Any], str]
+
+
+def summarize(samples: Iterable[Sample]) -> list[Row]:
+    """Group ``(server, concurrency, report[, workload])`` by workload, server and
+    concurrency, in first-seen order; the workload defaults to ``short``."""
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for server, concurrency, report, *workload in samples:
+        key = (workload[0] if workload else "short", server, concurrency)
+        groups.setdefault(key, []).append(report)
     rows = []
-    for (server, concurrency), reports in groups.items():
+    for (workload, server, concurrency), reports in groups.items():
         tps = [float(r["output_throughput"]) for r in reports]
         rows.append(
             Row(
@@ -57,14 +67,24 @@ def summarize(samples: Iterable[tuple[str, int, dict[str, Any]]]) -> list[Row]:
                 tpot_p50_ms=_median_of(reports, "tpot_ms"),
                 e2e_p50_ms=_median_of(reports, "e2e_ms"),
                 usage_missing=sum(int(r.get("usage_missing", 0)) for r in reports),
+                workload=workload,
+                itl_p50_ms=_median_of(reports, "itl_ms"),
+                itl_p99_ms=_median_of(reports, "itl_ms", "p99"),
+                input_tokens=_input_tokens(reports),
             )
         )
-    rows.sort(key=lambda r: r.concurrency)  # stable: server order within a level is kept
+    order = {w: i for i, w in enumerate(dict.fromkeys(r.workload for r in rows))}
+    rows.sort(key=lambda r: (order[r.workload], r.concurrency))  # stable: server order kept
     return rows
 
 
-def _median_of(reports: list[dict[str, Any]], metric: str) -> float:
-    values = [r[metric]["median"] for r in reports if r.get(metric, {}).get("median") is not None]
+def _input_tokens(reports: list[dict[str, Any]]) -> float:
+    per = [r["total_input_tokens"] / r["completed"] for r in reports if r.get("completed")]
+    return float(statistics.median(per)) if per else float("nan")
+
+
+def _median_of(reports: list[dict[str, Any]], metric: str, stat: str = "median") -> float:
+    values = [r[metric][stat] for r in reports if r.get(metric, {}).get(stat) is not None]
     return float(statistics.median(values)) if values else float("nan")
 
 
@@ -73,22 +93,27 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def ratio_rows(rows: list[Row], base: str, others: list[str]) -> list[dict[str, Any]]:
-    """``base``/other for output tok/s (>1: base faster) and TTFT p50 (<1: base answers sooner)."""
-    by_key = {(r.server, r.concurrency): r for r in rows}
+    """``base``/other per workload and level: output tok/s (>1: base faster); TTFT, TPOT and
+    ITL p50/p99 (<1: base quicker)."""
+    by_key = {(r.workload, r.server, r.concurrency): r for r in rows}
     out = []
-    for concurrency in dict.fromkeys(r.concurrency for r in rows):
-        mine = by_key.get((base, concurrency))
+    for workload, concurrency in dict.fromkeys((r.workload, r.concurrency) for r in rows):
+        mine = by_key.get((workload, base, concurrency))
         for other in others:
-            theirs = by_key.get((other, concurrency))
+            theirs = by_key.get((workload, other, concurrency))
             if mine is None or theirs is None:
                 continue
             out.append(
                 {
+                    "workload": workload,
                     "concurrency": concurrency,
                     "base": base,
                     "other": other,
                     "output_tps_ratio": _ratio(mine.output_tps, theirs.output_tps),
                     "ttft_p50_ratio": _ratio(mine.ttft_p50_ms, theirs.ttft_p50_ms),
+                    "tpot_p50_ratio": _ratio(mine.tpot_p50_ms, theirs.tpot_p50_ms),
+                    "itl_p50_ratio": _ratio(mine.itl_p50_ms, theirs.itl_p50_ms),
+                    "itl_p99_ratio": _ratio(mine.itl_p99_ms, theirs.itl_p99_ms),
                 }
             )
     return out
@@ -100,20 +125,25 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def results_table(rows: list[Row]) -> Table:
     table = Table(title="Output tokens/s and latency (medians over rounds)")
+    table.add_column("workload", no_wrap=True)
     table.add_column("conc", justify="right")
     table.add_column("server", no_wrap=True)
-    for name in ("out tok/s", "range", "TTFT p50 ms", "TPOT p50 ms"):
+    for name in ("in tok/req", "out tok/s", "range", "TTFT p50 ms", "TPOT p50 ms"):
         table.add_column(name, justify="right")
-    table.add_column("e2e p50 ms", justify="right")
-    table.add_column("failed", justify="right")
+    for name in ("ITL p50 ms", "ITL p99 ms", "e2e p50 ms", "failed"):
+        table.add_column(name, justify="right")
     for r in rows:
         table.add_row(
+            r.workload,
             str(r.concurrency),
             r.server,
+            _fmt(r.input_tokens, ",.0f"),
             _fmt(r.output_tps, ",.1f"),
             f"{_fmt(r.output_tps_min, ',.0f')}-{_fmt(r.output_tps_max, ',.0f')}",
             _fmt(r.ttft_p50_ms, ",.1f"),
             _fmt(r.tpot_p50_ms, ",.2f"),
+            _fmt(r.itl_p50_ms, ",.2f"),
+            _fmt(r.itl_p99_ms, ",.1f"),
             _fmt(r.e2e_p50_ms, ",.0f"),
             f"{r.failed}/{r.requests}" if r.failed else "0",
         )
@@ -121,19 +151,19 @@ def results_table(rows: list[Row]) -> Table:
 
 
 def ratios_table(ratios: list[dict[str, Any]], sequential: str) -> Table:
-    table = Table(title="Ratios (tok/s >1 and TTFT <1 favour the first server)")
-    for name in ("conc", "comparison", "out tok/s ratio", "TTFT p50 ratio"):
-        table.add_column(name, justify="left" if name == "comparison" else "right")
+    table = Table(title="Ratios (tok/s >1 and latencies <1 favour the first server)")
+    table.add_column("workload", no_wrap=True)
+    table.add_column("conc", justify="right")
+    table.add_column("comparison")
+    for name in ("out tok/s", "TTFT p50", "TPOT p50", "ITL p50", "ITL p99"):
+        table.add_column(name, justify="right")
     for r in ratios:
         label = f"{r['base']} / {r['other']}"
         if r["other"] == sequential:
             label += " (batched vs one-at-a-time)"
-        table.add_row(
-            str(r["concurrency"]),
-            label,
-            _fmt(r["output_tps_ratio"], ".2f"),
-            _fmt(r["ttft_p50_ratio"], ".2f"),
-        )
+        keys = ("output_tps", "ttft_p50", "tpot_p50", "itl_p50", "itl_p99")
+        cells = [_fmt(r.get(f"{k}_ratio"), ".2f") for k in keys]
+        table.add_row(r.get("workload", "short"), str(r["concurrency"]), label, *cells)
     return table
 
 

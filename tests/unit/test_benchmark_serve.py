@@ -4,6 +4,7 @@ No peer and no model server is started here (the benchmark itself is run by hand
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import io
 import json
@@ -37,14 +38,16 @@ serve = _load_serve()
 from peers import servers, tables  # noqa: E402 -- importable once serve.py is loaded
 
 
-def report(tps: float, ttft: float, *, failed: int = 0, requests: int = 16) -> dict:
+def report(
+    tps: float, ttft: float, *, failed: int = 0, requests: int = 16, itl: float = 5.0
+) -> dict:
     """A real LoadReport's dict: the shape serve.py reads must match the load tester's."""
     lat = Summary(mean=ttft, median=ttft, p90=ttft * 2, p99=ttft * 3)
     return LoadReport(
         requests=requests, completed=requests - failed, failed=failed, errors={},
         duration_s=1.0, request_throughput=1.0, output_throughput=tps,
         total_token_throughput=tps, total_input_tokens=100, total_output_tokens=int(tps),
-        ttft_ms=lat, tpot_ms=Summary(5, 5, 6, 7), itl_ms=Summary(5, 5, 6, 7),
+        ttft_ms=lat, tpot_ms=Summary(5, 5, 6, 7), itl_ms=Summary(itl, itl, 2 * itl, 10 * itl),
         e2e_ms=Summary(300, 300, 400, 500), goodput=None,
     ).to_dict()  # fmt: skip
 
@@ -56,6 +59,7 @@ def config(tmp_path: Path, *extra: str):
 
 def test_defaults_are_image_requests_of_fixed_length_at_three_concurrencies(tmp_path):
     cfg = config(tmp_path)
+    assert cfg.workloads == ["short"]
     assert cfg.concurrencies == [1, 8, 32]
     assert cfg.image == (64, 64)
     assert cfg.max_tokens == 64
@@ -279,3 +283,132 @@ def test_the_wait_for_idle_cpus_gives_up_at_its_timeout(monkeypatch):
     monkeypatch.setattr(settle.psutil, "cpu_percent", busy)
     waited = settle.wait_idle(0.3, window=0.05)
     assert 0.3 <= waited < 1.0
+
+
+def test_workload_flag_takes_several_once_each_and_rejects_unknown_ones(tmp_path, capsys):
+    cfg = config(tmp_path, "--workload", "long", "photo", "video", "long")
+    assert cfg.workloads == ["long", "photo", "video"]
+    with pytest.raises(SystemExit):
+        config(tmp_path, "--workload", "audio")
+    assert "invalid choice: 'audio'" in capsys.readouterr().err
+    assert cfg.long_words == 0  # sized by the checkpoint's tokenizer at the start
+    assert config(tmp_path, "--long-words", "1500").long_words == 1500
+    with pytest.raises(SystemExit, match="--long-words"):
+        config(tmp_path, "--long-words", "-1")
+
+
+def test_summary_and_ratios_are_per_workload_with_itl_p50_and_p99():
+    samples = [
+        ("vlmserve", 4, report(100.0, 40.0, itl=20.0), "long"),
+        ("vllm", 4, report(200.0, 80.0, itl=10.0), "long"),
+        ("vlmserve", 4, report(300.0, 40.0, itl=4.0), "short"),
+        ("vllm", 4, report(100.0, 80.0, itl=8.0), "short"),
+    ]
+    rows = tables.summarize(samples)
+    assert [(r.workload, r.server) for r in rows] == [
+        ("long", "vlmserve"), ("long", "vllm"), ("short", "vlmserve"), ("short", "vllm"),
+    ]  # fmt: skip
+    assert (rows[0].itl_p50_ms, rows[0].itl_p99_ms, rows[0].input_tokens) == (20.0, 200.0, 6.25)
+    ratios = {r["workload"]: r for r in tables.ratio_rows(rows, "vlmserve", ["vllm"])}
+    assert ratios["long"]["output_tps_ratio"] == pytest.approx(0.5)
+    assert ratios["long"]["itl_p50_ratio"] == ratios["long"]["itl_p99_ratio"] == 2.0
+    assert ratios["short"]["itl_p50_ratio"] == pytest.approx(0.5)
+    assert ratios["short"]["tpot_p50_ratio"] == 1.0
+    console = Console(record=True, width=200, file=io.StringIO())
+    tables.render(console, rows, list(ratios.values()), {"vlmserve": "ok"}, "vlmserve-1seq")
+    text = console.export_text()
+    assert "ITL p50 ms" in text and "ITL p99 ms" in text and "200.0" in text
+
+
+def test_rounds_send_new_requests_per_workload_level_and_round_the_same_to_every_server(
+    tmp_path, monkeypatch
+):
+    cfg = config(tmp_path, "--peer", "vllm", "--peer", "transformers-serve", "--rounds", "2",
+                 "--concurrency", "1", "2", "--workload", "short", "long", "--warmup", "2",
+                 "--settle", "0")  # fmt: skip
+    cfg.long_words = 40
+    specs = serve.plan_specs(cfg, [1, 2, 3, 4])
+    sent: list[tuple[str, int, list[dict]]] = []
+
+    class Running:
+        def stop(self) -> None:
+            pass
+
+    def start(spec, cfg, out, console, workloads=None):
+        out.status[spec.name] = "ok"
+        for workload in workloads or cfg.workloads:  # as serve.start warms up
+            sent.append((spec.name, -1, serve.bodies_for(spec, cfg, workload, ("warmup",), 2)))
+        return Running()
+
+    def measure(spec, cfg, bodies, concurrency):
+        sent.append((spec.name, concurrency, bodies))
+        return report(10.0, 5.0)
+
+    monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(serve, "measure", measure)
+    out = serve.run_rounds(specs, cfg, Console(file=io.StringIO()))
+    assert {(s.workload, s.concurrency, s.round) for s in out.samples} == {
+        (w, c, r) for w in ("short", "long") for c in (1, 2) for r in (0, 1)
+    }
+    assert len(out.samples) == 8 * len(specs)
+
+    def texts(server: str) -> list[str]:
+        return [_text(b) for name, c, bodies in sent if name == server and c > 0 for b in bodies]
+
+    mine = texts("vlmserve")
+    assert len(mine) == len(set(mine)) == 2 * 2 * (8 + 8)  # 8 requests a level at least
+    assert sorted(texts("vllm")) == sorted(mine)  # the same work for every server
+    warm = [_text(b) for name, c, bodies in sent if name == "vlmserve" and c < 0 for b in bodies]
+    assert not set(warm) & set(mine)
+    vllm = [b for name, _, bodies in sent if name == "vllm" for b in bodies]
+    assert all(b["ignore_eos"] and b["model"] == "tiny" for b in vllm)
+    hf = [b for name, _, bodies in sent if name == "transformers-serve" for b in bodies]
+    assert all("ignore_eos" not in b and b["model"] == cfg.model_dir for b in hf)
+    longs = [b for _, _, bodies in sent for b in bodies if isinstance(_content(b), str)]
+    assert longs and all(len(_text(b).split()) == 2 + 40 for b in longs)
+
+
+def _content(body: dict):
+    return body["messages"][0]["content"]
+
+
+def _text(body: dict) -> str:
+    content = _content(body)
+    return content if isinstance(content, str) else content[-1]["text"]
+
+
+def test_drive_streams_the_bodies_and_reports_itl(live_server):
+    from peers.drive import drive
+    from peers.workloads import WORKLOADS, build_bodies
+
+    from support import MODEL
+
+    server = live_server()
+    bodies = build_bodies(
+        WORKLOADS["short"], (0, "measure", 2, 0), requests=3, model=MODEL, max_tokens=5,
+        prompt_words=8, image=(32, 32), ignore_eos=True,
+    )  # fmt: skip
+    got = asyncio.run(drive(server.url, bodies, 2)).to_dict()
+    assert (got["completed"], got["failed"]) == (3, 0)
+    assert got["total_output_tokens"] == 15
+    assert got["itl_ms"]["median"] > 0 and got["itl_ms"]["p99"] >= got["itl_ms"]["median"]
+
+
+def test_one_at_a_time_warms_each_fresh_server_for_its_own_workload_only(tmp_path, monkeypatch):
+    cfg = config(tmp_path, "--no-sequential", "--concurrency", "1", "--rounds", "1",
+                 "--workload", "short", "photo", "--one-at-a-time", "--settle", "0")  # fmt: skip
+    warmed: list[list[str] | None] = []
+
+    class Running:
+        def stop(self) -> None:
+            pass
+
+    def start(spec, cfg, out, console, workloads=None):
+        out.status[spec.name] = "ok"
+        warmed.append(workloads)
+        return Running()
+
+    monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(serve, "measure", lambda *args: report(10.0, 5.0))
+    serve.run_rounds(serve.plan_specs(cfg, [1]), cfg, Console(file=io.StringIO()))
+    assert warmed == [["short"], ["photo"]]

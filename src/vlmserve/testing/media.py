@@ -34,7 +34,10 @@ def image_bytes(width: int = 64, height: int = 64, fmt: str = "PNG", seed: int =
     return buf.getvalue()
 
 
-def mp4_bytes(frames: int = 8, width: int = 64, height: int = 48, fps: int = 8) -> bytes:
-    """An H.264 (or MPEG-4 part 2, where libx264 is missing) MP4 made with PyAV."""
-    frames_ = (gradient_image(width, height, seed=i) for i in range(frames))
+def mp4_bytes(
+    frames: int = 8, width: int = 64, height: int = 48, fps: int = 8, seed: int = 0
+) -> bytes:
+    """An H.264 (or MPEG-4 part 2, where libx264 is missing) MP4 made with PyAV; frame ``i``
+    is ``gradient_image(seed=seed * 100_003 + i)``, so clips of different seeds differ."""
+    frames_ = (gradient_image(width, height, seed=seed * 100_003 + i) for i in range(frames))
     return encode_mp4(frames_, width, height, fps)

@@ -38,6 +38,7 @@ __all__ = [
     "build_lora_adapter",
     "build_qwen2_vl",
     "cache_root",
+    "media_processors",
 ]
 
 # Bump when the builder's output changes for an unchanged spec: it is part of every cache key.
@@ -46,6 +47,7 @@ BUILD_FORMAT = 1
 # embeddings then make greedy decoding repeat the prompt's last token ("\n\n\n..."); at 0.1
 # the output is varied random text that reaches multi-byte fragments and special tokens.
 INIT_STD = 0.1
+_LATER_FIELDS = ("video_min_pixels", "video_max_pixels")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,9 @@ class TinySpec:
     min_pixels: int = 28 * 28 * 4  # image processor bounds (keep images tiny for CPU speed)
     max_pixels: int = 28 * 28 * 64
     torch_dtype: str = "float32"
+    # video processor bounds per frame; None: the image bounds above
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -84,8 +89,13 @@ class TinySpec:
         return self.hidden_size // self.num_attention_heads
 
     def key(self) -> str:
-        """Stable short hash of the fields (and of ``BUILD_FORMAT``): the cache key."""
-        return short_hash({"format": BUILD_FORMAT, **dataclasses.asdict(self)})
+        """Stable short hash of the fields (and of ``BUILD_FORMAT``): the cache key. Fields
+        added later count only when set, so existing specs keep their keys (and caches)."""
+        fields = dataclasses.asdict(self)
+        for name in _LATER_FIELDS:
+            if fields[name] is None:
+                del fields[name]
+        return short_hash({"format": BUILD_FORMAT, **fields})
 
 
 def build_qwen2_vl(spec: TinySpec = TinySpec(), out_dir: Path | None = None) -> Path:
@@ -178,16 +188,31 @@ def _qwen2_vl_config(spec: TinySpec, ids: dict[str, int], *, vocab_size: int) ->
     )
 
 
-def _processor(spec: TinySpec, tokenizer: PreTrainedTokenizerBase) -> Any:
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+def media_processors(spec: TinySpec = TinySpec()) -> tuple[Any, Any]:
+    """The image and video processors of ``spec``'s checkpoint (its pixel bounds), alone."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
-    common = {"size": size, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
-    return Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**common),
-        tokenizer=tokenizer,
+    video_size = {
+        "shortest_edge": spec.video_min_pixels or spec.min_pixels,
+        "longest_edge": spec.video_max_pixels or spec.max_pixels,
+    }
+    common = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
+    return (
+        Qwen2VLImageProcessor(size=size, **common),
         # cap_pixels_per_frame=True: the qwen-vl-utils behaviour (and silences a v5 warning)
-        video_processor=Qwen2VLVideoProcessor(**common, cap_pixels_per_frame=True),
+        Qwen2VLVideoProcessor(size=video_size, **common, cap_pixels_per_frame=True),
+    )
+
+
+def _processor(spec: TinySpec, tokenizer: PreTrainedTokenizerBase) -> Any:
+    from transformers import Qwen2VLProcessor
+
+    image, video = media_processors(spec)
+    return Qwen2VLProcessor(
+        image_processor=image,
+        tokenizer=tokenizer,
+        video_processor=video,
         chat_template=QWEN2_VL_CHAT_TEMPLATE,
     )
 
