@@ -38,6 +38,7 @@ __all__ = ["Result", "main", "parse_args", "tables_for"]
 @dataclass(slots=True)
 class Result:
     checkpoint: str
+    mode: str  # gathered | eager | graphs
     device: str
     dtype: str
     threads: int
@@ -72,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--copy-mib", type=int, default=1024, help="MiB copied to measure bandwidth")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     p.add_argument("--json", type=Path, help="also write the result here")
+    p.add_argument(
+        "--mode",
+        choices=["auto", "gathered", "eager", "graphs"],
+        default="auto",
+        help="decode attention: gathered blocks (CPU's path), paged in place (CUDA) eagerly or "
+        "as CUDA graphs; auto: what the engine uses on the device",
+    )
     ns = p.parse_args(argv)
     for flag in ("batch", "context", "block_size", "steps", "copy_mib"):
         if getattr(ns, flag) < 1:
@@ -114,7 +122,7 @@ def fill(runner: Any, tables: list[list[int]], context: int) -> None:
 def run(ns: argparse.Namespace) -> Result:
     from transformers import AutoModelForImageTextToText
 
-    from vlmserve.engine.hf.batching.runner import Qwen2VLRunner
+    from vlmserve.engine.models.runner import Qwen2VLRunner
 
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -129,6 +137,13 @@ def run(ns: argparse.Namespace) -> Result:
     runner = Qwen2VLRunner(model)
     tables = tables_for(ns.batch, ns.context, ns.block_size)
     runner.allocate_cache(1 + sum(len(t) for t in tables), ns.block_size)
+    mode = ns.mode
+    if mode == "auto":
+        mode = "graphs" if device.type == "cuda" else "gathered"
+    if mode != "gathered":
+        how = runner.use_paged_decode(ns.batch, graphs=mode == "graphs")
+        if not how.startswith("paged") or (mode == "graphs") != ("CUDA graphs" in how):
+            raise SystemExit(f"--mode {mode} is not available here: decode runs with {how}")
     with torch.inference_mode():
         fill(runner, tables, ns.context)
         tokens = torch.randint(0, model.config.get_text_config().vocab_size, (ns.batch,))
@@ -148,7 +163,8 @@ def run(ns: argparse.Namespace) -> Result:
     floor = (weights + kv) / bandwidth * 1e3
     ms = statistics.median(times)
     return Result(
-        checkpoint=str(ckpt), device=str(device), dtype=ns.dtype, threads=torch.get_num_threads(),
+        checkpoint=str(ckpt), mode=mode, device=str(device), dtype=ns.dtype,
+        threads=torch.get_num_threads(),
         batch=ns.batch, context=ns.context, block_size=ns.block_size, steps=ns.steps,
         ms_per_step=ms, ms_per_step_min=min(times), weight_bytes=weights, kv_bytes=kv,
         copy_bandwidth_gb_s=bandwidth / 1e9, floor_ms=floor, ratio=ms / floor,
@@ -159,7 +175,8 @@ def main(argv: list[str] | None = None) -> Result:
     ns = parse_args(argv)
     r = run(ns)
     print(
-        f"{r.batch} rows x {r.context} tokens, {r.dtype} on {r.device} ({r.threads} threads): "
+        f"{r.batch} rows x {r.context} tokens, {r.dtype} on {r.device} "
+        f"({r.threads} threads, {r.mode}): "
         f"{r.ms_per_step:.2f} ms/step (median of {r.steps}; min {r.ms_per_step_min:.2f})\n"
         f"floor {r.floor_ms:.2f} ms = ({r.weight_bytes / 1e6:.1f} MB weights + "
         f"{r.kv_bytes / 1e6:.1f} MB KV) / {r.copy_bandwidth_gb_s:.1f} GB/s copy bandwidth\n"

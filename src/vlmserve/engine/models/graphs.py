@@ -49,9 +49,7 @@ def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
 
 
 class PagedDecode:
-    def __init__(
-        self, runner: DecoderRunner, max_rows: int, max_len: int = 0, *, graphs: bool
-    ):
+    def __init__(self, runner: DecoderRunner, max_rows: int, max_len: int = 0, *, graphs: bool):
         """``max_rows``: the most rows a step decodes (``max_num_seqs``); ``max_len``: the
         most tokens a row holds (``max_model_len``; 0: the whole cache); ``graphs``: capture
         CUDA graphs (on CUDA, unless ``--enforce-eager``)."""
@@ -79,7 +77,11 @@ class PagedDecode:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.use_graphs = graphs and device.type == "cuda"
         self._pool: Any = None
+        self._tables_at = self._rope_addresses()  # the rotary tables the graphs read
         self.captured_seconds = 0.0
+
+    def _rope_addresses(self) -> tuple[int, ...]:
+        return tuple(t.cos_full.data_ptr() for t in self.runner.ropes.values())
 
     # --- one step ---------------------------------------------------------------------
     def run(
@@ -98,14 +100,16 @@ class PagedDecode:
                 rope.text(
                     torch.zeros(1, dtype=torch.long, device=self.runner.device), self.positions
                 )
+        if self._rope_addresses() != self._tables_at:  # grown here or by a prefill
             self.graphs.clear()
+            self._tables_at = self._rope_addresses()
         bucket = bucket_for(rows, self.buckets) if self.use_graphs else None
         n = bucket or rows
         self._fill(tokens, positions, lengths, tables, n)
         if bucket is None:
             return self.step(n)
-        if bucket not in self.graphs:
-            self._capture(bucket)
+        if bucket not in self.graphs and not self._try_capture(bucket):
+            return self.step(rows)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:rows]
@@ -163,20 +167,37 @@ class PagedDecode:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another model's work on this GPU from another thread (an embedding
+        # model, say) does not break the capture
+        capture = torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local")
+        with torch.inference_mode(), capture:
             logits = self.step(n)
         self.graphs[n] = (graph, logits)  # the warm-up wrote the rows' K/V: same values
-        self.captured_seconds += time.perf_counter() - started
         log.debug("captured the decode step of %d rows in %.2f s", n, time.perf_counter() - started)
 
+    def _try_capture(self, n: int) -> bool:
+        """``_capture``; where capturing fails, every step from then on runs eagerly (and
+        the log says why)."""
+        try:
+            self._capture(n)
+        except Exception as exc:
+            log.warning("decode steps run eagerly: capturing a CUDA graph failed (%s)", exc)
+            self.use_graphs = False
+            self.graphs.clear()
+            return False
+        return True
+
     def capture_all(self) -> float:
-        """Capture every bucket now, largest first (they share one memory pool); on padding
-        rows only. -> seconds taken."""
+        """Capture every bucket now, largest first (they share one memory pool), on
+        padding rows only, so no request pays for a capture. -> seconds taken."""
         started = time.perf_counter()
         for n in sorted(self.buckets, reverse=True):
+            if not self.use_graphs:
+                break
             self._fill([0] * n, [0] * n, [0] * n, [[self.scratch]] * n, n)
-            self._capture(n)
-        return time.perf_counter() - started
+            self._try_capture(n)
+        self.captured_seconds = time.perf_counter() - started
+        return self.captured_seconds
 
 
 def paged_supported(runner: DecoderRunner) -> bool:

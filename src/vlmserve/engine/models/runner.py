@@ -308,7 +308,12 @@ class DecoderRunner:
             return "gathered attention"
         why = graphs_unsupported(self) if graphs else "--enforce-eager"
         self.paged = PagedDecode(self, max_rows, max_len, graphs=why is None)
-        return "paged attention, CUDA graphs" if why is None else f"paged attention, eager ({why})"
+        if why is None:
+            seconds = self.paged.capture_all()
+            if self.paged.use_graphs:
+                return f"paged attention, CUDA graphs ({seconds:.1f} s to capture)"
+            why = "capturing failed"
+        return f"paged attention, eager ({why})"
 
     def paged_step(
         self,
