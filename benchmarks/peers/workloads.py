@@ -41,17 +41,16 @@ class Workload:
     tokens: int | None = None  # text sized to this many tokens; None: ``--prompt-words`` words
     image: str | None = None  # "png": ``--image`` sized noise PNG; "photo": 1280x960 JPEG
     video_frames: int = 0
-    what: str = ""
 
 
 PHOTO_SIZE = (1280, 960)
 VIDEO_SIZE = (448, 448)
 VIDEO_FPS = 2
 WORKLOADS = {
-    "short": Workload("short", image="png", what="--prompt-words words + --image PNG"),
-    "long": Workload("long", tokens=2000, what="~2,000 tokens of text"),
-    "photo": Workload("photo", image="photo", what="1280x960 JPEG + words"),
-    "video": Workload("video", video_frames=16, what="16 frames 448x448 at 2 fps + words"),
+    "short": Workload("short", image="png"),
+    "long": Workload("long", tokens=2000),
+    "photo": Workload("photo", image="photo"),
+    "video": Workload("video", video_frames=16),
 }
 
 
@@ -71,14 +70,14 @@ def _jpeg(seed: int) -> str:
     from vlmserve.testing.media import gradient_image
 
     buf = io.BytesIO()
-    gradient_image(*PHOTO_SIZE, seed=seed % 2**32).save(buf, format="JPEG", quality=90)
+    gradient_image(*PHOTO_SIZE, seed=seed).save(buf, format="JPEG", quality=90)
     return data_url(buf.getvalue(), "image/jpeg")
 
 
 def _mp4(frames: int, seed: int) -> str:
     from vlmserve.testing.media import mp4_bytes
 
-    clip = mp4_bytes(frames, *VIDEO_SIZE, fps=VIDEO_FPS, seed=seed % 2**20)
+    clip = mp4_bytes(frames, *VIDEO_SIZE, fps=VIDEO_FPS, seed=seed)
     return data_url(clip, "video/mp4")
 
 
