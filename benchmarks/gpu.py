@@ -92,6 +92,7 @@ class Plan:
     copy_mib: int
     contexts: list[str] = field(default_factory=lambda: ["short"])  # "short" first
     quick: bool = False
+    cuda_graphs: bool = True  # vlmserve's paged decode as CUDA graphs (--no-cuda-graphs: gathered)
     workdir: Path = field(default_factory=Path)
 
 
@@ -208,7 +209,12 @@ async def vlmserve_chat(plan: Plan, ckpt: Path, tokenizer: Any, phases: Phases) 
     options = LoadOptions(source=str(ckpt), device=plan.device, dtype=plan.dtype)
     top = max(plan.concurrency)
     backend = HFChatBackend(
-        "bench-chat", options, max_model_len=32768, max_queued=top + 1, max_num_seqs=top
+        "bench-chat",
+        options,
+        max_model_len=32768,
+        max_queued=top + 1,
+        max_num_seqs=top,
+        cuda_graphs=plan.cuda_graphs,
     )
     out: dict[str, Any] = {}
     try:
@@ -362,6 +368,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, Path | None, Path |
     )
     add = parser.add_argument
     add("--tiny", action="store_true", help="tiny random checkpoint on CPU (float32), seconds")
+    add("--no-cuda-graphs", action="store_true",
+        help="vlmserve's decode without --cuda-graphs (attention over gathered blocks)")  # fmt: skip
     add("--quick", action="store_true",
         help="contexts short,4k (tiny: short,1k), levels 1,8,64 (tiny: 1,8), fewer requests "
         "and images: what scripts/gpu_check.sh runs, within its 5 minutes")  # fmt: skip
@@ -388,6 +396,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, Path | None, Path |
         levels = QUICK_LEVELS if quick else LEVELS
         contexts = ["short", "4k"] if quick else list(CONTEXTS)
     plan = Plan(
+        cuda_graphs=not args.no_cuda_graphs,
         tiny=tiny,
         device=args.device or ("cpu" if tiny else "cuda"),
         dtype="float32" if tiny else "bfloat16",

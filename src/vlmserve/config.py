@@ -126,7 +126,10 @@ class Settings(BaseSettings):
     kv_cache_memory: int = Field(default=0, ge=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     enable_prefix_caching: bool = False  # reuse the K/V of a prompt's cached full blocks
-    # CUDA: run every decode step eagerly (no CUDA graphs; vLLM's --enforce-eager)
+    # CUDA: decode attention reads the paged cache in place (a Triton kernel) and each step
+    # replays a CUDA graph. Off until a GPU run has shown it correct: decode gathers blocks
+    cuda_graphs: bool = False
+    # with cuda_graphs: the paged step runs eagerly, without graphs (vLLM's --enforce-eager)
     enforce_eager: bool = False
     # each hf chat model's engine in its own process (vLLM V1's EngineCore split): the API's
     # HTTP, media and stream work and the engine share no GIL; a crashed engine is reloaded.

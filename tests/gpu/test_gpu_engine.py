@@ -30,7 +30,7 @@ def backend(tiny_dir: Path) -> Iterator[HFChatBackend]:
     options = LoadOptions(source=str(tiny_dir), device="cuda", dtype="bfloat16")
     b = HFChatBackend("tiny", options, max_model_len=4096, max_queued=64, max_num_seqs=8,
                       max_num_batched_tokens=2048, vision_cache_bytes=0,
-                      processor_cache_bytes=0)  # fmt: skip
+                      processor_cache_bytes=0, cuda_graphs=True)  # fmt: skip
     b.load()
     assert b.engine is not None, "the tiny Qwen2-VL must run on the batching engine on CUDA"
     yield b

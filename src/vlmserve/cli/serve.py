@@ -111,8 +111,10 @@ HELP = {
                                        "and a prefill's activations (measured at load)."),
     "enable_prefix_caching": (ENGINE, "Reuse the K/V of prompts' cached full blocks (a shared "
                                       "system prompt, the same image again): less prefill."),
-    "enforce_eager": (ENGINE, "CUDA: run each decode step eagerly instead of replaying its "
-                              "CUDA graph (slower; for debugging)."),
+    "cuda_graphs": (ENGINE, "CUDA (experimental): decode attention reads the paged KV cache "
+                            "in place and each decode step replays a CUDA graph."),
+    "enforce_eager": (ENGINE, "With --cuda-graphs: run each decode step eagerly instead of "
+                              "replaying its CUDA graph (slower; for debugging)."),
     "engine_process": (ENGINE, "Each chat model's engine in its own process: HTTP and "
                                "streaming do not share its GIL, a crashed one is restarted "
                                "(--no-engine-process: in this process)."),
@@ -187,6 +189,7 @@ def command(
     gpu_memory_utilization: Annotated[Float, _opt("gpu_memory_utilization")] = None,
     enable_prefix_caching: Annotated[Bool, _opt("enable_prefix_caching",
                                                 "--enable-prefix-caching")] = None,
+    cuda_graphs: Annotated[Bool, _opt("cuda_graphs", "--cuda-graphs")] = None,
     enforce_eager: Annotated[Bool, _opt("enforce_eager", "--enforce-eager")] = None,
     no_engine_process: Annotated[Bool, _opt("engine_process", "--no-engine-process")] = None,
     max_tokens: Annotated[Int, _opt("max_tokens")] = None,

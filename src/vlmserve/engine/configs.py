@@ -39,7 +39,8 @@ class ChatEngineConfig:
     kv_cache_bytes: int  # kv_cache_memory: the KV budget; 0 = auto
     gpu_memory_utilization: float  # share of the GPU the model may use (weights + KV)
     prefix_caching: bool  # enable_prefix_caching: reuse cached prompt blocks' K/V
-    enforce_eager: bool  # CUDA: no CUDA graphs for the decode step
+    cuda_graphs: bool  # CUDA: paged decode attention, the step as CUDA graphs
+    enforce_eager: bool  # with cuda_graphs: the paged step without graphs
     reasoning_parser: str | None  # qwen3 | deepseek_r1; None: detected from the template
     tool_call_parser: str | None  # hermes; None: hermes when a request has tools
     logprobs_mode: str  # raw | processed
@@ -55,6 +56,7 @@ class ChatEngineConfig:
         "kv_cache_bytes": "kv_cache_memory",
         "gpu_memory_utilization": "gpu_memory_utilization",
         "prefix_caching": "enable_prefix_caching",
+        "cuda_graphs": "cuda_graphs",
         "enforce_eager": "enforce_eager",
         "reasoning_parser": "reasoning_parser",
         "tool_call_parser": "tool_call_parser",

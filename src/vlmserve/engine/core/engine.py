@@ -104,9 +104,11 @@ class BatchEngine(EngineGauges, EngineLifecycle):
             c.prefix_caching,
         )
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
-        self.decode_mode = self.runner.use_paged_decode(
-            c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager
-        )
+        self.decode_mode = "gathered attention"
+        if c.cuda_graphs:
+            self.decode_mode = self.runner.use_paged_decode(
+                c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager
+            )
         log.info("%s: decode runs with %s", model_id, self.decode_mode)
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, self.blocks)
         self.scheduler.prefix_hasher = self._block_hashes
