@@ -368,8 +368,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, Path | None, Path |
     )
     add = parser.add_argument
     add("--tiny", action="store_true", help="tiny random checkpoint on CPU (float32), seconds")
-    add("--no-cuda-graphs", action="store_true",
-        help="vlmserve's decode without --cuda-graphs (attention over gathered blocks)")  # fmt: skip
+    add(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="vlmserve's decode without --cuda-graphs (attention over gathered blocks)",
+    )
     add("--quick", action="store_true",
         help="contexts short,4k (tiny: short,1k), levels 1,8,64 (tiny: 1,8), fewer requests "
         "and images: what scripts/gpu_check.sh runs, within its 5 minutes")  # fmt: skip
