@@ -18,6 +18,7 @@ import pytest
 from sse_client import RESUMABLE
 from support import MODEL
 from vlmserve.client.stream import stream_chat
+from vlmserve.engine.core import engine as engine_module
 from vlmserve.engine.types import FinishReason
 from vlmserve.engine.upstream_wire import ChunkReader
 
@@ -144,9 +145,12 @@ async def test_both_wires_number_the_same_events(client: httpx.AsyncClient) -> N
         assert data_of(rest.content) == plain[k:]
 
 
-async def test_grouped_tokens_are_one_event_with_one_index(make_client: Any) -> None:
+async def test_grouped_tokens_are_one_event_with_one_index(
+    make_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under load (4+ rows decoding) tokens arrive ``stream_interval`` at a time, one event
     per group; the index counts events, not tokens."""
+    monkeypatch.setattr(engine_module, "GROUP_WAIT_S", 60.0)  # group by steps alone
     client = await make_client(stream_interval=4)
     options = {"include_usage": True, "continuous_usage_stats": True}
     streams = await asyncio.gather(

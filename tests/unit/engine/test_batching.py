@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from vlmserve.engine.core import engine as engine_module
 from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions
@@ -408,7 +409,10 @@ async def _events_per_row(backend: HFChatBackend, rows: int, tokens: int) -> lis
     return sizes
 
 
-async def test_a_busy_batch_streams_tokens_in_groups_of_stream_interval(tiny_dir: Path) -> None:
+async def test_a_busy_batch_streams_tokens_in_groups_of_stream_interval(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_module, "GROUP_WAIT_S", 60.0)  # group by steps alone
     means = {}
     for interval in (1, 4):
         backend = make_backend(tiny_dir, max_num_seqs=8, stream_interval=interval)
@@ -420,6 +424,21 @@ async def test_a_busy_batch_streams_tokens_in_groups_of_stream_interval(tiny_dir
         means[interval] = sum(map(sum, sizes)) / sum(map(len, sizes))
     assert means[4] >= 2.5 * means[1], means  # fewer, larger events under load
     assert means[4] >= 3.0, means
+
+
+async def test_no_token_waits_longer_than_the_group_wait_for_its_group(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_module, "GROUP_WAIT_S", 0.0)  # every step is long enough
+    backend = make_backend(tiny_dir, max_num_seqs=8, stream_interval=4)
+    try:
+        sizes = await _events_per_row(backend, rows=6, tokens=24)
+    finally:
+        backend.close()
+    assert all(sum(s) == 24 for s in sizes)
+    # the consumer may still merge chunks that piled up in its queue, but the engine sent
+    # each step's token at once: far from groups of 4
+    assert sum(map(sum, sizes)) / sum(map(len, sizes)) < 2.0, sizes
 
 
 def test_admission_holds_queue_places_for_requests_still_preparing(tiny_dir: Path) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -62,6 +63,10 @@ log = logging.getLogger(__name__)
 # the consumers then merge that many tokens per SSE event, dividing the event loop's per-token
 # work (which shares the GIL with this thread) at the cost of tokens arriving in groups.
 _BUSY_ROWS = 4
+# ... but no output waits longer than this for its group: where a step takes this long (long
+# contexts, a larger model) the loop's per-token work is small beside it, and grouping would
+# only multiply the inter-token latency clients see
+GROUP_WAIT_S = 0.010
 _Item = TypeVar("_Item")
 
 
@@ -156,12 +161,17 @@ class BatchEngine(EngineGauges, EngineLifecycle):
     # --- the loop (engine thread) -----------------------------------------------------------
     def _run(self) -> None:
         torch.set_num_threads(self._threads)  # as HFModel pins it (engines built directly too)
+        flushed = time.perf_counter()
         with torch.inference_mode():
             while self._take_inbox():
                 self.step()
                 busy = len(self.scheduler.running) >= _BUSY_ROWS
-                if not busy or self.steps % self.stream_interval == 0:
+                now = time.perf_counter()
+                if not busy or self.steps % self.stream_interval == 0 or (
+                    now - flushed >= GROUP_WAIT_S
+                ):
                     self._flush()
+                    flushed = now
             self._flush()
         if self._closed:
             self._release_cache()
