@@ -19,7 +19,7 @@ from sse_client import RESUMABLE
 from support import MODEL
 from vlmserve.client.stream import stream_chat
 from vlmserve.engine.types import FinishReason
-from vlmserve.engine.upstream_wire import ChunkReader
+from vlmserve.gateway.upstream_wire import ChunkReader
 
 
 def body(max_tokens: int = 6, **extra: Any) -> dict[str, Any]:

@@ -132,7 +132,7 @@ class Backend(Protocol):
         return None
 
     def passes_streams(self) -> bool:
-        """Streamed chat may pass to this model's upstream as bytes (``api/passthrough.py``):
+        """Streamed chat may pass to this model's upstream as bytes (``gateway/passthrough.py``):
         its replicas are vlmserve workers that run the streams as resumable sessions."""
         return False
 

@@ -12,9 +12,9 @@ import pytest
 
 from upstreams import FakeUpstreams
 from vlmserve.engine.types import GenerateRequest, SamplingParams
-from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
 from vlmserve.errors import ServiceUnavailable
 from vlmserve.gateway.pool import PoolPolicy
+from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig
 
 pytestmark = pytest.mark.timeout(60)
 A, B = "http://a.test", "http://b.test"

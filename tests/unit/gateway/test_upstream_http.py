@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from upstreams import FakeUpstreams, fake_upstreams
-from vlmserve.engine.upstream_http import (
+from vlmserve.gateway.upstream_http import (
     RETRYABLE,
     UpstreamHTTP,
     UpstreamTimeout,

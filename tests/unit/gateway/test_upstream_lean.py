@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from vlmserve.engine.upstream_http import RETRYABLE, UpstreamHTTP, UpstreamTimeout
-from vlmserve.engine.upstream_lean import (
+from vlmserve.gateway.upstream_http import RETRYABLE, UpstreamHTTP, UpstreamTimeout
+from vlmserve.gateway.upstream_lean import (
     LeanHTTP,
     MalformedAnswer,
     UpstreamDisconnected,

@@ -1,7 +1,7 @@
 """PassthroughMiddleware: the gateway's lean path for chat (issue 22).
 
 A ``POST /v1/chat/completions`` for an ``openai`` model whose replicas are vlmserve workers
-(``engine/upstream_passthrough.py``) skips the gateway's own request model, session and chunk
+(``gateway/upstream_passthrough.py``) skips the gateway's own request model, session and chunk
 re-encoding: its bytes go to a replica as they came (the ``model`` name swapped when the
 upstream calls it otherwise), and the answer's bytes come back as the worker writes them (a
 stream event by event, the worker's ``X-Session-ID`` included; a JSON answer whole), with the
@@ -33,7 +33,12 @@ import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmserve.api.errors import error_response
-from vlmserve.api.passthrough_relay import (
+from vlmserve.api.services import Services
+from vlmserve.engine.protocol import Backend, PassedAnswer
+from vlmserve.engine.types import ModelState, Serves
+from vlmserve.errors import VlmserveError
+from vlmserve.gateway.passed import PassedStream, PassedStreams
+from vlmserve.gateway.passthrough_relay import (
     Observed,
     read_body,
     relay,
@@ -41,11 +46,6 @@ from vlmserve.api.passthrough_relay import (
     replay,
     unless_gone,
 )
-from vlmserve.api.services import Services
-from vlmserve.engine.protocol import Backend, PassedAnswer
-from vlmserve.engine.types import ModelState, Serves
-from vlmserve.errors import VlmserveError
-from vlmserve.gateway.passed import PassedStream, PassedStreams
 from vlmserve.streaming import parse_event_id
 from vlmserve.streaming.store.base import already_exists
 

@@ -8,7 +8,7 @@ aiohttp transport 0.63-0.71 ms, aiohttp 0.36-0.41 ms. A ``py-spy`` profile of th
 44% of its request handling inside ``httpx.AsyncClient.send`` (httpcore's anyio layer).
 
 Chat requests to plain-``http`` upstreams without a proxy (the pass-through's, and the streams
-of the gateway's own sessions) go through ``engine/upstream_lean.py`` instead
+of the gateway's own sessions) go through ``gateway/upstream_lean.py`` instead
 (``open(..., lean=True)``): the same errors, a fraction of aiohttp's cost per request
 (measured there).
 
@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from vlmserve.engine.upstream_lean import LeanConnectionError, LeanHTTP, UpstreamTimeout
+from vlmserve.gateway.upstream_lean import LeanConnectionError, LeanHTTP, UpstreamTimeout
 
 __all__ = [
     "RETRYABLE",

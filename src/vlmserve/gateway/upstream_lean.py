@@ -2,7 +2,7 @@
 the request written in one system call, the answer parsed by ``httptools`` (uvicorn's parser).
 
 Why not aiohttp on this hop: the gateway sends every chat request upstream on its way to the
-first token (the pass-through of ``api/passthrough.py`` to vlmserve workers, and the streams
+first token (the pass-through of ``gateway/passthrough.py`` to vlmserve workers, and the streams
 of its own sessions to any OpenAI server), and aiohttp's request machinery (cookie jar, URL
 objects, timers, payload registry, its writer) was most of that hop's cost. Measured on the
 2-core CPU against the stamping worker of ``benchmarks/hops.py`` (400 sequential streamed
@@ -273,7 +273,7 @@ class _Connection(asyncio.Protocol):
 
 
 class LeanResponse:
-    """One answer (``engine.upstream_http.UpstreamAnswer``): head in, body read as it comes."""
+    """One answer (``gateway.upstream_http.UpstreamAnswer``): head in, body read as it comes."""
 
     __slots__ = ("_client", "_conn", "_key", "headers", "status")
 
