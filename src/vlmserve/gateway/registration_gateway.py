@@ -1,16 +1,42 @@
 """The gateway side of registration: workers join and leave the replica pools of the
-server's proxied models (``openai`` registry entries)."""
+server's proxied models (``openai`` registry entries).
+
+The server's models come in as ``Models``, the little of ``registry.ModelManager`` this needs,
+so the gateway package does not import the registry (the registry builds gateway backends).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-from vlmserve.registry.manager import ModelManager
+from vlmserve.engine.protocol import Backend
 
-__all__ = ["deregister_replica", "register_replica", "replica_state"]
+__all__ = ["Models", "deregister_replica", "register_replica", "replica_state"]
 
 
-async def register_replica(models: ModelManager, model: str, url: str, instance: str
+class ModelRef(Protocol):
+    """A served model as the registry holds it (``registry.ModelHandle``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def backend(self) -> Backend: ...
+
+
+class Models(Protocol):
+    """The server's models (``registry.ModelManager``)."""
+
+    @property
+    def handles(self) -> Sequence[ModelRef]: ...
+
+    def resolve(self, name: str) -> ModelRef: ...
+
+    def state(self) -> list[dict[str, Any]]: ...
+
+
+async def register_replica(models: Models, model: str, url: str, instance: str
                            ) -> dict[str, Any]:  # fmt: skip
     """Add (or refresh) a replica of ``model``; it gets traffic once health and preflight
     pass. One instance serves one URL: a worker that moved to another model leaves the old."""
@@ -24,11 +50,11 @@ async def register_replica(models: ModelManager, model: str, url: str, instance:
     return {"model": handle.name, **replica}
 
 
-def deregister_replica(models: ModelManager, instance: str) -> list[str]:
+def deregister_replica(models: Models, instance: str) -> list[str]:
     """Remove the instance's replicas everywhere; returns the models it served."""
     return [h.name for h in models.handles if h.backend.remove_replica(instance)]
 
 
-def replica_state(models: ModelManager) -> list[dict[str, Any]]:
+def replica_state(models: Models) -> list[dict[str, Any]]:
     """Every proxied model and its replicas: health, ejection, load, why it is out."""
     return [{"model": m["name"], **m["upstream"]} for m in models.state() if "upstream" in m]
