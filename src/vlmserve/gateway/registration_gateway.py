@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from vlmserve.engine.protocol import Backend
+from vlmserve.engine.protocol import Backend, as_proxied
+from vlmserve.errors import InvalidRequest
 
 __all__ = ["Models", "deregister_replica", "register_replica", "replica_state"]
 
@@ -41,18 +42,29 @@ async def register_replica(models: Models, model: str, url: str, instance: str
     """Add (or refresh) a replica of ``model``; it gets traffic once health and preflight
     pass. One instance serves one URL: a worker that moved to another model leaves the old."""
     handle = models.resolve(model)
-    if not handle.backend.accepts_replicas:
-        await handle.backend.add_replica(url, instance)  # the 400 that says why
+    backend = as_proxied(handle.backend)
+    if backend is None:
+        raise InvalidRequest(
+            f"model {handle.backend.model_id!r} is not an openai (upstream) entry; replicas "
+            'register only with `backend = "openai"` entries of the gateway\'s registry',
+            param="model",
+        )
+    if not backend.accepts_replicas:
+        await backend.add_replica(url, instance)
     for other in models.handles:
-        if other is not handle:
-            other.backend.remove_replica(instance)
-    replica = await handle.backend.add_replica(url, instance)
+        if other is not handle and (proxied := as_proxied(other.backend)) is not None:
+            proxied.remove_replica(instance)
+    replica = await backend.add_replica(url, instance)
     return {"model": handle.name, **replica}
 
 
 def deregister_replica(models: Models, instance: str) -> list[str]:
     """Remove the instance's replicas everywhere; returns the models it served."""
-    return [h.name for h in models.handles if h.backend.remove_replica(instance)]
+    return [
+        h.name
+        for h in models.handles
+        if (backend := as_proxied(h.backend)) is not None and backend.remove_replica(instance)
+    ]
 
 
 def replica_state(models: Models) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmserve.engine.protocol import Backend
+from vlmserve.engine.protocol import Proxied
 from vlmserve.engine.types import Chunk, GenerateRequest, ModelState, Serves
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
 from vlmserve.gateway.pool import PoolPolicy, Replica, ReplicaPool
@@ -72,7 +72,7 @@ class UpstreamStream:
     tried: set[str] = field(default_factory=set)
 
 
-class UpstreamBackend(PassThrough, Backend):
+class UpstreamBackend(PassThrough, Proxied):
     """A backend whose model lives on upstream replicas (see the module docstring)."""
 
     kind = "openai"
