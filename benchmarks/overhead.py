@@ -13,7 +13,7 @@ of a fixed length, ``vlmserve.client.loadtest``):
   before a client sees it);
 - ``gateway``: a vlmserve gateway whose registry has one ``openai`` entry pointing at the
   ``memory`` worker (requests go client -> gateway -> worker); its streams pass through as
-  bytes (``api/passthrough.py``), the worker's own sessions;
+  bytes (``gateway/passthrough.py``), the worker's own sessions;
 - ``gateway-sessions``: the same gateway with ``VLMSERVE_GATEWAY_PASSTHROUGH=false``: every
   stream a session of the gateway's own, chunks parsed and re-encoded (the path before the
   pass-through, and still the path to upstreams that are not vlmserve workers);

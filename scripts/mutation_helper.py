@@ -40,14 +40,14 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     ],
     # tests/robustness/test_limits_auth.py starts a real uvicorn server per test: too slow here.
     "src/vlmserve/api/auth.py": ["tests/unit/api/test_auth*.py"],
-    "src/vlmserve/api/passthrough*.py": [
+    "src/vlmserve/gateway/passthrough*.py": [
         "tests/unit/gateway/test_passthrough_relay.py",
         "tests/integration/test_gateway_passthrough.py",
     ],
     "src/vlmserve/gateway/passed.py": ["tests/unit/gateway/test_passthrough_relay.py"],
     "src/vlmserve/streaming/*.py": ["tests/unit/streaming"],
-    "src/vlmserve/engine/upstream*.py": [
-        "tests/unit/engine/test_upstream*.py",
+    "src/vlmserve/gateway/upstream*.py": [
+        "tests/unit/gateway/test_upstream*.py",
         "tests/unit/gateway/test_proxy_bytes.py",
     ],
     "src/vlmserve/streaming/store/*.py": ["tests/unit/streaming"],

@@ -142,7 +142,7 @@ class Settings(BaseSettings):
     upstream_health_interval: float = 5.0  # seconds between active health checks
     upstream_max_failures: int = 3  # consecutive failures that eject a replica
     upstream_eject_seconds: float = 30.0  # cool-down before an ejected replica is retried
-    # streamed chat to vlmserve workers passes through as bytes (api/passthrough.py); off, or
+    # streamed chat to vlmserve workers passes through as bytes (gateway/passthrough.py); off, or
     # with a durable store (persist_sessions, redis_url), the gateway runs its own sessions
     gateway_passthrough: bool = True
     register_url: str | None = None  # worker: POST {model, url, instance} here on start

@@ -16,8 +16,8 @@ from support import MODEL, make_settings
 from upstreams import fake_upstreams, serve_asgi
 from vlmserve.api.app import build_app
 from vlmserve.config import ModelConfig, Settings
-from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
 from vlmserve.gateway.pool import PoolPolicy
+from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig
 from vlmserve.registry.build import hf_handle
 from vlmserve.registry.manager import ModelHandle, ModelManager
 from vlmserve.testing import build_lora_adapter
@@ -195,7 +195,7 @@ async def test_replica_failing_preflight_is_out_with_the_reason(gateway: httpx.A
 async def test_worker_registration_client_adds_itself(
     gateway: httpx.AsyncClient, worker_url: str
 ) -> None:
-    from vlmserve.gateway.registration import Registration
+    from vlmserve.gateway.registration_worker import Registration
 
     transport = gateway._transport  # the in-process gateway
     reg = Registration("http://gw/v1/gateway/register", worker_url + "/", instance="w-9",

@@ -1,6 +1,6 @@
 """The gateway's byte pass-through against upstreams on real sockets that say they are
 vlmserve workers: what a client gets when the replica breaks off, refuses, or is over the
-gateway's own limits (``api/passthrough.py``)."""
+gateway's own limits (``gateway/passthrough.py``)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 from upstreams import fake_upstreams
 from vlmserve.api.app import build_app
 from vlmserve.config import Settings
-from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
 from vlmserve.gateway.pool import PoolPolicy
+from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig
 from vlmserve.registry.manager import ModelHandle, ModelManager
 
 pytestmark = pytest.mark.timeout(60)

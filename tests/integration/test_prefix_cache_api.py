@@ -21,7 +21,7 @@ from support import MODEL, make_settings
 from upstreams import serve_asgi
 from vlmserve.api.app import build_app
 from vlmserve.config import ModelConfig, Settings
-from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
+from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig
 from vlmserve.registry.manager import ModelHandle, ModelManager
 
 SYSTEM = "You extract the fields of identity cards and answer in one short line. " * 6

@@ -20,7 +20,7 @@ from support import MODEL
 from vlmserve.client.stream import stream_chat
 from vlmserve.engine.core import engine as engine_module
 from vlmserve.engine.types import FinishReason
-from vlmserve.engine.upstream_wire import ChunkReader
+from vlmserve.gateway.upstream_wire import ChunkReader
 
 
 def body(max_tokens: int = 6, **extra: Any) -> dict[str, Any]:

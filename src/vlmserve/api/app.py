@@ -24,7 +24,6 @@ from vlmserve.api.middleware import (
     ErrorShieldMiddleware,
     RequestIdMiddleware,
 )
-from vlmserve.api.passthrough import PassthroughMiddleware
 from vlmserve.api.routes import (
     admin,
     batches,
@@ -42,7 +41,8 @@ from vlmserve.api.services import Services
 from vlmserve.api.telemetry import fastapi_telemetry
 from vlmserve.api.ui import install_console
 from vlmserve.config import Settings
-from vlmserve.gateway.registration import Registration
+from vlmserve.gateway.passthrough import PassthroughMiddleware
+from vlmserve.gateway.registration_worker import Registration
 from vlmserve.registry.manager import ModelHandle, ModelManager
 from vlmserve.streaming import SessionManager, build_store
 from vlmserve.watchdog import (

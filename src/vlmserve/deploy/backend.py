@@ -11,7 +11,7 @@ mid-stream it sends the same request again with those ids as ``prefix_token_ids`
 restarted server does to continue a stored stream) and the engine goes on after exactly them,
 on another replica or on the one Ray starts in the dead one's place.
 
-Why a handle and not HTTP to a vlmserve per replica (``engine/upstream.py``): Ray Serve does not
+Why a handle and not HTTP to a vlmserve per replica (``gateway/upstream.py``): Ray Serve does not
 give replicas addresses of their own, and a proxied upstream's tokens are its own, so a stream
 could not continue after its replica died; through the handle Ray does the routing, the
 back-pressure (``max_queued_requests``: a 429) and the replacement of dead replicas.

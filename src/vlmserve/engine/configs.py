@@ -2,7 +2,7 @@
 
 The defaults live in one place, ``config.Settings``; ``defaults(**changes)`` reads them from
 there (not from the environment) for code that builds a backend without a server (tests,
-benchmarks). Upstream backends have theirs in ``engine/upstream.UpstreamConfig``.
+benchmarks). Upstream backends have theirs in ``gateway/upstream.UpstreamConfig``.
 """
 
 from __future__ import annotations

@@ -5,20 +5,23 @@ upstream replicas, ``vllm`` subprocesses. ``api/`` and ``registry/manager.py`` c
 (no ``isinstance`` on a backend class outside ``engine/``); ``registry/build.py`` is the one
 place that names the concrete classes.
 
-A *proxied* backend (``proxied = True``) forwards the client's wire request: the API neither
-fetches nor decodes its media (``GenerateRequest.raw`` carries the body) and ``relay`` sends
-the worker and task endpoints upstream as they are. A local backend answers ``relay`` with
-None: the API does the work here, through ``prepare``/``generate`` or ``embed``.
+A *proxied* backend (``proxied = True``, the gateway's ``openai`` and ``vllm`` models)
+implements ``Proxied``, which extends ``Backend`` with what only a proxied model has: it
+forwards the client's wire request (the API neither fetches nor decodes its media;
+``GenerateRequest.raw`` carries the body), ``relay`` sends the worker and task endpoints
+upstream as they are, streamed chat may pass to its replicas as bytes, and workers may join it
+as replicas. Callers narrow with ``as_proxied(backend)`` (the flag, not a class check); a local
+backend carries none of these members, and the API does its work here, through
+``prepare``/``generate`` or ``embed``.
 
-Concrete backends subclass ``Backend`` explicitly and inherit the defaults below (no
-admission bound, nothing to relay, no replicas, no embeddings); torch-free, like
-``engine/types.py``.
+Concrete backends subclass ``Backend`` (or ``Proxied``) explicitly and inherit the defaults
+below (no admission bound, no embeddings); torch-free, like ``engine/types.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 from vlmserve.engine.types import (
     BackendStats,
@@ -33,7 +36,7 @@ from vlmserve.errors import InvalidRequest, ServiceUnavailable
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["Backend", "PassedAnswer"]
+__all__ = ["Backend", "PassedAnswer", "Proxied", "as_proxied"]
 
 
 class PassedAnswer(Protocol):
@@ -126,46 +129,6 @@ class Backend(Protocol):
             f"model {self.model_id!r} does not take token ids; send text", param="input"
         )
 
-    # --- proxying ------------------------------------------------------------------------
-    async def relay(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        """A proxied model answers ``path`` upstream with ``body``; local models: None."""
-        return None
-
-    def passes_streams(self) -> bool:
-        """Streamed chat may pass to this model's upstream as bytes (``api/passthrough.py``):
-        its replicas are vlmserve workers that run the streams as resumable sessions."""
-        return False
-
-    @property
-    def upstream_name(self) -> str | None:
-        """What the upstream calls this model (None: not proxied)."""
-        return None
-
-    async def pass_stream(self, path: str, content: bytes,
-                          headers: Mapping[str, str]) -> PassedAnswer:  # fmt: skip
-        """POST ``content`` to a replica (admitted and retried as any request of the model)."""
-        raise NotImplementedError(f"model {self.model_id!r} passes no streams")
-
-    async def pass_later(self, replica_url: str, method: str, path: str, content: bytes | None,
-                         headers: Mapping[str, str]) -> PassedAnswer:  # fmt: skip
-        """A passed stream's later request (resume, cancel), to the replica holding it."""
-        raise NotImplementedError(f"model {self.model_id!r} passes no streams")
-
-    @property
-    def accepts_replicas(self) -> bool:
-        """Workers may register as replicas of this model (``openai`` entries only)."""
-        return False
-
-    async def add_replica(self, url: str, instance: str) -> dict[str, Any]:
-        raise InvalidRequest(
-            f"model {self.model_id!r} is not an openai (upstream) entry; replicas register "
-            'only with `backend = "openai"` entries of the gateway\'s registry',
-            param="model",
-        )
-
-    def remove_replica(self, instance: str) -> bool:
-        return False
-
     def watch_failures(self, callback: Callable[[Any], None]) -> None:
         """Call ``callback(loop)`` (from any thread) when the model fails for good while
         loaded (a dead engine), so the manager can reload it; most backends never do."""
@@ -189,3 +152,58 @@ def _no_chat(backend: Backend) -> str:
         f"model {backend.model_id!r} is an embedding model; use /v1/embeddings or "
         "/encode-text and /encode-video with it"
     )
+
+
+class Proxied(Backend, Protocol):
+    """A model served upstream (see the module docstring); the gateway's backends."""
+
+    proxied: ClassVar[bool] = True
+
+    async def relay(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Answer the worker or task endpoint ``path`` upstream with ``body``."""
+        ...
+
+    def passes_streams(self) -> bool:
+        """Streamed chat may pass to this model's upstream as bytes (``gateway/passthrough.py``):
+        its replicas are vlmserve workers that run the streams as resumable sessions."""
+        ...
+
+    @property
+    def upstream_name(self) -> str:
+        """What the upstream calls this model."""
+        ...
+
+    async def pass_stream(
+        self, path: str, content: bytes, headers: Mapping[str, str]
+    ) -> PassedAnswer:
+        """POST ``content`` to a replica (admitted and retried as any request of the model)."""
+        ...
+
+    async def pass_later(
+        self,
+        replica_url: str,
+        method: str,
+        path: str,
+        content: bytes | None,
+        headers: Mapping[str, str],
+    ) -> PassedAnswer:
+        """A passed stream's later request (resume, cancel), to the replica holding it."""
+        ...
+
+    @property
+    def accepts_replicas(self) -> bool:
+        """Workers may register as replicas of this model (``openai`` entries only)."""
+        ...
+
+    async def add_replica(self, url: str, instance: str) -> dict[str, Any]:
+        """Add (or refresh) the replica ``url`` of ``instance``; its state."""
+        ...
+
+    def remove_replica(self, instance: str) -> bool:
+        """Remove the instance's replica; whether it had one."""
+        ...
+
+
+def as_proxied(backend: Backend) -> Proxied | None:
+    """``backend`` as a proxied model, or None for a local one (its ``proxied`` flag)."""
+    return cast("Proxied", backend) if backend.proxied else None

@@ -18,12 +18,12 @@ from vlmserve.engine.hf.templates import read_chat_template
 from vlmserve.engine.outputs import check_parser_names
 from vlmserve.engine.proc import EngineProcClient
 from vlmserve.engine.protocol import Backend
-from vlmserve.engine.supervisor import Supervisor, SupervisorConfig
 from vlmserve.engine.types import Serves
-from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
-from vlmserve.engine.vllm import VllmBackend
 from vlmserve.errors import ConfigError
 from vlmserve.gateway.pool import PoolPolicy
+from vlmserve.gateway.supervisor import Supervisor, SupervisorConfig
+from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig
+from vlmserve.gateway.vllm import VllmBackend
 from vlmserve.registry.entries import ModelEntry, VllmConfig
 from vlmserve.registry.handles import ModelHandle
 

@@ -1,4 +1,4 @@
-"""The gateway's byte pass-through (``api/passthrough.py``): what a client receives does not
+"""The gateway's byte pass-through (``gateway/passthrough.py``): what a client receives does not
 depend on where the network splits the worker's answer; a stream's later requests find the
 replica that holds it, for as long as its sessions live."""
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from vlmserve.api.passthrough import _media_kinds
-from vlmserve.api.passthrough_relay import relay as _relay
 from vlmserve.errors import ServiceUnavailable
 from vlmserve.gateway.passed import PassedStreams
+from vlmserve.gateway.passthrough import _media_kinds
+from vlmserve.gateway.passthrough_relay import relay as _relay
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -159,8 +159,8 @@ def test_the_gateways_own_limits_send_a_request_to_the_full_path(extra, passes) 
     """Over a limit of the gateway's: the full path refuses it with its 400 (not the worker)."""
     from types import SimpleNamespace
 
-    from vlmserve.api.passthrough import PassthroughMiddleware
     from vlmserve.config import Settings
+    from vlmserve.gateway.passthrough import PassthroughMiddleware
 
     settings = Settings(max_n=2, max_model_len=100, max_media_per_request=2)
     services = SimpleNamespace(settings=settings, sessions=SimpleNamespace(durable=False))
@@ -173,7 +173,7 @@ def test_the_gateways_own_limits_send_a_request_to_the_full_path(extra, passes) 
 
 def test_the_metrics_of_a_passed_request_come_from_its_bytes() -> None:
     from vlmserve.api.metrics import Metrics
-    from vlmserve.api.passthrough_relay import Observed
+    from vlmserve.gateway.passthrough_relay import Observed
 
     metrics = Metrics()
     streamed = Observed(metrics, "gw")
@@ -195,7 +195,7 @@ def test_the_metrics_of_a_passed_request_come_from_its_bytes() -> None:
 
 
 async def test_a_whole_answer_is_read_before_its_status_goes_out() -> None:
-    from vlmserve.api.passthrough_relay import relay_whole
+    from vlmserve.gateway.passthrough_relay import relay_whole
 
     body = b'{"model":"up-name","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
     sent: list[dict[str, Any]] = []
@@ -216,7 +216,7 @@ async def test_a_whole_answer_is_read_before_its_status_goes_out() -> None:
 
 
 async def test_a_client_that_leaves_cancels_the_work_under_way() -> None:
-    from vlmserve.api.passthrough_relay import unless_gone
+    from vlmserve.gateway.passthrough_relay import unless_gone
 
     cancelled = asyncio.Event()
 
@@ -250,7 +250,7 @@ async def test_a_non_sse_answer_is_renamed_too_and_seen_whole() -> None:
 
 
 async def test_the_body_is_read_across_messages_and_replayed_once() -> None:
-    from vlmserve.api.passthrough_relay import read_body, replay
+    from vlmserve.gateway.passthrough_relay import read_body, replay
 
     messages = [{"type": "http.request", "body": b"ab", "more_body": True},
                 {"type": "http.request", "more_body": True},
@@ -268,7 +268,7 @@ async def test_the_body_is_read_across_messages_and_replayed_once() -> None:
 
 def test_a_stream_without_usage_records_its_ttft_alone() -> None:
     from vlmserve.api.metrics import Metrics
-    from vlmserve.api.passthrough_relay import Observed
+    from vlmserve.gateway.passthrough_relay import Observed
 
     metrics = Metrics()
     observed = Observed(metrics, "gw")

@@ -13,9 +13,9 @@ import pytest
 
 from upstreams import fake_upstreams
 from vlmserve.engine.types import Chunk, GenerateRequest, SamplingParams
-from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
-from vlmserve.engine.upstream_wire import ChunkReader
 from vlmserve.errors import VlmserveError
+from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig
+from vlmserve.gateway.upstream_wire import ChunkReader
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -18,7 +18,11 @@ from fastapi import APIRouter
 from vlmserve.api.protocol.gateway import DeregisterRequest, RegisterRequest
 from vlmserve.api.routing import StrictJSONRoute
 from vlmserve.api.services import ModelsDep
-from vlmserve.gateway.replicas import deregister_replica, register_replica, replica_state
+from vlmserve.gateway.registration_gateway import (
+    deregister_replica,
+    register_replica,
+    replica_state,
+)
 
 __all__ = ["router"]
 

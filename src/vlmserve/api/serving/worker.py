@@ -12,7 +12,7 @@ from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.protocol.embeddings import EmbeddingsRequest
 from vlmserve.api.protocol.worker import CaptionRequest, GenerateRequestIn
 from vlmserve.api.serving.convert import Converter
-from vlmserve.engine.protocol import Backend
+from vlmserve.engine.protocol import Backend, as_proxied
 from vlmserve.engine.types import (
     ChatMessage,
     EmbedInput,
@@ -59,7 +59,7 @@ def _encode(vector: np.ndarray, fmt: str) -> list[float] | str:
 
 class WorkerService:
     """Each call leases its model through the manager; a proxied model answers the same
-    endpoint upstream (``Backend.relay``), a local one here."""
+    endpoint upstream (``Proxied.relay``), a local one here."""
 
     def __init__(self, models: ModelManager, converter: Converter):
         self.models = models
@@ -76,9 +76,8 @@ class WorkerService:
         if not frames:
             await self.frames(frames)  # the 400, before a model is picked
         async with await self.models.acquire(model, EMBEDDING, Serves.EMBEDDING) as backend:
-            answer = await backend.relay("/encode-video", {"frames": frames})
-            if answer is not None:
-                return answer["embedding"]
+            if (proxied := as_proxied(backend)) is not None:
+                return (await proxied.relay("/encode-video", {"frames": frames}))["embedding"]
             decoded = await self.frames(frames)
             return (await backend.embed([EmbedInput(frames=decoded)]))[0].tolist()
 
@@ -86,9 +85,8 @@ class WorkerService:
         if not text.strip():
             raise InvalidRequest("text is empty", param="text")
         async with await self.models.acquire(model, EMBEDDING, Serves.EMBEDDING) as backend:
-            answer = await backend.relay("/encode-text", {"text": text})
-            if answer is not None:
-                return answer["embedding"]
+            if (proxied := as_proxied(backend)) is not None:
+                return (await proxied.relay("/encode-text", {"text": text}))["embedding"]
             return (await backend.embed([EmbedInput(text=text)]))[0].tolist()
 
     async def _run(self, backend: Backend, request: GenerateRequest) -> str:
@@ -100,9 +98,8 @@ class WorkerService:
             await self.frames(body.frames)
         async with await self.models.acquire(body.model, "caption", Serves.CHAT) as backend:
             wire = body.model_dump(mode="json", exclude_unset=True)
-            answer = await backend.relay("/caption", wire)
-            if answer is not None:
-                return answer["caption"]
+            if (proxied := as_proxied(backend)) is not None:
+                return (await proxied.relay("/caption", wire))["caption"]
             frames = await self.frames(body.frames)
             sampling = SamplingParams(max_tokens=body.max_new_tokens, temperature=0.0)
             messages = caption_messages(frames, body.transcript)
@@ -112,9 +109,8 @@ class WorkerService:
     async def generate(self, body: GenerateRequestIn) -> str:
         async with await self.models.acquire(body.model, "chat", Serves.CHAT) as backend:
             wire = body.model_dump(mode="json", exclude_unset=True)
-            answer = await backend.relay("/generate", wire)
-            if answer is not None:
-                return answer["text"]
+            if (proxied := as_proxied(backend)) is not None:
+                return (await proxied.relay("/generate", wire))["text"]
             chat = ChatCompletionRequest(
                 model=backend.model_id,
                 messages=body.messages,
@@ -127,9 +123,8 @@ class WorkerService:
     async def embeddings(self, body: EmbeddingsRequest) -> dict[str, Any]:
         async with await self.models.acquire(body.model, EMBEDDING, Serves.EMBEDDING) as backend:
             wire = body.model_dump(mode="json", exclude_unset=True)
-            answer = await backend.relay("/v1/embeddings", wire)
-            if answer is not None:
-                return {**answer, "model": backend.model_id}
+            if (proxied := as_proxied(backend)) is not None:
+                return {**await proxied.relay("/v1/embeddings", wire), "model": backend.model_id}
             items = await self._items(body, backend)
             vectors = _truncate(await backend.embed(items), body.dimensions)
             tokens = backend.count_tokens(items)

@@ -12,9 +12,9 @@ import pytest
 
 from upstreams import FakeUpstreams
 from vlmserve.engine.types import GenerateRequest, SamplingParams
-from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
 from vlmserve.errors import ServiceUnavailable
 from vlmserve.gateway.pool import PoolPolicy
+from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig
 
 pytestmark = pytest.mark.timeout(60)
 A, B = "http://a.test", "http://b.test"
@@ -75,7 +75,7 @@ async def test_an_unreachable_replica_is_not_asked_twice(opened: list[Any]) -> N
 
     backend, fake = await start(opened, handler, A)
     healthy, reason = states(backend, fake)[A]
-    assert not healthy and reason.startswith("GET /health: ServerDisconnected")
+    assert not healthy and reason.startswith("GET /health: UpstreamDisconnected")
     assert "/v1/models" not in asked  # it would fail the same way
 
 
@@ -87,7 +87,7 @@ async def test_a_hanging_health_check_ends_at_connect_timeout(opened: list[Any])
     began = asyncio.get_running_loop().time()
     backend, fake = await start(opened, hang, A, connect_timeout=0.2, read_timeout=600)
     assert asyncio.get_running_loop().time() - began < 3
-    assert states(backend, fake)[A] == (False, "GET /health: ServerTimeoutError")
+    assert states(backend, fake)[A] == (False, "GET /health: NoAnswerInTime")
 
 
 async def test_the_check_loop_takes_a_replica_out_and_back(opened: list[Any]) -> None:
@@ -145,14 +145,14 @@ async def test_forward_posts_json(opened: list[Any]) -> None:
 async def test_close_without_await_still_closes_the_session(opened: list[Any]) -> None:
     backend, _ = await start(opened, lambda r: httpx.Response(200), A)
     client = backend._client
-    assert client is not None and client._session is not None
-    session = client._session
+    assert client is not None and client._clients.get(None) is not None
+    session = client._clients[None]
     backend.close()
     for _ in range(50):
-        if session.closed:
+        if session.is_closed:
             break
         await asyncio.sleep(0.01)
-    assert session.closed and backend.state.value == "unloaded"
+    assert session.is_closed and backend.state.value == "unloaded"
 
 
 async def test_a_cancel_that_cannot_reach_its_replica_is_dropped_quietly(

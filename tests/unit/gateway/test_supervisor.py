@@ -13,10 +13,10 @@ import psutil
 import pytest
 
 from vlmserve.engine.hf.lifecycle import ModelState
-from vlmserve.engine.supervisor import Supervisor, SupervisorConfig
-from vlmserve.engine.upstream import UpstreamConfig
-from vlmserve.engine.vllm import VllmBackend
 from vlmserve.errors import ConfigError
+from vlmserve.gateway.supervisor import Supervisor, SupervisorConfig
+from vlmserve.gateway.upstream import UpstreamConfig
+from vlmserve.gateway.vllm import VllmBackend
 
 # A server that answers /health and forks a grandchild (as vLLM forks engine workers).
 SERVER = textwrap.dedent("""

@@ -4,7 +4,7 @@ When every usable replica of the model is a vlmserve worker (its ``/health`` say
 ``"resumableStreams": true``), a streamed chat request needs nothing of the gateway's own
 session: the worker validates it, runs it as a resumable session of its own, and writes the
 OpenAI wire the client asked for. The gateway then forwards the request's bytes to a replica
-and the answer's bytes back (``api/passthrough.py``), and routes the stream's later requests
+and the answer's bytes back (``gateway/passthrough.py``), and routes the stream's later requests
 (resume, cancel) to the replica that holds it. Replica choice, admission, retries on another
 replica before the answer starts, ejection and health are the backend's, as on the full path.
 """
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.engine.types import ModelState
-from vlmserve.engine.upstream_http import RETRYABLE, UpstreamAnswer
 from vlmserve.errors import ServiceUnavailable
 from vlmserve.gateway.pool import Replica, ReplicaPool
+from vlmserve.gateway.upstream_http import RETRYABLE, UpstreamAnswer
 
 __all__ = ["PassThrough", "Passage"]
 

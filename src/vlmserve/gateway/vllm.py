@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 
-from vlmserve.engine.supervisor import Supervisor
 from vlmserve.engine.types import ModelState
-from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig
+from vlmserve.gateway.supervisor import Supervisor
+from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig
 
 __all__ = ["VllmBackend"]
 

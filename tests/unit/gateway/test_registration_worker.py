@@ -8,7 +8,7 @@ import logging
 import httpx
 import pytest
 
-from vlmserve.gateway.registration import Registration
+from vlmserve.gateway.registration_worker import Registration
 
 
 def _worker(statuses: dict[str, int], seen: list[str]) -> Registration:
@@ -27,7 +27,7 @@ async def test_a_refused_key_stops_at_the_first_model_with_one_error_naming_the_
 ) -> None:
     seen: list[str] = []
     worker = _worker({"a": status, "b": status}, seen)
-    with caplog.at_level(logging.ERROR, logger="vlmserve.gateway.registration"):
+    with caplog.at_level(logging.ERROR, logger="vlmserve.gateway.registration_worker"):
         assert await worker.register(["a", "b", "c"]) is False
     assert seen == ["a"]  # not retried, and no other model tried
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -12,11 +12,11 @@ import pytest
 
 from upstreams import FakeUpstreams
 from vlmserve.engine.types import FinishReason, GenerateRequest, SamplingParams
-from vlmserve.engine.upstream import UpstreamBackend, UpstreamConfig, UpstreamError
-from vlmserve.engine.upstream_http import UpstreamTimeout
-from vlmserve.engine.upstream_wire import ChunkReader
 from vlmserve.errors import Overloaded, ServiceUnavailable
 from vlmserve.gateway.pool import PoolPolicy
+from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig, UpstreamError
+from vlmserve.gateway.upstream_http import UpstreamTimeout
+from vlmserve.gateway.upstream_wire import ChunkReader
 
 A, B = "http://a.test", "http://b.test"
 _OPEN: list[Any] = []  # fakes and backends a test opened: closed after it

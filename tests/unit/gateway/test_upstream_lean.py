@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from vlmserve.engine.upstream_http import RETRYABLE, UpstreamHTTP, UpstreamTimeout
-from vlmserve.engine.upstream_lean import (
+from vlmserve.gateway.upstream_http import RETRYABLE, UpstreamHTTP, UpstreamTimeout
+from vlmserve.gateway.upstream_lean import (
     LeanHTTP,
     MalformedAnswer,
     UpstreamDisconnected,
@@ -265,13 +265,13 @@ async def test_upstream_http_goes_lean_only_where_it_can(
     response = await http.open("GET", server.url + "/", lean=True)
     assert type(response).__name__ == "LeanResponse" and await response.read() == b"ok"
     response.close()
-    plain = await http.open("GET", server.url + "/")  # not asked: aiohttp
+    plain = await http.open("GET", server.url + "/")  # not asked: httpx
     assert type(plain).__name__ == "UpstreamResponse"
     plain.close()
     timed = await http.open("GET", server.url + "/", lean=True, timeout=1)  # its own timeout
     assert type(timed).__name__ == "UpstreamResponse"
     timed.close()
-    with_user = server.url.replace("http://", "http://user:pw@")  # aiohttp's Basic auth
+    with_user = server.url.replace("http://", "http://user:pw@")  # httpx's Basic auth
     basic = await http.open("GET", with_user + "/", lean=True)
     assert type(basic).__name__ == "UpstreamResponse"
     basic.close()

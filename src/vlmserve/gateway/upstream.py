@@ -18,11 +18,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmserve.engine.protocol import Backend
+from vlmserve.engine.protocol import Proxied
 from vlmserve.engine.types import Chunk, GenerateRequest, ModelState, Serves
-from vlmserve.engine.upstream_http import RETRYABLE, UpstreamAnswer, UpstreamHTTP
-from vlmserve.engine.upstream_passthrough import PassThrough
-from vlmserve.engine.upstream_wire import (
+from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
+from vlmserve.gateway.pool import PoolPolicy, Replica, ReplicaPool
+from vlmserve.gateway.upstream_http import RETRYABLE, UpstreamAnswer, UpstreamHTTP
+from vlmserve.gateway.upstream_passthrough import PassThrough
+from vlmserve.gateway.upstream_wire import (
     ChunkReader,
     UpstreamError,
     announces_sessions,
@@ -31,8 +33,6 @@ from vlmserve.engine.upstream_wire import (
     json_object,
     upstream_body,
 )
-from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
-from vlmserve.gateway.pool import PoolPolicy, Replica, ReplicaPool
 
 __all__ = ["UpstreamBackend", "UpstreamConfig", "UpstreamError", "UpstreamStream"]
 
@@ -72,7 +72,7 @@ class UpstreamStream:
     tried: set[str] = field(default_factory=set)
 
 
-class UpstreamBackend(PassThrough, Backend):
+class UpstreamBackend(PassThrough, Proxied):
     """A backend whose model lives on upstream replicas (see the module docstring)."""
 
     kind = "openai"

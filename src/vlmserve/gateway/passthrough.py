@@ -1,7 +1,7 @@
 """PassthroughMiddleware: the gateway's lean path for chat (issue 22).
 
 A ``POST /v1/chat/completions`` for an ``openai`` model whose replicas are vlmserve workers
-(``engine/upstream_passthrough.py``) skips the gateway's own request model, session and chunk
+(``gateway/upstream_passthrough.py``) skips the gateway's own request model, session and chunk
 re-encoding: its bytes go to a replica as they came (the ``model`` name swapped when the
 upstream calls it otherwise), and the answer's bytes come back as the worker writes them (a
 stream event by event, the worker's ``X-Session-ID`` included; a JSON answer whole), with the
@@ -33,7 +33,12 @@ import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmserve.api.errors import error_response
-from vlmserve.api.passthrough_relay import (
+from vlmserve.api.services import Services
+from vlmserve.engine.protocol import PassedAnswer, Proxied, as_proxied
+from vlmserve.engine.types import ModelState, Serves
+from vlmserve.errors import VlmserveError
+from vlmserve.gateway.passed import PassedStream, PassedStreams
+from vlmserve.gateway.passthrough_relay import (
     Observed,
     read_body,
     relay,
@@ -41,11 +46,6 @@ from vlmserve.api.passthrough_relay import (
     replay,
     unless_gone,
 )
-from vlmserve.api.services import Services
-from vlmserve.engine.protocol import Backend, PassedAnswer
-from vlmserve.engine.types import ModelState, Serves
-from vlmserve.errors import VlmserveError
-from vlmserve.gateway.passed import PassedStream, PassedStreams
 from vlmserve.streaming import parse_event_id
 from vlmserve.streaming.store.base import already_exists
 
@@ -60,7 +60,7 @@ _MEDIA = {"image_url": "vision", "input_image": "vision", "video_url": "video",
 
 @dataclass(slots=True)
 class _Plan:
-    backend: Backend
+    backend: Proxied
     name: str  # the model as the client named it
     content: bytes  # what goes upstream
     stream: bool
@@ -145,12 +145,13 @@ class PassthroughMiddleware:
         if not isinstance(name, str) or (session_id is not None and not self._free(session_id)):
             return None
         try:
-            backend = self.services.models.resolve(name).backend
+            backend = as_proxied(self.services.models.resolve(name).backend)
         except VlmserveError:
             return None
-        upstream, media = backend.upstream_name, _media_kinds(data)
-        if upstream is None or not self._within_limits(data, len(media)):
+        media = _media_kinds(data)
+        if backend is None or not self._within_limits(data, len(media)):
             return None
+        upstream = backend.upstream_name
         if backend.state is ModelState.READY and not backend.passes_streams():
             return None  # not loaded yet: asked again once the lease has loaded it
         ours = backend.model_id  # what the chunks name, as on the full path
@@ -196,19 +197,20 @@ class PassthroughMiddleware:
             return
         reserved = plan.session_id
         try:
-            if not lease.backend.passes_streams():  # loaded just now: its replicas are not workers
-                await self.app(scope, replay(body, receive), send)
+            backend = as_proxied(lease.backend)
+            if backend is None or not backend.passes_streams():  # loaded just now: its replicas
+                await self.app(scope, replay(body, receive), send)  # are not workers after all
                 return
             if reserved is not None:
                 self._reserved.add(reserved)
-            passing = self._passed(plan, lease.backend, scope, receive, send)
+            passing = self._passed(plan, backend, scope, receive, send)
             # a JSON answer comes whole at its end: a client that leaves first cancels it
             await (passing if plan.stream else unless_gone(passing, receive))
         finally:
             self._reserved.discard(reserved or "")
             lease.release()
 
-    async def _passed(self, plan: _Plan, backend: Backend, scope: Scope, receive: Receive,
+    async def _passed(self, plan: _Plan, backend: Proxied, scope: Scope, receive: Receive,
                       send: Send) -> None:  # fmt: skip
         try:
             passage = await backend.pass_stream(CHAT, plan.content, _upstream_headers(scope))
@@ -230,7 +232,7 @@ class PassthroughMiddleware:
         finally:
             passage.close(completed)
 
-    def _remember(self, plan: _Plan, backend: Backend, passage: PassedAnswer
+    def _remember(self, plan: _Plan, backend: Proxied, passage: PassedAnswer
                   ) -> Callable[[bytes], None]:  # fmt: skip
         """Route the stream's session id now, its completion id once the first event has it."""
         url = passage.replica_url
@@ -258,9 +260,14 @@ class PassthroughMiddleware:
         except VlmserveError as exc:
             await error_response(exc)(scope, receive, send)
             return
+        backend = as_proxied(lease.backend)
+        if backend is None:  # the entry is a local model now: the full path answers
+            lease.release()
+            await self.app(scope, replay(body, receive), send)
+            return
         try:
-            answer = await lease.backend.pass_later(passed.replica_url, scope["method"], path,
-                                                    body or None, _upstream_headers(scope))
+            answer = await backend.pass_later(passed.replica_url, scope["method"], path,
+                                              body or None, _upstream_headers(scope))
         except VlmserveError as exc:
             lease.release()
             await error_response(exc)(scope, receive, send)

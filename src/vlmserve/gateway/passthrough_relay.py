@@ -1,4 +1,4 @@
-"""The byte relay of the gateway's pass-through (``api/passthrough.py``): an upstream answer to
+"""The byte relay of the gateway's pass-through (``gateway/passthrough.py``): an upstream answer to
 the client as it comes, whole SSE messages at a time, and what it tells the metrics."""
 
 from __future__ import annotations

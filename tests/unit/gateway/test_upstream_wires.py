@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from vlmserve.engine.types import Chunk, FinishReason
-from vlmserve.engine.upstream_wire import ChunkReader, UpstreamError, upstream_body
 from vlmserve.errors import VlmserveError
+from vlmserve.gateway.upstream_wire import ChunkReader, UpstreamError, upstream_body
 
 CHUNKS = [
     {"id": "chatcmpl-up", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},

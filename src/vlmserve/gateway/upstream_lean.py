@@ -1,17 +1,20 @@
 """The gateway's HTTP/1.1 client for chat: keep-alive connections to plain-``http`` replicas,
 the request written in one system call, the answer parsed by ``httptools`` (uvicorn's parser).
 
-Why not aiohttp on this hop: the gateway sends every chat request upstream on its way to the
-first token (the pass-through of ``api/passthrough.py`` to vlmserve workers, and the streams
-of its own sessions to any OpenAI server), and aiohttp's request machinery (cookie jar, URL
-objects, timers, payload registry, its writer) was most of that hop's cost. Measured on the
-2-core CPU against the stamping worker of ``benchmarks/hops.py`` (400 sequential streamed
-requests, 3 rounds, from the call to the worker having the request): aiohttp 0.24-0.35 ms and
-0.40-0.58 ms of CPU per request; this client 0.085-0.10 ms and 0.14-0.16 ms. It speaks only
-what those requests need: ``Content-Length`` bodies, answers framed by length, chunks or the
-connection's end, ``gzip``/``deflate`` answers decoded although ``identity`` was asked.
-aiohttp still serves everything else (``https``, a proxy from the environment, health checks,
-embeddings, requests with a total timeout): see ``UpstreamHTTP.open``.
+Why a client of its own on this hop (the one specialised HTTP client; httpx serves the rest,
+``gateway/upstream_http.py``): the gateway sends every chat request upstream on its way to the
+first token (the pass-through of ``gateway/passthrough.py`` to vlmserve workers, the streams of
+its own sessions to any OpenAI server), within its overhead budget of 1 ms at c=1
+(``benchmarks/overhead.py``), and a general client's machinery was most of that hop's cost.
+Measured on the 2-core CPU: to the first body byte of a bare uvicorn app streaming 5 SSE events
+(300 sequential requests, medians of 3 rounds), httpx 0.80-0.84 ms, aiohttp 0.36-0.41 ms;
+against the stamping worker of ``benchmarks/hops.py`` (400 sequential streamed requests, 3
+rounds, from the call to the worker having the request), aiohttp 0.24-0.35 ms and 0.40-0.58 ms
+of CPU per request, this client 0.085-0.10 ms and 0.14-0.16 ms. It speaks only what those
+requests need: ``Content-Length`` bodies, answers framed by length, chunks or the connection's
+end, ``gzip``/``deflate`` answers decoded although ``identity`` was asked. The rest (``https``,
+a proxy from the environment, health checks, embeddings, requests with a total timeout) goes
+through httpx: see ``UpstreamHTTP.open``.
 
 Errors: ``LeanConnectionError``'s subclasses (not connected, the connection broke, a malformed
 answer: retryable, as ``RETRYABLE``) and ``UpstreamTimeout`` (no byte for ``read_timeout``
@@ -138,7 +141,7 @@ class _Connection(asyncio.Protocol):
             self.stray, self.keep_alive = True, False
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.stray:  # decoded as aiohttp decodes them
+        if not self.stray:  # UTF-8, odd bytes kept (never a decode error)
             self.header_list.append((name.decode("utf-8", "surrogateescape"),
                                      value.decode("utf-8", "surrogateescape")))  # fmt: skip
 
@@ -273,7 +276,7 @@ class _Connection(asyncio.Protocol):
 
 
 class LeanResponse:
-    """One answer (``engine.upstream_http.UpstreamAnswer``): head in, body read as it comes."""
+    """One answer (``gateway.upstream_http.UpstreamAnswer``): head in, body read as it comes."""
 
     __slots__ = ("_client", "_conn", "_key", "headers", "status")
 
