@@ -98,23 +98,8 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self.sampler = Sampler(vocab, eos_ids, c.logprobs_mode)
         # a prompt longer than chunk_size is computed in chunks of it, one per step
         self.chunk_size = c.max_num_batched_tokens
-        # the KV budget (0: kv_cache.auto_budget less a prefill's activations on CUDA),
-        # allocated once, in blocks
-        self.paging = KVPaging(
-            self.runner,
-            c.kv_cache_bytes or None,
-            block_size,
-            c.gpu_memory_utilization,
-            c.max_num_batched_tokens,
-            c.prefix_caching,
-        )
+        self.paging = self._memory(c, block_size, model_id)
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
-        self.decode_mode = "gathered attention"
-        if c.cuda_graphs:
-            self.decode_mode = self.runner.use_paged_decode(
-                c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager
-            )
-        log.info("%s: decode runs with %s", model_id, self.decode_mode)
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, self.blocks)
         self.scheduler.prefix_hasher = self._block_hashes
         self.model_id = model_id  # in messages
@@ -136,6 +121,25 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self.timer = StepTimer()  # step seconds by phase (/metrics)
         self.prefilled_rows = 0  # prompts prefilled (a recomputed row counts again)
         self.forked_rows = 0  # choices (n > 1) started from a copy of their head's prompt KV
+
+    def _memory(self, c: ChatEngineConfig, block_size: int, model_id: str) -> KVPaging:
+        """The KV budget (0: ``kv_cache.auto_budget`` less a prefill's activations on CUDA),
+        allocated once, in blocks; then how decode reads it (``--cuda-graphs``)."""
+        paging = KVPaging(
+            self.runner,
+            c.kv_cache_bytes or None,
+            block_size,
+            c.gpu_memory_utilization,
+            c.max_num_batched_tokens,
+            c.prefix_caching,
+        )
+        self.decode_mode = "gathered attention"
+        if c.cuda_graphs:
+            self.decode_mode = self.runner.use_paged_decode(
+                c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager
+            )
+        log.info("%s: decode runs with %s", model_id, self.decode_mode)
+        return paging
 
     # --- called from event loops ---------------------------------------------------------
     def new_sequence(self, prepared: Prepared, loop: Any, queue: Any) -> Sequence:

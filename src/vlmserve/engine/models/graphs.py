@@ -147,11 +147,21 @@ class PagedDecode:
             self.tables[rows:n, 0] = self.scratch
 
     def step(self, n: int) -> torch.Tensor:
-        """The decode forward of the buffers' first ``n`` rows -> logits [n, V]."""
+        """The decode forward of the buffers' first ``n`` rows -> logits [n, V]. Nothing
+        here reads a host value, so it can be captured."""
+        run, cache = self.runner, self.cache
         ids, positions, slots = self.ints[0, :n], self.ints[1, :n], self.ints[2, :n]
-        return self.runner.paged_step(
-            ids, positions, slots, self.tables[:n], self.lengths[:n], self.splits
-        )
+        tables, lengths = self.tables[:n], self.lengths[:n]  # [n, MB], [n] int32
+        x = run.embed(ids)  # [n, hidden]
+        ropes = {k: (t.cos_full[positions], t.sin_full[positions]) for k, t in run.ropes.items()}
+        for li, layer in enumerate(run.layers):
+            q, k, v = run._qkv(x, layer, *ropes[layer.kind])  # q [n, H, D], k/v [n, KVH, D]
+            cache.write(li, slots, k, v)
+            o = paged_attention.paged_decode(
+                q, cache.k[li], cache.v[li], tables, lengths, run.scale, self.splits
+            )  # [n, H, D]
+            x = run._mlp(x, o.reshape(n, -1), layer)
+        return run._logits(x)
 
     # --- graphs -------------------------------------------------------------------------
     def _capture(self, n: int) -> None:

@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.engine.core.kv_cache import PagedKVCache, block_bytes
-from vlmserve.engine.models import paged_attention
 from vlmserve.engine.models.graphs import PagedDecode, graphs_unsupported, paged_supported
 from vlmserve.engine.models.linear import Linear, fuse
 from vlmserve.engine.models.rope import RotaryTables
@@ -314,30 +313,6 @@ class DecoderRunner:
                 return f"paged attention, CUDA graphs ({seconds:.1f} s to capture)"
             why = "capturing failed"
         return f"paged attention, eager ({why})"
-
-    def paged_step(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        tables: torch.Tensor,
-        lengths: torch.Tensor,
-        splits: tuple[int, int],
-    ) -> torch.Tensor:
-        """The decode forward on device tensors (``PagedDecode``): ids, positions, slots
-        [B]; tables [B, MB] and lengths [B] (keys each row attends to) int32 -> logits
-        [B, V]. Nothing here depends on host values, so it can be captured."""
-        cache = self._kv()
-        x = self.embed(ids)  # [B, hidden]
-        ropes = {k: (t.cos_full[positions], t.sin_full[positions]) for k, t in self.ropes.items()}
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [B, H, D], k/v [B, KVH, D]
-            cache.write(li, slots, k, v)
-            o = paged_attention.paged_decode(
-                q, cache.k[li], cache.v[li], tables, lengths, self.scale, splits
-            )  # [B, H, D]
-            x = self._mlp(x, o.reshape(o.shape[0], -1), layer)
-        return self._logits(x)
 
     def decode(
         self,
