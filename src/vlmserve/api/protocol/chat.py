@@ -153,6 +153,7 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)  # at most 20 (checked: a clear 400)
+    logit_bias: dict[str, float] | None = None  # {"token id": -100..100}
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None  # auto | none | required | a function
@@ -178,6 +179,16 @@ class ChatCompletionRequest(BaseModel):
         if stops is not None and (len(stops) > 16 or any(len(s) > 256 for s in stops)):
             raise ValueError("at most 16 stop strings of at most 256 characters each")
         return [valid_unicode(s) for s in stops] if stops is not None else None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys are token ids (non-negative integers), not {key!r}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                raise ValueError(f"token {key}: the bias {bias} is outside -100..100")
+        return value
 
     @field_validator("session_id")
     @classmethod

@@ -229,6 +229,7 @@ class Converter:
             logprobs=body.logprobs,
             top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
             n=body.n,
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         )
 
     async def to_request(self, body: ChatCompletionRequest, request_id: str) -> GenerateRequest:

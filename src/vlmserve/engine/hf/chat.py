@@ -192,6 +192,7 @@ class HFChatBackend(HFModel):
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        _check_logit_bias(request.sampling.logit_bias, loaded.model)
         prepared.parsers = self._parsers(prepared)
         if self.engine is not None:  # 400 now if the whole KV budget could never hold it
             new_tokens = request.sampling.max_tokens - len(request.prefix_token_ids)
@@ -310,3 +311,15 @@ def _eos_ids(model: Any) -> set[int]:
     if eos is None:
         return set()
     return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
+
+
+def _check_logit_bias(bias: dict[int, float], model: Any) -> None:
+    """A 400 for a biased token id the model has no logit for."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    outside = sorted(t for t in bias if not 0 <= t < vocab)
+    if outside:
+        raise InvalidRequest(
+            f"logit_bias names token id {outside[0]}, outside the model's vocabulary of "
+            f"{vocab} tokens (ids 0..{vocab - 1})",
+            param="logit_bias",
+        )
