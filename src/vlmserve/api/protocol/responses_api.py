@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vlmserve.api.protocol.chat import InputVideoPart, VideoUrlPart
+from vlmserve.api.protocol.chat import InputVideoPart, VideoUrlPart, auto_detail
+from vlmserve.api.protocol.fields import RESPONSES_FIELDS
 from vlmserve.api.protocol.text import UnicodeText, valid_unicode
 
 __all__ = [
@@ -47,6 +48,11 @@ class InputImagePart(_Part):
     image_url: str | None = None
     file_id: str | None = None
     detail: str | None = None
+
+    @field_validator("detail")
+    @classmethod
+    def _detail(cls, value: str | None) -> str | None:
+        return auto_detail(value)
 
 
 class InputFilePart(_Part):
@@ -174,5 +180,6 @@ class ResponsesRequest(BaseModel):
         return [valid_unicode(s) for s in stops] if stops is not None else None
 
     @property
-    def ignored_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+    def unknown_fields(self) -> list[str]:
+        """Fields neither served, nor no-ops, nor refused (``api/protocol/fields.py``)."""
+        return RESPONSES_FIELDS.unknown(self.model_extra or {})
