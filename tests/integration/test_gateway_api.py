@@ -239,3 +239,16 @@ async def test_logit_bias_reaches_the_worker_as_sent(
     assert text != plain.json()["choices"][0]["message"]["content"]
     outside = await gateway.post("/v1/chat/completions", json=chat(logit_bias={"10000000": 5}))
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "logit_bias"
+
+
+async def test_tokenize_and_detokenize_answer_upstream(
+    gateway: httpx.AsyncClient, worker_client: httpx.AsyncClient
+) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    r = await gateway.post("/tokenize", json={"model": "gw-tiny", "messages": messages})
+    direct = await worker_client.post("/tokenize", json={"model": MODEL, "messages": messages})
+    assert r.status_code == 200, r.text
+    assert r.json() == direct.json()
+    tokens = r.json()["tokens"]
+    back = await gateway.post("/detokenize", json={"model": "gw-tiny", "tokens": tokens})
+    assert back.json()["prompt"].endswith("hello<|im_end|>\n<|im_start|>assistant\n")

@@ -235,6 +235,15 @@ class Chunk:
 
 
 @dataclass(slots=True)
+class Tokenized:
+    """A prompt as the model reads it (``Backend.tokenize``): its token ids, and the model's
+    context limit (prompt + completion)."""
+
+    ids: list[int]
+    max_model_len: int
+
+
+@dataclass(slots=True)
 class EmbedInput:
     """One thing to embed: text, an image, video frames, or text with an image or frames."""
 
