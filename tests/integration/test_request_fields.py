@@ -116,3 +116,15 @@ async def test_responses_accept_no_ops_and_inert_values(client: httpx.AsyncClien
             "input_image_detail": None}  # fmt: skip
     r = await client.post("/v1/responses", json=body)
     assert r.status_code == 200, r.text
+
+
+async def test_verbosity_other_than_medium_is_a_400_on_both_endpoints(
+    client: httpx.AsyncClient,
+) -> None:
+    r = await client.post("/v1/chat/completions", json=chat(verbosity="low"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "verbosity"
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 4}
+    r = await client.post("/v1/responses", json={**body, "text": {"verbosity": "high"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.verbosity"
+    ok = await client.post("/v1/responses", json={**body, "text": {"verbosity": "medium"}})
+    assert ok.status_code == 200, ok.text

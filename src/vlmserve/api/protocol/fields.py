@@ -96,7 +96,7 @@ CHAT_FIELDS = FieldTable(
             "is not served; a thinking model's reasoning is switched off with "
             'chat_template_kwargs {"enable_thinking": false}'
         ),
-        "verbosity": Refusal("is not served"),
+        "verbosity": Refusal("other than medium is not served", (None, "medium")),
         "web_search_options": Refusal("is not served: no web search here"),
         "best_of": Refusal(_NOT_YET, (None, 1)),
         "use_beam_search": Refusal(_NOT_YET, (None, False)),

@@ -107,8 +107,16 @@ class TextFormat(BaseModel):
 
 
 class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # verbosity: no model here has the knob
+    model_config = ConfigDict(extra="ignore")
     format: TextFormat | None = None
+    verbosity: str | None = None
+
+    @field_validator("verbosity")
+    @classmethod
+    def _verbosity(cls, value: str | None) -> str | None:
+        if value not in (None, "medium"):  # it would change the answer; no model here has it
+            raise ValueError(f"verbosity {value!r} is not served; leave it out or send 'medium'")
+        return value
 
 
 def _item_problem(index: int, item: Any) -> str | None:
