@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, normalizers
+from tokenizers.models import BPE
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from vlmserve.engine.hf.detok import IncrementalDetokenizer
 from vlmserve.engine.hf.stops import StopMatcher
@@ -135,3 +137,39 @@ def _byte_level(raw: str) -> str:
     """The byte-level BPE spelling of ``raw``'s code points taken as bytes."""
     table = _byte_table()
     return "".join(table[ord(c)] for c in raw)
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style BPE (Llama's decoder chain): characters outside the tiny vocab
+    become ``<0xNN>`` byte tokens, which the decoder reads as one run."""
+    vocab = {"<unk>": 0} | {f"<0x{b:02X}>": 1 + b for b in range(256)}
+    for piece in ["▁", "a", "b", "▁a", "▁b", "ab"]:
+        vocab[piece] = len(vocab)
+    bpe = BPE(vocab, [("▁", "a"), ("▁", "b"), ("a", "b")], unk_token="<unk>", byte_fallback=True)
+    tok = Tokenizer(bpe)
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=st.text(alphabet="ab 中é😀", max_size=60))
+def test_a_byte_fallback_tokenizers_stream_equals_its_text(
+    byte_fallback_tokenizer: PreTrainedTokenizerFast, text: str
+) -> None:
+    ids = byte_fallback_tokenizer.encode(text, add_special_tokens=False)
+    pieces = _stream(byte_fallback_tokenizer, ids)
+    assert "".join(pieces) == _decode(byte_fallback_tokenizer, ids)
+    assert not any("\ufffd" in p for p in pieces)

@@ -16,13 +16,18 @@ from typing import Any
 
 __all__ = ["IncrementalDetokenizer"]
 
-_WINDOW = 5  # tokens of left context kept for decoding once the text is settled
-_SLIDE_AT = 2 * _WINDOW  # window size that triggers a slide (not every token: one decode less)
-# An incomplete UTF-8 character is at most 3 bytes: a lossy decoder shows it as one U+FFFD,
-# a byte-fallback one as up to 3. More trailing U+FFFD than that are invalid bytes for good.
+# A UTF-8 character is at most 4 byte-tokens. Within 4 tokens of the last character boundary
+# every trailing U+FFFD is held (a byte-fallback decoder shows a whole run of byte tokens as
+# U+FFFD until its last character completes); past that only the last 3 are (an incomplete
+# character is at most 3 bytes), so invalid bytes from a broken model still come out.
+_MAX_CHAR_TOKENS = 4
 _MAX_UNSETTLED = 3
-# While a tail stays unsettled the window grows; past this many tokens it is cut back to
-# _WIDE_WINDOW tokens (if the held tail decodes the same there), keeping each decode short.
+# The window is cut back to the latest character boundary (a token count after which nothing
+# was held) once it is longer than this: each decode stays short, and it starts where the
+# text is whole (a byte-fallback tokenizer reads a run of byte tokens as one unit).
+_SLIDE_AT = 6
+# While the tail stays unsettled there is no boundary; past this many tokens the window is
+# cut to the last _WIDE_WINDOW tokens if the held tail decodes the same there.
 _MAX_WINDOW = 64
 _WIDE_WINDOW = 16
 
@@ -33,15 +38,23 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0  # the window is self._ids[self._prefix_offset :]
         self._emitted = 0  # characters of the window's text already returned
+        self._boundary = 0  # the latest token count at which nothing was held
 
     def push(self, token_id: int) -> str:
         """Add one token; return the new text it settles (possibly empty)."""
         self._ids.append(token_id)
         text = self._decode(self._ids[self._prefix_offset :])
-        settled = len(text) - _unsettled(text)
+        young = len(self._ids) - self._boundary < _MAX_CHAR_TOKENS
+        settled = len(text) - _unsettled(text, len(text) if young else _MAX_UNSETTLED)
         new_text = text[self._emitted : settled] if settled > self._emitted else ""
         self._emitted = max(self._emitted, settled)
-        self._slide(text)
+        size = len(self._ids) - self._prefix_offset
+        if settled == len(text):  # a character boundary
+            if size > _SLIDE_AT and self._boundary > self._prefix_offset:
+                self._rebase(self._boundary, "")  # the last token(s) stay as left context
+            self._boundary = len(self._ids)
+        elif size > _MAX_WINDOW:
+            self._rebase(len(self._ids) - _WIDE_WINDOW, text[self._emitted :])
         return new_text
 
     def flush(self) -> str:
@@ -51,21 +64,10 @@ class IncrementalDetokenizer:
         self._emitted = len(text)
         return tail
 
-    def _slide(self, text: str) -> None:
-        """Move the window's start right, re-counting what was emitted from the right end."""
-        size = len(self._ids) - self._prefix_offset
-        held = text[self._emitted :]
-        if held:
-            if size <= _MAX_WINDOW:
-                return
-            keep = _WIDE_WINDOW
-        elif size <= _SLIDE_AT:
-            return
-        else:
-            keep = _WINDOW
-        start = len(self._ids) - keep
+    def _rebase(self, start: int, held: str) -> None:
+        """Start the window at token ``start``, re-counting what was emitted from its end."""
         window = self._decode(self._ids[start:])
-        if not window.endswith(held) or len(window) < len(held):
+        if len(window) < len(held) or not window.endswith(held):
             return  # the held tail reads differently without the left context: keep it
         self._prefix_offset = start
         self._emitted = len(window) - len(held)
@@ -74,9 +76,10 @@ class IncrementalDetokenizer:
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def _unsettled(text: str) -> int:
-    """How many trailing characters a later token could still change (U+FFFD, at most 3)."""
+def _unsettled(text: str, most: int) -> int:
+    """How many trailing characters a later token could still change (U+FFFD, at most
+    ``most``)."""
     n = 0
-    while n < _MAX_UNSETTLED and n < len(text) and text[-1 - n] == "\ufffd":
+    while n < most and n < len(text) and text[-1 - n] == "\ufffd":
         n += 1
     return n
