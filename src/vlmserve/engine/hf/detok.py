@@ -18,10 +18,11 @@ __all__ = ["IncrementalDetokenizer"]
 
 # A UTF-8 character is at most 4 byte-tokens. Within 4 tokens of the last character boundary
 # every trailing U+FFFD is held (a byte-fallback decoder shows a whole run of byte tokens as
-# U+FFFD until its last character completes); past that only the last 3 are (an incomplete
-# character is at most 3 bytes), so invalid bytes from a broken model still come out.
+# U+FFFD until its last character completes). Past that the text is invalid bytes (a broken
+# model) and comes out, but for the last U+FFFD: a lossy byte-level decoder shows an
+# incomplete character as one, which the next token may complete.
 _MAX_CHAR_TOKENS = 4
-_MAX_UNSETTLED = 3
+_MAX_UNSETTLED = 1
 # The window is cut back to the latest character boundary (a token count after which nothing
 # was held) once it is longer than this: each decode stays short, and it starts where the
 # text is whole (a byte-fallback tokenizer reads a run of byte tokens as one unit).
