@@ -165,3 +165,14 @@ async def test_a_forced_call_cut_by_max_tokens_comes_back_as_content(
     assert answer.usage.completion_tokens == 6
     stream = await streamed(client, max_tokens=6, **kw)
     assert stream == {"reasoning": "", "content": message.content, "calls": {}, "finish": "length"}
+
+
+async def test_a_parsed_call_cut_by_max_tokens_comes_back_as_content(serve: Any) -> None:
+    client = await serve(build_scripted(CALL, template=TOOLS_CHAT_TEMPLATE))
+    kw = {"messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 8}
+    answer = await client.chat.completions.create(model="tiny", **kw)
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "length" and message.tool_calls is None
+    assert message.content and CALL.startswith(message.content)
+    stream = await streamed(client, **kw)
+    assert stream == {"reasoning": "", "content": message.content, "calls": {}, "finish": "length"}
