@@ -39,6 +39,7 @@ async def test_plus_100_makes_every_token_the_biased_one(client: httpx.AsyncClie
         ({"hello": 1}, "token ids"),
         ({"-3": 1}, "token ids"),
         ({"1.5": 1}, "token ids"),
+        ({"9" * 5000: 1}, "token ids"),  # not a 500 from int() of 5000 digits
         ({"100": 101}, "-100..100"),
         ({"100": -100.5}, "-100..100"),
         ({"100": "high"}, "number"),

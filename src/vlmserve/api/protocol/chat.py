@@ -205,8 +205,8 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isascii() or not key.isdigit():
-                raise ValueError(f"keys are token ids (non-negative integers), not {key!r}")
+            if not key.isascii() or not key.isdigit() or len(key) > 12:
+                raise ValueError(f"keys are token ids (non-negative integers), not {key[:20]!r}")
             if not -100.0 <= bias <= 100.0:  # NaN fails too
                 raise ValueError(f"token {key}: the bias {bias} is outside -100..100")
         return value
