@@ -226,8 +226,12 @@ async def test_a_replica_that_is_no_vlmserve_worker_gets_the_full_path() -> None
 async def test_fields_refused_for_local_models_reach_a_proxied_one_as_sent(
     passthrough: bool,
 ) -> None:
-    extra = {"guided_json": {"type": "object"}, "mm_processor_kwargs": {"max_pixels": 1000},
-             "logit_bias": {"7": 5}, "frobnicate": 1}  # fmt: skip
+    extra = {
+        "guided_json": {"type": "object"},
+        "mm_processor_kwargs": {"max_pixels": 1000},
+        "logit_bias": {"7": 5},
+        "frobnicate": 1,
+    }
     async with gateway_app(gateway_passthrough=passthrough) as gateway:
         r = await gateway.post("/v1/chat/completions", json=chat(stream=False, **extra))
         assert r.status_code != 400, r.text  # (this fake replica breaks off full-path streams)

@@ -15,8 +15,14 @@ FORCED = 100  # an ordinary byte-level token id of the tiny tokenizer
 
 
 def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}],
-            "temperature": 0, "max_tokens": 6, "ignore_eos": True, **extra}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "temperature": 0,
+        "max_tokens": 6,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 async def test_plus_100_makes_every_token_the_biased_one(client: httpx.AsyncClient) -> None:

@@ -14,16 +14,32 @@ from vlmserve.testing.media import data_url, image_bytes
 
 
 def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}],
-            "temperature": 0, "max_tokens": 4, **extra}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "temperature": 0,
+        "max_tokens": 4,
+        **extra,
+    }
 
 
 def image(**ref: Any) -> dict[str, Any]:
     url = data_url(image_bytes(32, 32), "image/png")
-    return chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url, **ref.pop("image_url", {})}, **ref},
-        {"type": "text", "text": "Describe."},
-    ]}])  # fmt: skip
+    return chat(
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": url, **ref.pop("image_url", {})},
+                        **ref,
+                    },
+                    {"type": "text", "text": "Describe."},
+                ],
+            }
+        ]
+    )
 
 
 @pytest.mark.parametrize(
@@ -57,11 +73,22 @@ async def test_no_ops_and_inert_values_are_accepted_and_unknown_fields_logged(
     client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     plain = await client.post("/v1/chat/completions", json=chat())
-    fields = {"user": "u1", "metadata": {"a": "b"}, "store": False, "service_tier": "auto",
-              "prompt_cache_key": "k", "safety_identifier": "s", "prediction": None,
-              "skip_special_tokens": True, "add_generation_prompt": True, "min_p": 0.0,
-              "stop_token_ids": [], "modalities": ["text"], "guided_json": None,
-              "frobnicate": 3}  # fmt: skip
+    fields = {
+        "user": "u1",
+        "metadata": {"a": "b"},
+        "store": False,
+        "service_tier": "auto",
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+        "prediction": None,
+        "skip_special_tokens": True,
+        "add_generation_prompt": True,
+        "min_p": 0.0,
+        "stop_token_ids": [],
+        "modalities": ["text"],
+        "guided_json": None,
+        "frobnicate": 3,
+    }
     with caplog.at_level(logging.WARNING):
         r = await client.post("/v1/chat/completions", json=chat(**fields))
     assert r.status_code == 200, r.text
@@ -98,8 +125,13 @@ async def test_media_options_not_served_are_400s(
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("reasoning", {"effort": "high"}), ("truncation", "auto"), ("include", ["x"]),
-     ("top_logprobs", 3), ("prompt", {"id": "p"})],
+    [
+        ("reasoning", {"effort": "high"}),
+        ("truncation", "auto"),
+        ("include", ["x"]),
+        ("top_logprobs", 3),
+        ("prompt", {"id": "p"}),
+    ],
 )
 async def test_responses_refuse_fields_that_would_change_the_answer(
     client: httpx.AsyncClient, field: str, value: Any
@@ -111,9 +143,16 @@ async def test_responses_refuse_fields_that_would_change_the_answer(
 
 
 async def test_responses_accept_no_ops_and_inert_values(client: httpx.AsyncClient) -> None:
-    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 4, "truncation": "disabled",
-            "service_tier": "auto", "safety_identifier": "s", "include": [],
-            "input_image_detail": None}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "input": "Hi",
+        "max_output_tokens": 4,
+        "truncation": "disabled",
+        "service_tier": "auto",
+        "safety_identifier": "s",
+        "include": [],
+        "input_image_detail": None,
+    }
     r = await client.post("/v1/responses", json=body)
     assert r.status_code == 200, r.text
 

@@ -16,8 +16,9 @@ README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 def test_a_refused_field_is_a_400_only_when_it_asks_for_something() -> None:
-    CHAT_FIELDS.check({"skip_special_tokens": True, "min_p": 0.0, "guided_json": None},
-                      strict=False)  # fmt: skip
+    CHAT_FIELDS.check(
+        {"skip_special_tokens": True, "min_p": 0.0, "guided_json": None}, strict=False
+    )
     with pytest.raises(UnsupportedFeature) as caught:
         CHAT_FIELDS.check({"skip_special_tokens": False}, strict=False)
     assert caught.value.param == "skip_special_tokens"
