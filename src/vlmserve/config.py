@@ -171,6 +171,10 @@ class Settings(BaseSettings):
     # choices (`n`) one chat completion may ask for; above it a 400. On the batched engine
     # the n choices share one prefill; choice i samples with seed + i
     max_n: int = Field(default=8, ge=1)
+    # a request field this server does not know: False = accepted and named in the log (as
+    # vLLM does), True = a 400 naming it. Fields that change the answer and are not served
+    # are a 400 either way (api/protocol/fields.py)
+    strict_fields: bool = False
 
     # --- auth and metrics ----------------------------------------------------------------
     api_keys: list[str] = Field(default_factory=list)  # Bearer keys for /v1/*; empty: open

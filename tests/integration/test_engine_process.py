@@ -2,9 +2,10 @@
 
 Pinned on the tiny Qwen2-VL with a real engine process (``python -m vlmserve.engine.proc``):
 the answers are the in-process engine's (greedy text and image, a stream, n = 2 with a seed,
-a JSON-schema grammar, stop strings); an input error is the same 400 before any stream; a
-cancelled stream stops in the engine; an engine process killed mid-stream ends its streams with
-a 503 ``engine_failed`` and the model manager starts a new one; unloading stops the process.
+a JSON-schema grammar, stop strings, /tokenize and /detokenize); an input error is the same
+400 before any stream; a cancelled stream stops in the engine; an engine process killed
+mid-stream ends its streams with a 503 ``engine_failed`` and the model manager starts a new
+one; unloading stops the process.
 """
 
 from __future__ import annotations
@@ -99,7 +100,19 @@ async def answers(client: httpx.AsyncClient) -> list[Any]:
     async with client.stream("POST", "/v1/chat/completions", json=streamed) as r:
         lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
     text = "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or "" for x in lines)
-    return [*out, text]
+    return [*out, text, *await tokenized(client)]
+
+
+async def tokenized(client: httpx.AsyncClient) -> list[Any]:
+    """/tokenize of an image chat and a prompt, /detokenize back, and an id it refuses."""
+    image = asks()[1]["messages"]
+    counted = (await client.post("/tokenize", json={"model": MODEL, "messages": image})).json()
+    prompt = (await client.post("/tokenize", json={"model": MODEL, "prompt": "héllo"})).json()
+    back = await client.post("/detokenize", json={"model": MODEL, "tokens": prompt["tokens"]})
+    bad = await client.post("/detokenize", json={"model": MODEL, "tokens": [10**9]})
+    usage = (await client.post("/v1/chat/completions", json=asks()[1])).json()["usage"]
+    assert counted["count"] == usage["prompt_tokens"] and back.json() == {"prompt": "héllo"}
+    return [counted, prompt, bad.status_code, bad.json()]
 
 
 async def test_answers_and_input_errors_are_the_in_process_engines(tiny_dir: Path) -> None:

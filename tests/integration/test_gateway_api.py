@@ -225,3 +225,30 @@ async def test_control_routes_answer_403_on_a_gateway_started_with_no_keys() -> 
             error = r.json()["error"]
             assert error["code"] == "admin_disabled" and "VLMSERVE_ADMIN_KEYS" in error["message"]
         assert (await c.get("/v1/models")).status_code == 200  # the API itself stays open
+
+
+async def test_logit_bias_reaches_the_worker_as_sent(
+    gateway: httpx.AsyncClient, worker_client: httpx.AsyncClient
+) -> None:
+    biased = chat(logit_bias={"100": 100}, ignore_eos=True)
+    r = await gateway.post("/v1/chat/completions", json=biased)
+    direct = await worker_client.post("/v1/chat/completions", json={**biased, "model": MODEL})
+    plain = await gateway.post("/v1/chat/completions", json=chat(ignore_eos=True))
+    text = r.json()["choices"][0]["message"]["content"]
+    assert text == direct.json()["choices"][0]["message"]["content"]
+    assert text != plain.json()["choices"][0]["message"]["content"]
+    outside = await gateway.post("/v1/chat/completions", json=chat(logit_bias={"10000000": 5}))
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "logit_bias"
+
+
+async def test_tokenize_and_detokenize_answer_upstream(
+    gateway: httpx.AsyncClient, worker_client: httpx.AsyncClient
+) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    r = await gateway.post("/tokenize", json={"model": "gw-tiny", "messages": messages})
+    direct = await worker_client.post("/tokenize", json={"model": MODEL, "messages": messages})
+    assert r.status_code == 200, r.text
+    assert r.json() == direct.json()
+    tokens = r.json()["tokens"]
+    back = await gateway.post("/detokenize", json={"model": "gw-tiny", "tokens": tokens})
+    assert back.json()["prompt"].endswith("hello<|im_end|>\n<|im_start|>assistant\n")

@@ -220,3 +220,20 @@ async def test_a_replica_that_is_no_vlmserve_worker_gets_the_full_path() -> None
     chats = [r for r in seen if r.url.path == "/v1/chat/completions"]  # (and its cancels)
     sent = [json.loads(r.content) for r in chats]  # the full path's own upstream bodies
     assert all(b["stream_options"] == {"include_usage": True} for b in sent) and len(sent) == 2
+
+
+@pytest.mark.parametrize("passthrough", [True, False])
+async def test_fields_refused_for_local_models_reach_a_proxied_one_as_sent(
+    passthrough: bool,
+) -> None:
+    extra = {
+        "guided_json": {"type": "object"},
+        "mm_processor_kwargs": {"max_pixels": 1000},
+        "logit_bias": {"7": 5},
+        "frobnicate": 1,
+    }
+    async with gateway_app(gateway_passthrough=passthrough) as gateway:
+        r = await gateway.post("/v1/chat/completions", json=chat(stream=False, **extra))
+        assert r.status_code != 400, r.text  # (this fake replica breaks off full-path streams)
+        sent = json.loads(seen[0].content)
+    assert {k: sent[k] for k in extra} == extra

@@ -147,3 +147,32 @@ async def test_bad_tool_requests_are_clear_4xx(serve: Any, tiny_dir: Path) -> No
             model="tiny", messages=ASK, tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+async def test_a_forced_call_cut_by_max_tokens_comes_back_as_content(
+    serve: Any, tiny_dir: Path, choice: Any
+) -> None:
+    client = await serve(tiny_dir)  # the grammar makes it JSON; 6 tokens cannot close a call
+    kw = {"messages": ASK, "tools": TOOLS, "tool_choice": choice, "temperature": 0}
+    answer = await client.chat.completions.create(model="tiny", max_tokens=6, **kw)
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "length"
+    assert message.tool_calls is None
+    assert message.content and message.content.lstrip().startswith(("{", "["))
+    assert answer.usage.completion_tokens == 6
+    stream = await streamed(client, max_tokens=6, **kw)
+    assert stream == {"reasoning": "", "content": message.content, "calls": {}, "finish": "length"}
+
+
+async def test_a_parsed_call_cut_by_max_tokens_comes_back_as_content(serve: Any) -> None:
+    client = await serve(build_scripted(CALL, template=TOOLS_CHAT_TEMPLATE))
+    kw = {"messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 8}
+    answer = await client.chat.completions.create(model="tiny", **kw)
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "length" and message.tool_calls is None
+    assert message.content and CALL.startswith(message.content)
+    stream = await streamed(client, **kw)
+    assert stream == {"reasoning": "", "content": message.content, "calls": {}, "finish": "length"}

@@ -35,6 +35,7 @@ from vlmserve.api.routes import (
     streams,
     system,
     tasks,
+    tokenize,
     worker,
 )
 from vlmserve.api.services import Services
@@ -62,6 +63,7 @@ CORS_EXPOSED_HEADERS = ["X-Session-ID", "X-Request-ID", "Retry-After"]
 log = logging.getLogger(__name__)
 ROUTERS = (system.router, chat.router, streams.router, embeddings.router, worker.router,
            admin.router, tasks.router, gateway.router, responses.router, files.router,
+           tokenize.router,
            batches.router)  # fmt: skip
 
 

@@ -39,10 +39,18 @@ ConfigOpt = Annotated[
 ]
 HostOpt = Annotated[Optional[str], typer.Option(help="Address to bind (default: 127.0.0.1).")]  # noqa: UP045
 PortOpt = Annotated[Optional[int], typer.Option(help="Port (default: 8000).")]  # noqa: UP045
+StrictOpt = Annotated[
+    bool, typer.Option("--strict-fields", help="A request field the server does not know is a 400.")
+]
 
 
 @app.command()
-def demo(host: HostOpt = None, port: PortOpt = None, config: ConfigOpt = None) -> None:
+def demo(
+    host: HostOpt = None,
+    port: PortOpt = None,
+    config: ConfigOpt = None,
+    strict_fields: StrictOpt = False,
+) -> None:
     """Serve tiny RANDOM-WEIGHT models (built once, cached): try every endpoint offline.
 
     Two models: `tiny-qwen2-vl` (chat, caption) and `tiny-vlm2vec` (the same tiny Qwen2-VL
@@ -66,7 +74,8 @@ def demo(host: HostOpt = None, port: PortOpt = None, config: ConfigOpt = None) -
     ]  # fmt: skip
     try:
         settings = load_settings(
-            config, models=models, host=host, port=port, exit_on_load_failure=True
+            config, models=models, host=host, port=port, exit_on_load_failure=True,
+            strict_fields=strict_fields or None,
         )
     except (ConfigError, ValueError) as exc:
         serve.fail(exc)

@@ -127,6 +127,8 @@ HELP = {
     "max_video_frames": (REQUESTS, "Frames sampled per video."),
     "allowed_local_media_path": (REQUESTS, "Directory that local media paths may be read from "
                                            "(repeatable; default: none)."),
+    "strict_fields": (REQUESTS, "A request field this server does not know is a 400 (default: "
+                                "accepted and named in the log)."),
     "load_on_startup": (LIFECYCLE, "Load models on their first request, not at start-up."),
     "keep_alive": (LIFECYCLE, "Idle seconds before a model unloads; -1 = never."),
     "max_loaded_models": (LIFECYCLE, "Models loaded at once (the least recently used unloads "
@@ -200,6 +202,7 @@ def command(
     max_image_pixels: Annotated[Int, _opt("max_image_pixels")] = None,
     max_video_frames: Annotated[Int, _opt("max_video_frames")] = None,
     allowed_local_media_path: Annotated[Strs, _opt("allowed_local_media_path")] = None,
+    strict_fields: Annotated[Bool, _opt("strict_fields", "--strict-fields")] = None,
     lazy_load: Annotated[Bool, _opt("load_on_startup", "--lazy-load")] = None,
     no_ui: Annotated[Bool, _opt("ui", "--no-ui")] = None,
     keep_alive: Annotated[Float, _opt("keep_alive")] = None,

@@ -6,8 +6,9 @@ An in-process backend wraps its chunks with ``parse_outputs``: a thinking model'
 OpenAI's streaming delta shape, and the rest stays ``Chunk.text``. A call is sent once its
 block is complete (so a malformed one stays text and streamed totals equal the one-shot
 parse). With ``tool_choice`` required or named the grammar makes the whole answer bare JSON
-(``{"name", "arguments"}`` or a list of them), read back at the end. An answer with calls
-ends with ``finish_reason: "tool_calls"``.
+(``{"name", "arguments"}`` or a list of them), read back at the end; cut by ``max_tokens``
+before it closes, that JSON is the content (``finish_reason: "length"``). An answer with
+calls ends with ``finish_reason: "tool_calls"``.
 
 Proxied backends get these parts from their upstream (``upstream_wire``).
 """
@@ -136,6 +137,8 @@ async def _parsed(chunks: AsyncIterator[Chunk], parsers: OutputParsers) -> Async
             out = replace(chunk, text="", reasoning=keep)
             if final:
                 out.tool_calls = parsers.enforced("".join(enforced)) or None
+                if out.tool_calls is None:  # cut (max_tokens) before the call closed
+                    out.text = "".join(enforced)
         else:
             thought, content, calls = parsers.feed(chunk.text, final)
             keep = thought if parsers.options.include_reasoning else ""

@@ -30,6 +30,7 @@ from vlmserve.engine.types import (
     GenerateRequest,
     ModelState,
     Serves,
+    Tokenized,
 )
 from vlmserve.errors import InvalidRequest, ServiceUnavailable
 
@@ -108,6 +109,17 @@ class Backend(Protocol):
 
     async def discard(self, prepared: Any) -> None:
         """Give back what ``prepare`` holds when ``generate`` will not run."""
+
+    async def tokenize(
+        self, what: GenerateRequest | str, *, add_special_tokens: bool = True
+    ) -> Tokenized:
+        """The prompt of a chat request as ``prepare`` builds it (template, media placeholders
+        expanded: as many ids as its ``usage.prompt_tokens``), or a plain text's ids."""
+        raise InvalidRequest(_no_chat(self), param="model", code="wrong_model_kind")
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids of this model's tokenizer (special tokens included)."""
+        raise InvalidRequest(_no_chat(self), param="model", code="wrong_model_kind")
 
     # --- embeddings ----------------------------------------------------------------------
     async def embed(self, items: list[EmbedInput]) -> np.ndarray:

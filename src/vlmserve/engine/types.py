@@ -84,6 +84,8 @@ class SamplingParams:
     logprobs: bool = False  # each sampled token's log-probability (raw logits by default)
     top_logprobs: int = 0  # and this many most likely alternatives (0..20)
     n: int = 1  # choices; choice i samples with seed + i (one shared prefill when batched)
+    # OpenAI's logit_bias: {token id: -100..100} added to the logits before sampling
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
@@ -230,6 +232,15 @@ class Chunk:
             cached_tokens=then.cached_tokens,
             index=self.index,
         )
+
+
+@dataclass(slots=True)
+class Tokenized:
+    """A prompt as the model reads it (``Backend.tokenize``): its token ids, and the model's
+    context limit (prompt + completion)."""
+
+    ids: list[int]
+    max_model_len: int
 
 
 @dataclass(slots=True)

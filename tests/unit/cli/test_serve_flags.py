@@ -136,3 +136,12 @@ def test_help_fits_80_columns_with_every_flag_whole_and_its_default() -> None:
                 assert opt in tokens, f"{opt} is cut or missing in --help"
     assert re.search(r"--max-model-len\b[^─]*?\(default:\s+32768\)", text)
     assert "VLMSERVE_API_KEYS" in text and "VLMSERVE_ADMIN_KEYS" in text  # prefer env to ps
+
+
+def test_strict_fields_is_a_flag_of_serve_and_of_demo(captured: list[Settings]) -> None:
+    assert _serve("--model", "m", "--strict-fields").exit_code == 0
+    demo = CliRunner().invoke(main.app, ["demo", "--strict-fields"])
+    assert demo.exit_code == 0, demo.output
+    plain = CliRunner().invoke(main.app, ["demo"])
+    assert plain.exit_code == 0, plain.output
+    assert [s.strict_fields for s in captured] == [True, True, False]

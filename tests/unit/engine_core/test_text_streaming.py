@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, normalizers
+from tokenizers.models import BPE
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from vlmserve.engine.hf.detok import IncrementalDetokenizer
 from vlmserve.engine.hf.stops import StopMatcher
@@ -61,3 +65,111 @@ def test_text_that_only_looks_like_a_stop_prefix_is_released() -> None:
 
 def test_no_stops_passes_text_through_immediately() -> None:
     assert StopMatcher([]).feed("abc") == ("abc", False)
+
+
+def _stream(tokenizer, ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer)
+    return [detok.push(i) for i in ids] + [detok.flush()]
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_a_character_completed_after_four_held_tokens_is_not_replaced(tokenizer) -> None:
+    """Each token is bytes 96 E7 95: a lone continuation byte, then two thirds of '畖'."""
+    token = tokenizer.convert_tokens_to_ids(_byte_level("\x96\xe7\x95"))
+    ids = [token] * 6
+    assert _decode(tokenizer, ids) == "\ufffd" + "畖" * 5 + "\ufffd"
+    assert "".join(_stream(tokenizer, ids)) == _decode(tokenizer, ids)
+
+
+def test_a_long_run_of_unsettled_tails_streams_the_same_text(tokenizer) -> None:
+    """Every prefix ends mid-character, so the window grows and is cut back while holding."""
+    token = tokenizer.convert_tokens_to_ids(_byte_level("\x96\xe7\x95"))
+    ids = [token] * 300
+    pieces = _stream(tokenizer, ids)
+    assert "".join(pieces) == _decode(tokenizer, ids)
+    assert sum(bool(p) for p in pieces) >= 290  # text flows; it is not all held to the end
+
+
+@pytest.fixture(scope="module")
+def partial_tokens(tokenizer) -> list[int]:
+    """Ids whose bytes are not valid UTF-8 alone: pieces of multi-byte characters."""
+    to_byte = {c: b for b, c in _byte_table().items()}
+    out = []
+    for piece, token_id in tokenizer.get_vocab().items():
+        if all(c in to_byte for c in piece):
+            try:
+                bytes(to_byte[c] for c in piece).decode()
+            except UnicodeDecodeError:
+                out.append(token_id)
+    return sorted(out)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_the_stream_concatenates_to_decode_of_all_ids(
+    tokenizer, partial_tokens: list[int], data: st.DataObject
+) -> None:
+    """Random ids, most of them byte-level pieces of multi-byte characters, some special."""
+    any_id = st.integers(min_value=0, max_value=len(tokenizer) - 1)
+    token = st.one_of(st.sampled_from(partial_tokens), any_id)
+    ids = data.draw(st.lists(token, min_size=1, max_size=160))
+    assert "".join(_stream(tokenizer, ids)) == _decode(tokenizer, ids)
+
+
+def _byte_table() -> dict[int, str]:
+    """GPT-2's byte-level table: each byte's printable stand-in in BPE token strings."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level(raw: str) -> str:
+    """The byte-level BPE spelling of ``raw``'s code points taken as bytes."""
+    table = _byte_table()
+    return "".join(table[ord(c)] for c in raw)
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style BPE (Llama's decoder chain): characters outside the tiny vocab
+    become ``<0xNN>`` byte tokens, which the decoder reads as one run."""
+    vocab = {"<unk>": 0} | {f"<0x{b:02X}>": 1 + b for b in range(256)}
+    for piece in ["▁", "a", "b", "▁a", "▁b", "ab"]:
+        vocab[piece] = len(vocab)
+    bpe = BPE(vocab, [("▁", "a"), ("▁", "b"), ("a", "b")], unk_token="<unk>", byte_fallback=True)
+    tok = Tokenizer(bpe)
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=st.text(alphabet="ab 中é😀", max_size=60))
+def test_a_byte_fallback_tokenizers_stream_equals_its_text(
+    byte_fallback_tokenizer: PreTrainedTokenizerFast, text: str
+) -> None:
+    ids = byte_fallback_tokenizer.encode(text, add_special_tokens=False)
+    pieces = _stream(byte_fallback_tokenizer, ids)
+    assert "".join(pieces) == _decode(byte_fallback_tokenizer, ids)
+    assert not any("\ufffd" in p for p in pieces)

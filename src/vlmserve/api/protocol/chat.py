@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vlmserve.api.protocol.fields import CHAT_FIELDS
 from vlmserve.api.protocol.text import UnicodeText, valid_unicode
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "StreamOptions",
     "TextContentPart",
     "VideoUrlPart",
+    "auto_detail",
 ]
 
 _INT64 = 2**63 - 1
@@ -32,6 +34,18 @@ class UrlRef(BaseModel):
     url: str
     detail: str | None = None
 
+    @field_validator("detail")
+    @classmethod
+    def _detail(cls, value: str | None) -> str | None:
+        return auto_detail(value)
+
+
+def auto_detail(value: str | None) -> str | None:
+    """``detail`` other than ``auto`` would change the image's pixel budget: not served yet."""
+    if value not in (None, "auto"):
+        raise ValueError(f"detail {value!r} is not served yet; leave it out or send 'auto'")
+    return value
+
 
 class TextContentPart(_Part):
     type: Literal["text", "input_text"]
@@ -42,6 +56,13 @@ class ImageUrlPart(_Part):
     type: Literal["image_url"]
     image_url: str | UrlRef
     uuid: str | None = None
+
+    @field_validator("uuid")
+    @classmethod
+    def _uuid(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("media by uuid is not served yet; send the image itself, no uuid")
+        return value
 
     @property
     def source(self) -> str:
@@ -153,6 +174,7 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)  # at most 20 (checked: a clear 400)
+    logit_bias: dict[str, float] | None = None  # {"token id": -100..100}
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None  # auto | none | required | a function
@@ -179,6 +201,16 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("at most 16 stop strings of at most 256 characters each")
         return [valid_unicode(s) for s in stops] if stops is not None else None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isascii() or not key.isdigit() or len(key) > 12:
+                raise ValueError(f"keys are token ids (non-negative integers), not {key[:20]!r}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                raise ValueError(f"token {key}: the bias {bias} is outside -100..100")
+        return value
+
     @field_validator("session_id")
     @classmethod
     def _session_id(cls, value: str | None) -> str | None:
@@ -187,5 +219,6 @@ class ChatCompletionRequest(BaseModel):
         return value
 
     @property
-    def ignored_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+    def unknown_fields(self) -> list[str]:
+        """Fields neither served, nor no-ops, nor refused (``api/protocol/fields.py``)."""
+        return CHAT_FIELDS.unknown(self.model_extra or {})

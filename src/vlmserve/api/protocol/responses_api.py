@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vlmserve.api.protocol.chat import InputVideoPart, VideoUrlPart
+from vlmserve.api.protocol.chat import InputVideoPart, VideoUrlPart, auto_detail
+from vlmserve.api.protocol.fields import RESPONSES_FIELDS
 from vlmserve.api.protocol.text import UnicodeText, valid_unicode
 
 __all__ = [
@@ -47,6 +48,11 @@ class InputImagePart(_Part):
     image_url: str | None = None
     file_id: str | None = None
     detail: str | None = None
+
+    @field_validator("detail")
+    @classmethod
+    def _detail(cls, value: str | None) -> str | None:
+        return auto_detail(value)
 
 
 class InputFilePart(_Part):
@@ -101,8 +107,16 @@ class TextFormat(BaseModel):
 
 
 class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # verbosity: no model here has the knob
+    model_config = ConfigDict(extra="ignore")
     format: TextFormat | None = None
+    verbosity: str | None = None
+
+    @field_validator("verbosity")
+    @classmethod
+    def _verbosity(cls, value: str | None) -> str | None:
+        if value not in (None, "medium"):  # it would change the answer; no model here has it
+            raise ValueError(f"verbosity {value!r} is not served; leave it out or send 'medium'")
+        return value
 
 
 def _item_problem(index: int, item: Any) -> str | None:
@@ -174,5 +188,6 @@ class ResponsesRequest(BaseModel):
         return [valid_unicode(s) for s in stops] if stops is not None else None
 
     @property
-    def ignored_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+    def unknown_fields(self) -> list[str]:
+        """Fields neither served, nor no-ops, nor refused (``api/protocol/fields.py``)."""
+        return RESPONSES_FIELDS.unknown(self.model_extra or {})

@@ -41,8 +41,12 @@ async def chat_completions(
 ) -> Any:
     request_id = request.state.request_id
     request.state.model = body.model  # the metrics' model label
-    if body.ignored_fields:  # accepted for client compatibility, but said out loud
-        log.warning("%s: ignoring unsupported fields %s", request_id, body.ignored_fields)
+    if body.unknown_fields:  # accepted for client compatibility (as vLLM), but said out loud
+        log.warning(
+            "%s: unknown fields %s: not used here (a proxied model gets them as sent)",
+            request_id,
+            body.unknown_fields,
+        )
     resume_from = request.headers.get("last-event-id") or last_event_id
     if resume_from:
         session_id, after = parse_event_id(resume_from)

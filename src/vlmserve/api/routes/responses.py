@@ -26,8 +26,8 @@ async def create_response(request: Request, responses: ResponsesDep, owner: Owne
     at once and generates without a client."""
     request_id = request.state.request_id
     request.state.model = body.model  # the metrics' model label
-    if body.ignored_fields:  # accepted for client compatibility, but said out loud
-        log.warning("%s: ignoring unsupported fields %s", request_id, body.ignored_fields)
+    if body.unknown_fields:  # accepted for client compatibility (as vLLM), but said out loud
+        log.warning("%s: unknown fields %s: not used", request_id, body.unknown_fields)
     if not body.store and not body.stream:
         try:
             return await run_until_disconnect(

@@ -18,6 +18,7 @@ from vlmserve.api.protocol.chat import (
     TextContentPart,
     VideoUrlPart,
 )
+from vlmserve.api.protocol.fields import CHAT_FIELDS
 from vlmserve.config import Settings
 from vlmserve.engine.parsers import tool_call_response_format
 from vlmserve.engine.types import (
@@ -178,7 +179,10 @@ class Converter:
         return video
 
     def check(self, body: ChatCompletionRequest) -> None:
-        """Every check that needs no I/O; runs before any media is fetched."""
+        """Every check that needs no I/O; runs before any media is fetched (the fields
+        refused for a model served here: ``to_request``)."""
+        strict = getattr(self.settings, "strict_fields", False)
+        CHAT_FIELDS.check(body.model_extra or {}, strict=strict, refuse=False)
         _unsupported(body, getattr(self.settings, "max_n", DEFAULT_MAX_N))
         _check_frames(body.messages)
         count = _media_count(body.messages)
@@ -229,10 +233,12 @@ class Converter:
             logprobs=body.logprobs,
             top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
             n=body.n,
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         )
 
     async def to_request(self, body: ChatCompletionRequest, request_id: str) -> GenerateRequest:
         self.check(body)
+        CHAT_FIELDS.check(body.model_extra or {}, strict=False)  # a 400 for what is not served
         messages = await asyncio.gather(*(self._message(i, m) for i, m in enumerate(body.messages)))
         return GenerateRequest(
             request_id=request_id,

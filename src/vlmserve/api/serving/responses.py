@@ -126,7 +126,7 @@ class ResponsesService:
     async def start(self, body: ResponsesRequest, request_id: str, owner: str = ANONYMOUS
                     ) -> str:  # fmt: skip
         """Validate, prepare (every 4xx before a byte is sent), then run it as a session."""
-        check_supported(body)
+        check_supported(body, strict=getattr(self.chat.converter.settings, "strict_fields", False))
         conversation, files = await self._conversation(body, owner)
         chat_body = seeded(to_chat_request(body, conversation), self.sessions.durable)
         try:
@@ -166,7 +166,7 @@ class ResponsesService:
                                 owner: str = ANONYMOUS, *, priority: int = INTERACTIVE_PRIORITY,
                                 ) -> dict[str, Any]:  # fmt: skip
         """``store: false``, not streamed: ChatService's JSON answer, as a Response."""
-        check_supported(body)
+        check_supported(body, strict=getattr(self.chat.converter.settings, "strict_fields", False))
         conversation, _ = await self._conversation(body, owner)
         chat_body = seeded(to_chat_request(body, conversation), self.sessions.durable)
         try:

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from vlmserve.api.protocol.chat import ChatCompletionRequest
+from vlmserve.api.protocol.fields import RESPONSES_FIELDS
 from vlmserve.api.protocol.responses_api import (
     InputFilePart,
     InputImagePart,
@@ -49,8 +50,10 @@ def wire_param(param: str | None) -> str | None:
     return param
 
 
-def check_supported(body: ResponsesRequest) -> None:
-    """Refuse what would change the answer and is not offered (never silently ignored)."""
+def check_supported(body: ResponsesRequest, *, strict: bool = False) -> None:
+    """Refuse what would change the answer and is not offered (never silently ignored);
+    ``strict``: an unknown field too."""
+    RESPONSES_FIELDS.check(body.model_extra or {}, strict=strict)
     if body.tools:
         raise UnsupportedFeature("tools are not supported by /v1/responses here", param="tools")
     choice = body.tool_choice

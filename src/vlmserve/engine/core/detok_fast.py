@@ -1,6 +1,6 @@
 """The tokenizer's ``decode`` minus transformers' per-call Python overhead.
 
-The incremental detokeniser decodes twice per generated token; through
+The incremental detokeniser decodes once or twice per generated token; through
 ``PreTrainedTokenizerFast.decode`` each call spends ~10 µs converting arguments before the
 ~2 µs Rust decode. With ``clean_up_tokenization_spaces=False`` that method is exactly
 ``tokenizer._tokenizer.decode(ids, skip_special_tokens=...)``, so the engine calls it directly

@@ -1,6 +1,7 @@
 """Next tokens for a whole batch at once, each row with its own sampling parameters.
 
-Order (as transformers' ``generate``): grammar mask -> repetition penalty -> presence and
+Order (as transformers' ``generate``): grammar mask -> logit_bias (OpenAI's, one sparse add
+for the batch) -> repetition penalty -> presence and
 frequency penalties (OpenAI's, over the generated tokens) -> min_tokens (EOS banned) ->
 greedy argmax, or temperature -> top-k -> top-p -> sample. Rows that asked for logprobs get
 them from the raw logits (vLLM's default ``raw_logprobs``), or with ``logprobs_mode``
@@ -61,6 +62,7 @@ class Sampler:
         grammar_rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if grammar_rows:
             self._apply_grammar(logits, seqs, grammar_rows)
+        _apply_bias(logits, seqs)
         for i, s in enumerate(seqs):
             if s.seen is not None:  # tracked only for a penalty other than 1 (_init_row)
                 penalty = s.sampling.penalty  # bounded to [1e-6, 1e6]: the result stays finite
@@ -101,6 +103,17 @@ class Sampler:
             if s.generator is not None:
                 u[i].uniform_(generator=s.generator)
         return u
+
+
+def _apply_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Every biased row's {token: bias} added to its logits in one sparse add ([B, V])."""
+    biased = [(i, s.bias) for i, s in enumerate(seqs) if getattr(s, "bias", None) is not None]
+    if not biased:
+        return
+    rows = torch.cat([torch.full_like(ids, i) for i, (ids, _) in biased])  # [k total]
+    cols = torch.cat([ids for _, (ids, _) in biased])
+    values = torch.cat([v for _, (_, v) in biased]).to(logits.dtype)
+    logits.index_put_((rows, cols), values, accumulate=True)
 
 
 def _record_logprobs(scores: torch.Tensor, picked: torch.Tensor, seqs: list[Any]) -> None:

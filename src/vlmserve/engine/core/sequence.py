@@ -62,6 +62,7 @@ class Sequence:
     priority: int = 0  # GenerateRequest.priority: 0 interactive, higher waits (batch work)
     overtaken: int = 0  # times a higher-priority request was queued ahead of it
     counts: torch.Tensor | None = None  # [V] float32: generated tokens by id (presence/frequency)
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: (ids [k], values [k])
     step_logprobs: Any = None  # the sampler's (logprob, top [(id, logprob)]) of the last token
     index: int = 0  # the choice this row produces (n > 1)
     group: Group | None = None  # the request's choices, when n > 1
@@ -98,6 +99,10 @@ class Sequence:
             self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
             prefix = torch.tensor(req.prefix_token_ids, dtype=torch.long, device=device)
             self.counts.index_add_(0, prefix, torch.ones_like(prefix, dtype=torch.float32))
+        if req.sampling.logit_bias:
+            bias = req.sampling.logit_bias
+            ids = torch.tensor(list(bias), dtype=torch.long, device=device)
+            self.bias = (ids, torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
         if self.prepared.grammar is not None:
             answer = tokens_after(req.prefix_token_ids, self.think_end)
             if answer is not None:  # no reasoning, or it ended within the resumed prefix

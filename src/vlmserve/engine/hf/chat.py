@@ -33,7 +33,14 @@ from vlmserve.engine.hf.threads import off_loop
 from vlmserve.engine.models.architectures import supports
 from vlmserve.engine.outputs import OutputParsers, parse_outputs
 from vlmserve.engine.parsers import detect_reasoning_parser
-from vlmserve.engine.types import BackendStats, ChatMessage, Chunk, GenerateRequest, Serves
+from vlmserve.engine.types import (
+    BackendStats,
+    ChatMessage,
+    Chunk,
+    GenerateRequest,
+    Serves,
+    Tokenized,
+)
 from vlmserve.errors import InvalidRequest, Overloaded
 
 __all__ = ["HFChatBackend", "ModelState"]
@@ -192,6 +199,7 @@ class HFChatBackend(HFModel):
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        _check_logit_bias(request.sampling.logit_bias, loaded.model)
         prepared.parsers = self._parsers(prepared)
         if self.engine is not None:  # 400 now if the whole KV budget could never hold it
             new_tokens = request.sampling.max_tokens - len(request.prefix_token_ids)
@@ -199,6 +207,31 @@ class HFChatBackend(HFModel):
         if request.response_format is not None:
             prepared.grammar = await off_loop(self._compile, request.response_format)
         return prepared
+
+    async def tokenize(
+        self, what: GenerateRequest | str, *, add_special_tokens: bool = True
+    ) -> Tokenized:
+        """The prompt ``prepare`` would build (the same template and processor run), or a
+        plain text through the tokenizer alone."""
+        loaded = self._require()
+        if isinstance(what, str):
+            tokenizer = loaded.processor.tokenizer
+            ids = tokenizer.encode(what, add_special_tokens=add_special_tokens)
+        else:
+            prepared = await off_loop(build_inputs, loaded.processor, what)
+            ids = prepared.inputs["input_ids"][0].tolist()
+        return Tokenized(ids=list(ids), max_model_len=self.config.max_model_len)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        tokenizer = self._require().processor.tokenizer
+        vocab = len(tokenizer)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"token id {bad} is outside this model's vocabulary (ids 0..{vocab - 1})",
+                param="tokens",
+            )
+        return str(tokenizer.decode(ids))
 
     def _parsers(self, prepared: Prepared) -> OutputParsers | None:
         """How this answer is read back (None: plain text); a resumed request's already sent
@@ -310,3 +343,15 @@ def _eos_ids(model: Any) -> set[int]:
     if eos is None:
         return set()
     return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
+
+
+def _check_logit_bias(bias: dict[int, float], model: Any) -> None:
+    """A 400 for a biased token id the model has no logit for."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    outside = sorted(t for t in bias if not 0 <= t < vocab)
+    if outside:
+        raise InvalidRequest(
+            f"logit_bias names token id {outside[0]}, outside the model's vocabulary of "
+            f"{vocab} tokens (ids 0..{vocab - 1})",
+            param="logit_bias",
+        )

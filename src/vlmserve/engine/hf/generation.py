@@ -130,6 +130,18 @@ class _Penalties(LogitsProcessor):
         return scores - (counts * self._frequency + (counts > 0) * self._presence)
 
 
+class _LogitBias(LogitsProcessor):
+    """OpenAI's logit_bias: each listed token's bias added to its logit (before temperature)."""
+
+    def __init__(self, bias: dict[int, float]):
+        self._ids, self._values = list(bias), list(bias.values())
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        ids = torch.tensor(self._ids, dtype=torch.long, device=scores.device)
+        values = torch.tensor(self._values, dtype=scores.dtype, device=scores.device)
+        return scores.index_add(1, ids, values.expand(scores.shape[0], -1))
+
+
 class _RawLogprobs:
     """The model's raw next-token log-probabilities, caught at the output layer (before any
     logits processor), for the token the streamer receives next: [V] float32 per step."""
@@ -297,6 +309,8 @@ def _generate(model: Any, prepared: Prepared, run: _Run, guide: _Guide | None,
         k: v.to(device) for k, v in prepared.inputs.items() if isinstance(v, torch.Tensor)
     }
     processors: list[LogitsProcessor] = [_GrammarLogits(guide)] if guide else []
+    if req.sampling.logit_bias:
+        processors.append(_LogitBias(req.sampling.logit_bias))
     if req.sampling.additive_penalties:
         start = prepared.prompt_tokens - len(req.prefix_token_ids)
         processors.append(_Penalties(req.sampling, start))

@@ -35,7 +35,14 @@ import vlmserve
 from vlmserve.engine.coalesce import END, coalesced
 from vlmserve.engine.proc.wire import Ready, Sender, decode_error, read_forever
 from vlmserve.engine.protocol import Backend
-from vlmserve.engine.types import BackendStats, Chunk, GenerateRequest, ModelState, Serves
+from vlmserve.engine.types import (
+    BackendStats,
+    Chunk,
+    GenerateRequest,
+    ModelState,
+    Serves,
+    Tokenized,
+)
 from vlmserve.errors import Overloaded, ServiceUnavailable
 
 __all__ = ["EngineProcClient"]
@@ -170,6 +177,19 @@ class EngineProcClient(Backend):
 
     async def discard(self, prepared: Any) -> None:
         self._send(("discard", prepared))
+
+    async def tokenize(
+        self, what: GenerateRequest | str, *, add_special_tokens: bool = True
+    ) -> Tokenized:
+        self.check_ready()
+        rid = next(self._ids)
+        result: Tokenized = await self._call(rid, ("tokenize", rid, what, add_special_tokens))
+        return result
+
+    async def detokenize(self, ids: list[int]) -> str:
+        self.check_ready()
+        rid = next(self._ids)
+        return str(await self._call(rid, ("detokenize", rid, ids)))
 
     def generate(self, prepared: Any) -> AsyncIterator[Chunk]:
         return self._chunks(prepared)

@@ -90,6 +90,10 @@ class EngineCore:
             self._cancel(message[1])
         elif kind == "discard":
             self._spawn(message[1], self._discard(message[1]))
+        elif kind == "tokenize":
+            self._spawn(message[1], self._tokenize(message[2], message[3]))
+        elif kind == "detokenize":
+            self._spawn(message[1], self._detokenize(message[2]))
 
     def _spawn(self, rid: int, work: Coroutine[Any, Any, Any]) -> asyncio.Task[None]:
         """Run ``work``; its result (or error) goes back as ``done`` (or ``error``)."""
@@ -110,6 +114,14 @@ class EngineCore:
             self.prepared[rid] = await self.backend.prepare(request)
         finally:
             self.preparing.pop(rid, None)
+
+    async def _tokenize(self, what: Any, add_special_tokens: bool) -> Any:
+        assert self.backend is not None
+        return await self.backend.tokenize(what, add_special_tokens=add_special_tokens)
+
+    async def _detokenize(self, ids: list[int]) -> str:
+        assert self.backend is not None
+        return await self.backend.detokenize(ids)
 
     async def _discard(self, rid: int) -> None:
         """``rid``'s prepared request dropped (after its prepare, if that still runs: the API

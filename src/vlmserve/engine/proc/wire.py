@@ -7,6 +7,8 @@ API -> engine, one message per send:
     ("generate", rid)                   run a prepared request, stream its chunks
     ("cancel", rid)                     stop it at the next step boundary
     ("discard", rid)                    drop a prepared request that will not run
+    ("tokenize", rid, GenerateRequest | str, add_special_tokens)   a prompt's ids (Tokenized)
+    ("detokenize", rid, [int])          the text of token ids
     ("close",)                          unload and exit
 
 Engine -> API, a list of messages per send (a step's chunks of every stream go together):
