@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_batching import Outcome, make_backend, request, run
 
-from vlmserve.engine.hf.batching.sampler import Sampler
+from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.types import SamplingParams
