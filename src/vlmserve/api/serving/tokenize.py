@@ -15,6 +15,7 @@ from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.protocol.fields import CHAT_FIELDS
 from vlmserve.api.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from vlmserve.api.serving.convert import Converter
+from vlmserve.engine.protocol import as_proxied
 from vlmserve.engine.types import GenerateRequest, Serves
 from vlmserve.errors import UnsupportedFeature
 from vlmserve.registry.manager import ModelManager
@@ -60,9 +61,12 @@ async def tokenize(
 ) -> dict[str, Any]:
     """``{"count", "max_model_len", "tokens", "token_strs"}``."""
     async with await models.acquire(body.model, "chat", Serves.CHAT) as backend:
-        answer = await backend.relay("/tokenize", body.model_dump(mode="json", exclude_unset=True))
-        if answer is not None:
-            return answer
+        if (proxied := as_proxied(backend)) is not None:
+            answer = await proxied.relay(
+                "/tokenize", body.model_dump(mode="json", exclude_unset=True)
+            )
+            if answer is not None:
+                return answer
         _refuse(body, strict)
         if body.prompt is not None:
             special = body.add_special_tokens is not False
@@ -81,8 +85,9 @@ async def tokenize(
 async def detokenize(models: ModelManager, body: DetokenizeRequest) -> dict[str, Any]:
     """``{"prompt": text}``."""
     async with await models.acquire(body.model, "chat", Serves.CHAT) as backend:
-        wire = body.model_dump(mode="json", exclude_unset=True)
-        answer = await backend.relay("/detokenize", wire)
-        if answer is not None:
-            return answer
+        if (proxied := as_proxied(backend)) is not None:
+            wire = body.model_dump(mode="json", exclude_unset=True)
+            answer = await proxied.relay("/detokenize", wire)
+            if answer is not None:
+                return answer
         return {"prompt": await backend.detokenize(body.tokens)}
