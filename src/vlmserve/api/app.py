@@ -25,6 +25,7 @@ from vlmserve.api.middleware import (
     RequestIdMiddleware,
 )
 from vlmserve.api.passthrough import PassthroughMiddleware
+from vlmserve.api.resume_token import redact_tokens
 from vlmserve.api.routes import (
     admin,
     batches,
@@ -57,7 +58,7 @@ from vlmserve.watchdog import (
 __all__ = ["CORS_EXPOSED_HEADERS", "CORS_METHODS", "build_app"]
 
 CORS_METHODS = ["GET", "POST", "DELETE"]
-CORS_EXPOSED_HEADERS = ["X-Session-ID", "X-Request-ID", "Retry-After"]
+CORS_EXPOSED_HEADERS = ["X-Session-ID", "X-Request-ID", "Retry-After", "X-Resume-Token"]
 
 log = logging.getLogger(__name__)
 ROUTERS = (system.router, chat.router, streams.router, embeddings.router, worker.router,
@@ -222,6 +223,7 @@ def build_app(
     """The whole server. A ``models`` manager passed in (tests, embedding) outlives the app;
     one built here from ``settings`` is closed with it."""
     owns_models = models is None
+    redact_tokens()  # ?token= (a stream's resume token) never reaches the access log
     services = Services.build(settings, models or ModelManager.from_settings(settings),
                               sessions or build_sessions(settings))  # fmt: skip
     app = FastAPI(
