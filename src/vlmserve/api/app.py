@@ -180,6 +180,7 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
             if watchdog is not None:
                 await watchdog.stop()
             await sessions.close()
+            await services.responses.close()  # store: false streams, held in memory
             if owns_models:
                 await models.aclose()  # upstream clients closed, vllm process groups stopped
 

@@ -9,7 +9,9 @@ store, continuation after a restart (``_resume``, through the SessionManager's r
 sessions go on to ``ChatService.resume``).
 
 ``store: false`` responses are not retrievable; a non-streamed one runs through
-``ChatService.complete`` and never touches the store. ``DELETE`` leaves a tombstone session
+``ChatService.complete`` and never touches the store; a streamed one runs as a session of
+``unstored``, a manager of its own on a memory store: its prompt, images and events never
+reach the disk (nor Redis), and are gone with the process. ``DELETE`` leaves a tombstone session
 (``<id>.deleted``, of kind ``deleted``): the store has no delete yet, and both expire with the
 sessions' TTL.
 
@@ -59,8 +61,10 @@ from vlmserve.streaming import (
     FINAL_STATES,
     Emit,
     Event,
+    MemoryStore,
     Resumer,
     Resumption,
+    SessionManager,
     SessionRecord,
     SessionState,
 )
@@ -98,6 +102,9 @@ class ResponsesService:
                  files: FilesService | None = None) -> None:  # fmt: skip
         self.chat = chat
         self.sessions = chat.sessions
+        self.unstored = SessionManager(MemoryStore(ttl=self.sessions.ttl),
+                                       ring_size=self.sessions.options.ring_size,
+                                       ttl=self.sessions.ttl)  # fmt: skip
         self.files = files  # for input_image file_id; None: only URLs
         # One resumer per SessionManager: ours continues responses, the chat one the rest.
         self._chat_resumer = chat_resumer
@@ -150,10 +157,10 @@ class ResponsesService:
         rlog = ResponseLog.restore(request, [])
         token, token_alias = issue()
         try:
-            session = await self.sessions.start(response_id, request, produce(rlog, generation),
-                                                on_cancel=rlog.on_cancel, on_error=rlog.on_error,
-                                                tenant=tenant_of(owner),
-                                                secret_aliases=[token_alias])  # fmt: skip
+            session = await self.manager(body.store).start(
+                response_id, request, produce(rlog, generation), on_cancel=rlog.on_cancel,
+                on_error=rlog.on_error, tenant=tenant_of(owner), secret_aliases=[token_alias],
+            )  # fmt: skip
         except BaseException:
             await generation.abandon()
             raise
@@ -162,6 +169,13 @@ class ResponsesService:
             # without a client; a plain request waits for it (and cancels it if it leaves).
             session.attach()
         return response_id, token
+
+    def manager(self, store: bool) -> SessionManager:
+        """Where a response's session runs: the sessions' store, or memory (``store: false``)."""
+        return self.sessions if store else self.unstored
+
+    async def close(self) -> None:
+        await self.unstored.close()
 
     async def finished(self, response_id: str, owner: str = ANONYMOUS) -> dict[str, Any]:
         """The response once its generation has ended (a stored, non-streamed create)."""
