@@ -8,14 +8,11 @@ Where a listener's events come from:
     in the store, RUNNING, orphaned   -> the resumer continues it here, or it ends with a
       (crash, restart, stale owner)      ``server_restart`` error + [DONE]
 
-A listener whose ``after`` is past the last event produced so far of a running session waits
-for the events after it, as a live listener does (a client that resumes a background response
-at ``starting_after=3`` before its fourth event was made); at or past the last event of an
-ended session it gets no events at all (the API answers 204).
-
-Names are per tenant (``scope.py``): ``tenant`` (an API key's digest, ``""`` without keys)
-puts a session, its aliases and every lookup in that key's namespace. ``secret_aliases`` are
-names outside every namespace (a resume token's digest): only who holds the secret finds them.
+A listener ``after`` the events a running session has produced so far waits for the next
+ones, as a live one does (``starting_after=3`` before a background response made event 4);
+at or past the end of an ended session it gets nothing (the API answers 204). Names are per
+``tenant`` (``scope.py``: an API key's digest, ``""`` without keys); ``secret_aliases`` (a
+resume token's digest) are in no namespace: only who holds the secret finds them.
 """
 
 from __future__ import annotations
