@@ -47,14 +47,14 @@ def issue() -> tuple[str, str]:
 
 
 def token_alias(token: str) -> str:
-    return "rt-" + hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+    return "rt-" + hashlib.sha256(token.encode()).hexdigest()
 
 
 def with_token(data: str, token: str) -> str:
     """An event's JSON object with ``resume_token`` first (a token is URL-safe: no escaping)."""
     if not data.startswith("{"):
         return data
-    rest = data[1:].lstrip()
+    rest = data[1:]
     return f'{{"resume_token":"{token}"' + ("," + rest if rest != "}" else "}")
 
 
@@ -63,13 +63,13 @@ def token_request(scope: Scope, normal_paths: list[str]) -> bool:
     response with ``stream=true`` (every reading of its path, raw and decoded, must say so)."""
     if scope.get("method") != "GET":
         return False
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    query = parse_qs(scope["query_string"].decode("latin-1"))  # blank values dropped
     tokens = query.get("token", [])
-    if len(tokens) != 1 or not 0 < len(tokens[0]) <= _MAX_TOKEN_CHARS:
+    if len(tokens) != 1 or len(tokens[0]) > _MAX_TOKEN_CHARS:
         return False
     if all(_STREAM.fullmatch(path) for path in normal_paths):
         return True
-    streamed = query.get("stream", []) == ["true"]
+    streamed = query.get("stream") == ["true"]
     return streamed and all(_RESPONSE.fullmatch(path) for path in normal_paths)
 
 
@@ -77,9 +77,7 @@ class _RedactTokens(logging.Filter):
     """``token=<value>`` in an access-log line (uvicorn logs the query string) -> ``token=***``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple) and any(
-            isinstance(a, str) and "token=" in a.lower() for a in record.args
-        ):
+        if isinstance(record.args, tuple):
             record.args = tuple(
                 _TOKEN_IN_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
             )

@@ -6,6 +6,7 @@ import pytest
 
 from vlmserve.api.auth import ANONYMOUS, owner_of
 from vlmserve.api.serving.keys import KeyedLease, KeyPolicy
+from vlmserve.config import Settings
 from vlmserve.errors import Overloaded
 
 A, B = owner_of(b"k1"), owner_of(b"k2")
@@ -31,7 +32,7 @@ def test_a_key_holds_at_most_its_cap_and_each_release_frees_one_place_once() -> 
     first, second = policy.take(A), policy.take(A)
     with pytest.raises(Overloaded) as caught:
         policy.take(A)
-    assert caught.value.status_code == 429 and caught.value.retry_after >= 1
+    assert caught.value.status_code == 429 and caught.value.retry_after == 1.0
     assert caught.value.code == "key_concurrency_limit"
     assert "VLMSERVE_MAX_CONCURRENT_PER_KEY=2" in caught.value.message
     policy.take(B)()  # another key's places are its own
@@ -67,3 +68,18 @@ def test_a_keyed_lease_releases_the_model_lease_and_the_place_together() -> None
     with pytest.raises(RuntimeError):
         lease.release()
     assert released == ["lease", "place"]  # the place is freed even when the lease fails
+
+
+def test_a_cap_of_one_holds_one_generation() -> None:
+    policy = KeyPolicy(keyed=True, max_concurrent=1)
+    release = policy.take(A)
+    with pytest.raises(Overloaded):
+        policy.take(A)
+    release()
+    policy.take(A)
+
+
+def test_the_policy_comes_from_the_settings() -> None:
+    settings = Settings(api_keys=["k1"], prefix_cache_scope="global", max_concurrent_per_key=3)
+    assert KeyPolicy.from_settings(settings) == KeyPolicy(True, "global", 3)
+    assert KeyPolicy.from_settings(Settings()) == KeyPolicy(False, "key", 0)

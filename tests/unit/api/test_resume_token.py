@@ -44,6 +44,8 @@ async def _let_in(path: str, query: str = "token=t0k", method: str = "GET",
     ("/v1/streams/abc", "token=t0k"),
     ("/v1/streams/chatcmpl-1", "last_event_id=chatcmpl-1%3A3&token=t0k"),
     ("/v1/responses/resp_1", "stream=true&token=t0k&starting_after=3"),
+    ("/v1/streams/abc", "token=x"),  # a token's length is the route's to judge, up to ...
+    ("/v1/streams/abc", "token=" + "x" * 128),  # ... 128 characters
 ])  # fmt: skip
 async def test_a_token_alone_opens_a_stream_get_with_no_keys_namespace(path: str, query: str
                                                                         ) -> None:  # fmt: skip
@@ -82,14 +84,15 @@ async def test_a_key_decides_the_owner_even_beside_a_token() -> None:
 
 def test_tokens_are_random_and_only_their_digest_names_the_session() -> None:
     (one, alias), (two, _) = issue(), issue()
-    assert one != two and len(one) >= 32
+    assert one != two and len(one) == 32  # 24 random bytes, URL-safe base64
     assert alias == token_alias(one) and one not in alias and alias.startswith("rt-")
 
 
 def test_the_first_event_carries_the_token_as_its_first_field() -> None:
     data = json.dumps({"id": "chatcmpl-1", "choices": []})
     assert json.loads(with_token(data, "t0k")) == {"resume_token": "t0k", **json.loads(data)}
-    assert json.loads(with_token("{}", "t0k")) == {"resume_token": "t0k"}
+    assert with_token("{}", "t0k") == '{"resume_token":"t0k"}'
+    assert with_token('{"a":1} ', "t0k") == '{"resume_token":"t0k","a":1} '
     assert with_token("[DONE]", "t0k") == "[DONE]"
 
 
@@ -105,3 +108,4 @@ def test_access_log_lines_never_show_a_token(caplog: pytest.LogCaptureFixture) -
             access.info(line, "127.0.0.1:5", "GET", path, "1.1", 200)
     assert "s3cr3t" not in caplog.text
     assert "token=***&x=1" in caplog.text and "last_event_id=abc%3A3" in caplog.text
+    assert '"GET /v1/streams/abc?' in caplog.text and "1.1\" 200" in caplog.text

@@ -23,6 +23,7 @@ def test_a_scoped_name_holds_its_tenant_and_gives_back_the_clients_name() -> Non
     assert scoped("", "abc") == "abc" and unscoped("abc") == "abc"  # no keys: as before
     assert scoped(KA, "abc") == f"{KA}/abc" != scoped(KB, "abc")
     assert unscoped(scoped(KA, "chatcmpl-1")) == "chatcmpl-1"
+    assert unscoped(scoped(KA, "a/b")) == "a/b"  # a resumed name is the client's, as given
 
 
 async def test_one_tenants_session_is_unknown_to_another(any_store, producer, callbacks,

@@ -55,7 +55,7 @@ class KeyPolicy:
             raise Overloaded(
                 f"this API key already runs {count} generations, its limit "
                 f"(VLMSERVE_MAX_CONCURRENT_PER_KEY={self.max_concurrent}); retry when one ends",
-                retry_after=1.0, code="key_concurrency_limit",
+                code="key_concurrency_limit",
             )  # fmt: skip
         self.running[owner] = count + 1
         released = False
@@ -64,11 +64,11 @@ class KeyPolicy:
             nonlocal released
             if not released:
                 released = True
-                left = self.running.get(owner, 1) - 1
+                left = self.running[owner] - 1  # held since take: never below 0
                 if left > 0:
                     self.running[owner] = left
                 else:
-                    self.running.pop(owner, None)
+                    del self.running[owner]
 
         return release
 
