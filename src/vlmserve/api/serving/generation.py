@@ -155,10 +155,12 @@ async def open_generation(
     earlier run already sent; the engine continues after them (``ValueError`` for a proxied
     model, whose tokens are the upstream's). ``priority``: the engine's admission class
     (``BATCH_PRIORITY`` for batch lines). ``owner``'s key salts the prefix cache and holds one
-    of its places (``keys.py``; a continued generation takes none)."""
+    of its places (``keys.py``; a continued generation or a batch line takes none: batches
+    have their own concurrency)."""
     needs = converter.needs(body)
     keys = keys or KeyPolicy()
-    place = keys.take(owner) if resume_after is None else _nothing
+    interactive = resume_after is None and priority == INTERACTIVE_PRIORITY
+    place = keys.take(owner) if interactive else _nothing
     try:
         held = await models.acquire(model or body.model, "chat", Serves.CHAT, needs)
     except BaseException:

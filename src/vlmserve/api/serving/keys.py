@@ -8,7 +8,8 @@
 - Concurrency: ``VLMSERVE_MAX_CONCURRENT_PER_KEY`` generations at once per key (streams,
   JSON answers, stored and background responses, from their admission to their last token);
   one more is a 429 with ``Retry-After``. 0 (the default) is no cap. A generation continued
-  after a restart is never refused (it was admitted before).
+  after a restart is never refused (it was admitted before), nor a batch line (batches run
+  under ``VLMSERVE_BATCH_MAX_CONCURRENCY``).
 """
 
 from __future__ import annotations
