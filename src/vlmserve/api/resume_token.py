@@ -63,7 +63,7 @@ def token_request(scope: Scope, normal_paths: list[str]) -> bool:
     response with ``stream=true`` (every reading of its path, raw and decoded, must say so)."""
     if scope.get("method") != "GET":
         return False
-    query = parse_qs(scope["query_string"].decode("latin-1"))  # blank values dropped
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))  # blanks dropped
     tokens = query.get("token", [])
     if len(tokens) != 1 or len(tokens[0]) > _MAX_TOKEN_CHARS:
         return False
