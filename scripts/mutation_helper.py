@@ -39,7 +39,12 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/robustness/test_ssrf.py",
     ],
     # tests/robustness/test_limits_auth.py starts a real uvicorn server per test: too slow here.
-    "src/vlmserve/api/auth.py": ["tests/unit/api/test_auth*.py"],
+    "src/vlmserve/api/auth.py": [
+        "tests/unit/api/test_auth*.py",
+        "tests/unit/api/test_resume_token.py",
+    ],
+    "src/vlmserve/api/resume_token.py": ["tests/unit/api/test_resume_token.py"],
+    "src/vlmserve/api/serving/keys.py": ["tests/unit/api/test_key_policy.py"],
     "src/vlmserve/gateway/passthrough*.py": [
         "tests/unit/gateway/test_passthrough_relay.py",
         "tests/integration/test_gateway_passthrough.py",

@@ -105,3 +105,13 @@ def texts_by_choice(events: list[SSEEvent]) -> dict[int, tuple[str, str | None]]
             content = (choice.get("delta") or {}).get("content") or ""
             out[choice["index"]] = (text + content, choice.get("finish_reason") or reason)
     return out
+
+
+def without_token(data: str) -> str:
+    """An event's data without the ``resume_token`` that the first event of the answer which
+    started a stream carries (replays are the stored events, which never hold it)."""
+    head = '{"resume_token":"'
+    if not data.startswith(head):
+        return data
+    end = data.index('"', len(head))
+    return "{" + data[end + 1 :].lstrip(",")

@@ -180,6 +180,10 @@ class Settings(BaseSettings):
     api_keys: list[str] = Field(default_factory=list)  # Bearer keys for /v1/*; empty: open
     admin_keys: list[str] = Field(default_factory=list)  # for /admin/*; empty: admin closed
     metrics_public: bool = True
+    # with API keys: "key" salts prefix-cache blocks by key (no key shares cached blocks with
+    # another), "global" shares them between keys
+    prefix_cache_scope: Literal["key", "global"] = "key"
+    max_concurrent_per_key: int = Field(default=0, ge=0)  # generations at once per key; 0: no cap
     ui: bool = True  # the web console at / (static files in the package); --no-ui: API only
 
     # --- idle watchdog (seed 000) -----------------------------------------------------------

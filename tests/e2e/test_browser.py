@@ -108,10 +108,60 @@ function replay(sid) {
 """
 
 
+# With API keys set: starts a stream with fetch() and the key (a page's backend would), then
+# follows it with EventSource and the stream's resume token alone, as a browser must (it cannot
+# send a key); the same token on another session, and no token at all, are refused.
+TOKEN_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>vlmserve resume token test</title></head><body><script>
+const params = new URLSearchParams(location.search);
+const server = params.get("server"), key = params.get("key");
+const body = JSON.parse(params.get("body"));
+
+async function start() {
+  const res = await fetch(server + "/v1/chat/completions", {method: "POST",
+    headers: {"Content-Type": "application/json", "Authorization": "Bearer " + key},
+    body: JSON.stringify(body)});
+  const text = await res.text();
+  return {status: res.status, sid: res.headers.get("X-Session-ID"),
+          token: res.headers.get("X-Resume-Token"), first: text.split("\\n\\n")[0]};
+}
+
+function follow(url) {
+  return new Promise((resolve) => {
+    const es = new EventSource(url);
+    const seen = {data: [], eventIds: [], errors: 0, opened: 0};
+    es.onopen = () => { seen.opened += 1; };
+    es.onmessage = (e) => { seen.eventIds.push(e.lastEventId); seen.data.push(e.data); };
+    es.onerror = () => {
+      seen.errors += 1;
+      if (es.readyState === EventSource.CLOSED) resolve({...seen, readyState: es.readyState});
+    };
+  });
+}
+
+(async () => {
+  try {
+    const one = await start(), two = await start();
+    const withToken = (sid, token) =>
+      `${server}/v1/streams/${sid}?token=${encodeURIComponent(token)}`;
+    const own = await follow(withToken(one.sid, one.token));
+    const other = await follow(withToken(two.sid, one.token));
+    const none = await follow(`${server}/v1/streams/${one.sid}`);
+    window.result = {one, two, own, other, none};
+  } catch (err) {
+    window.result = {error: String(err)};
+  }
+})();
+</script></body></html>
+"""
+
+
 class _Page(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        found = self.path.split("?")[0] == "/"
-        payload = PAGE.encode() if found else b"not found"
+        pages = {"/": PAGE, "/token": TOKEN_PAGE}
+        page = pages.get(self.path.split("?")[0])
+        found = page is not None
+        payload = page.encode() if page is not None else b"not found"
         self.send_response(200 if found else 404)
         self.send_header("Content-Type", "text/html; charset=utf-8" if found else "text/plain")
         self.send_header("Content-Length", str(len(payload)))
@@ -223,3 +273,43 @@ def test_page_on_another_origin_streams_then_replays_with_event_source(
     assert f"{server.url}/v1/streams/{sid}" in urls
     network = [u for u in urls if urlsplit(u).scheme in ("http", "https", "ws", "wss")]
     assert {urlsplit(u).hostname for u in network} == {"127.0.0.1"}, network  # loopback only
+
+
+def test_event_source_resumes_with_the_resume_token_when_api_keys_are_set(
+    tiny_dir: Path, page_origin: str, browser: webdriver.Chrome
+) -> None:
+    server = ServerProcess(
+        ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu",
+         "--cors-allow-origins", page_origin, "--api-key", "page-key"],
+    )  # fmt: skip
+    ready_at, result = 0, None
+    try:
+        server.wait_ready(timeout=120)
+        ready_at = len(server.output())
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hello."}],
+                "max_tokens": 12, "temperature": 0, "stream": True}  # fmt: skip
+        query = urlencode({"server": server.url, "key": "page-key", "body": json.dumps(body)})
+        started = time.monotonic()
+        browser.get(f"{page_origin}/token?{query}")
+        while result is None and time.monotonic() - started < LIMIT_S:
+            time.sleep(0.2)
+            result = browser.execute_script("return window.result || null;")
+        time.sleep(0.5)  # let the access log catch up
+    finally:
+        log = server.stop()[ready_at:]
+    assert result is not None, f"the page gave no result in {LIMIT_S} s; server log:\n{log}"
+    assert "error" not in result, result
+    one, own, other, none = result["one"], result["own"], result["other"], result["none"]
+    assert one["status"] == 200 and one["token"], "X-Resume-Token not readable (CORS expose)"
+    assert json.loads(one["first"].removeprefix("data: "))["resume_token"] == one["token"]
+    assert own["opened"] == 1 and own["readyState"] == 2  # the 204 at the end closed it
+    assert own["data"][-1] == "[DONE]" and "resume_token" not in own["data"][0]
+    assert own["eventIds"][0] == f"{one['sid']}:0"
+    for refused in (other, none):  # another session's token; no token (a 404; a 401)
+        assert refused["opened"] == 0 and refused["data"] == [] and refused["readyState"] == 2
+    assert re.search(rf"GET /v1/streams/{two_sid(result)}\?token=\*\*\*", log), log
+    assert one["token"] not in log and not _statuses_5xx(log)
+
+
+def two_sid(result: dict[str, Any]) -> str:
+    return re.escape(result["two"]["sid"])

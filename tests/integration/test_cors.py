@@ -56,8 +56,8 @@ async def test_a_stream_exposes_its_session_id_to_page_scripts(
     assert r.status_code == 200
     assert r.headers["access-control-allow-origin"] == PAGE
     exposed = {h.strip().lower() for h in r.headers["access-control-expose-headers"].split(",")}
-    assert {"x-session-id", "x-request-id"} <= exposed
-    assert r.headers["x-session-id"]
+    assert {"x-session-id", "x-request-id", "x-resume-token"} <= exposed
+    assert r.headers["x-session-id"] and r.headers["x-resume-token"]
 
 
 async def test_an_origin_not_configured_gets_no_cors_headers(

@@ -237,3 +237,39 @@ async def test_fields_refused_for_local_models_reach_a_proxied_one_as_sent(
         assert r.status_code != 400, r.text  # (this fake replica breaks off full-path streams)
         sent = json.loads(seen[0].content)
     assert {k: sent[k] for k in extra} == extra
+
+
+def keyless(request: httpx.Request) -> httpx.Request:
+    del request.headers["authorization"]
+    return request
+
+
+async def test_a_passed_stream_is_its_keys_alone_through_the_gateway() -> None:
+    """The workers see one key, the gateway's: the gateway keeps its clients' keys apart.
+    Another key's resume or cancel of a passed stream is an unknown id's 404 that never
+    reaches the replica; a client's own ``session_id`` is kept per key."""
+    other = {"Authorization": "Bearer other-key"}
+    async with gateway_app(api_keys=[KEY, "other-key"]) as gateway:
+        started = await gateway.post("/v1/chat/completions", json=chat())
+        assert started.status_code == 200 and started.headers["x-session-id"] == "s-up"
+        unknown = await gateway.get("/v1/streams/s-uq", headers=other)
+        for answer in (
+            await gateway.get("/v1/streams/s-up", headers=other),
+            await gateway.get("/v1/streams/s-up", headers={**other, "Last-Event-ID": "s-up:0"}),
+            await gateway.post("/v1/chat/completions", json=chat(),
+                               headers={**other, "Last-Event-ID": "s-up:0"}),
+            await gateway.post("/v1/cancel/s-up", headers=other),
+            await gateway.post("/v1/chat/completions/chatcmpl-up1/cancel", headers=other),
+            await gateway.send(keyless(gateway.build_request("GET", "/v1/streams/s-up",
+                                                             params={"token": "guess"}))),
+        ):  # fmt: skip
+            assert answer.status_code == 404, answer.text
+        assert unknown.status_code == 404
+        assert len(seen) == 1  # none of them reached the replica
+        assert (await gateway.get("/v1/streams/s-up")).status_code == 200  # the owner's
+        for key in ({}, other):  # each key's own "mine": the gateway runs both sessions
+            mine = await gateway.post("/v1/chat/completions", json=chat(session_id="mine"),
+                                      headers=key)  # fmt: skip
+            assert mine.status_code == 200 and mine.headers["x-session-id"] == "mine"
+        chats = [json.loads(r.content) for r in seen[2:] if r.url.path == "/v1/chat/completions"]
+        assert [body.get("session_id") for body in chats] == [None, None]

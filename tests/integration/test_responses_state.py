@@ -154,8 +154,15 @@ async def test_the_key_blind_stream_routes_do_not_open_a_response(
 ) -> None:
     http = await make_client(api_keys=["k1", "k2"])
     made = await client(http, "k1").responses.create(model=MODEL, input="Hi", **GREEDY)
-    other = {"Authorization": "Bearer k2"}
-    for call in (http.get(f"/v1/streams/{made.id}", headers=other),
-                 http.post(f"/v1/cancel/{made.id}", headers=other)):  # fmt: skip
+    own, other = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+    for call in (http.get(f"/v1/streams/{made.id}", headers=own),
+                 http.post(f"/v1/cancel/{made.id}", headers=own)):  # fmt: skip
         r = await call
         assert r.status_code == 404 and "GET /v1/responses/" in r.json()["error"]["message"]
+    unknown = "resp_" + "0" * 32
+    for path in ("/v1/streams/{}", "/v1/cancel/{}"):
+        method = http.get if path.startswith("/v1/streams") else http.post
+        theirs = await method(path.format(made.id), headers=other)
+        nobodys = await method(path.format(unknown), headers=other)
+        assert theirs.status_code == nobodys.status_code == 404  # another key's: as unknown
+        assert theirs.text.replace(made.id, unknown) == nobodys.text

@@ -24,6 +24,7 @@ from vlmserve.api.middleware import (
     ErrorShieldMiddleware,
     RequestIdMiddleware,
 )
+from vlmserve.api.resume_token import redact_tokens
 from vlmserve.api.routes import (
     admin,
     batches,
@@ -58,7 +59,7 @@ from vlmserve.watchdog import (
 __all__ = ["CORS_EXPOSED_HEADERS", "CORS_METHODS", "build_app"]
 
 CORS_METHODS = ["GET", "POST", "DELETE"]
-CORS_EXPOSED_HEADERS = ["X-Session-ID", "X-Request-ID", "Retry-After"]
+CORS_EXPOSED_HEADERS = ["X-Session-ID", "X-Request-ID", "Retry-After", "X-Resume-Token"]
 
 log = logging.getLogger(__name__)
 ROUTERS = (system.router, chat.router, streams.router, embeddings.router, worker.router,
@@ -181,6 +182,7 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
             if watchdog is not None:
                 await watchdog.stop()
             await sessions.close()
+            await services.responses.close()  # store: false streams, held in memory
             if owns_models:
                 await models.aclose()  # upstream clients closed, vllm process groups stopped
 
@@ -224,6 +226,7 @@ def build_app(
     """The whole server. A ``models`` manager passed in (tests, embedding) outlives the app;
     one built here from ``settings`` is closed with it."""
     owns_models = models is None
+    redact_tokens()  # ?token= (a stream's resume token) never reaches the access log
     services = Services.build(settings, models or ModelManager.from_settings(settings),
                               sessions or build_sessions(settings))  # fmt: skip
     app = FastAPI(

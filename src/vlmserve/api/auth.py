@@ -25,6 +25,11 @@ configured, non-admin routes are open. With no admin keys configured, admin rout
 A request let through with a key (API keys configured) carries the key's identity for what it
 owns (files, batches): ``scope["state"]["owner"]`` = ``owner_of(key)``, a SHA-256 digest, never
 the key itself. Without configured API keys there is one owner, ``ANONYMOUS``.
+
+One exception to "an API key on every api path": a GET of one stream (``/v1/streams/<id>``)
+or one response with ``stream=true``, carrying ``?token=`` and no key, is let through with the
+owner ``RESUME_TOKEN_OWNER`` (no key's namespace): its route opens only the session that token
+was issued for (``resume_token.py``; a browser's EventSource cannot send a header).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from urllib.parse import unquote_to_bytes
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmserve.api.errors import error_body
+from vlmserve.api.resume_token import RESUME_TOKEN_OWNER, token_request
 from vlmserve.errors import AuthenticationError
 
 __all__ = [
@@ -134,6 +140,11 @@ def _strictest(scope: Scope, public_paths: frozenset[str]) -> Access:
     return max(classify_path(p, public_paths) for p in candidates)
 
 
+def _normal_paths(scope: Scope) -> list[str]:
+    paths: list[str | bytes] = [scope.get("path", "") or "/", scope.get("raw_path") or b""]
+    return [normalize_path(p) for p in paths if p]
+
+
 def _presented_key(scope: Scope) -> bytes | None:
     """The key from ``Authorization: Bearer`` (preferred) or ``x-api-key``; never logged."""
     bearer: bytes | None = None
@@ -185,6 +196,8 @@ class AuthMiddleware:
         if denial is None:
             given = _presented_key(scope) if self._api_keys else None
             owner = ANONYMOUS if given is None else owner_of(given)
+            if given is None and self._api_keys and _strictest(scope, self._public) is Access.API:
+                owner = RESUME_TOKEN_OWNER  # let in by its resume token alone
             scope.setdefault("state", {})["owner"] = owner
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
@@ -212,6 +225,8 @@ class AuthMiddleware:
         given = _presented_key(scope)
         if given is not None and _matches_any(given, keys):
             return None
+        if given is None and access is Access.API and token_request(scope, _normal_paths(scope)):
+            return None  # its route opens only the session the token was issued for
         what = "an admin key" if access is Access.ADMIN else "an API key"
         message = (
             f"missing or invalid key: this route needs {what}; "

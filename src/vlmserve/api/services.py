@@ -19,6 +19,7 @@ from vlmserve.api.serving.batches_lines import Endpoints
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.convert import Converter
 from vlmserve.api.serving.files import FilesService
+from vlmserve.api.serving.keys import KeyPolicy
 from vlmserve.api.serving.responses import ResponsesService
 from vlmserve.api.serving.tasks import TaskService
 from vlmserve.api.serving.worker import WorkerService
@@ -60,7 +61,7 @@ class Services:
               ) -> Services:  # fmt: skip
         metrics = Metrics()
         converter = Converter.from_settings(settings, metrics)
-        chat = ChatService(models, converter, sessions, metrics)
+        chat = ChatService(models, converter, sessions, metrics, KeyPolicy.from_settings(settings))
         worker = WorkerService(models, converter)
         files = FilesService.from_settings(settings)
         # one resumer per manager; files: input_image file_id

@@ -42,7 +42,7 @@ ENV_ONLY = (
     "deregister_command", "instance_id", "deregister_timeout", "sessions_db_path",
     "sessions_ttl_seconds", "cancel_after_disconnect_seconds", "stream_ring_size",
     "files_dir", "files_max_bytes", "files_quota_bytes", "files_ttl_seconds",
-    "batch_max_concurrency",
+    "batch_max_concurrency", "max_concurrent_per_key",
 )  # fmt: skip
 # Repeatable flags whose values may also be comma lists, and the setting each adds to.
 LIST_FLAGS = {
@@ -96,6 +96,8 @@ HELP = {
     "admin_keys": (SERVER, _key_help("Key that opens /admin (closed without one)",
                                      "VLMSERVE_ADMIN_KEYS")),
     "max_queued_requests": (SERVER, "Requests waiting per model before 429."),
+    "prefix_cache_scope": (SERVER, "key | global: with API keys, prefix-cache blocks shared "
+                                   "only within a key, or between keys."),
     "ui": (SERVER, "Serve the web console at / (--no-ui: the API only)."),
     "max_num_seqs": (ENGINE, "Sequences decoded together (continuous batching); 1 = one at "
                              "a time."),
@@ -182,6 +184,7 @@ def command(
     api_key: Annotated[Strs, _opt("api_keys")] = None,
     admin_key: Annotated[Strs, _opt("admin_keys")] = None,
     max_queued_requests: Annotated[Int, _opt("max_queued_requests")] = None,
+    prefix_cache_scope: Annotated[Str, _opt("prefix_cache_scope")] = None,
     max_num_seqs: Annotated[Int, _opt("max_num_seqs")] = None,
     max_num_batched_tokens: Annotated[Int, _opt("max_num_batched_tokens")] = None,
     vision_cache_bytes: Annotated[Int, _opt("vision_cache_bytes")] = None,

@@ -2,8 +2,10 @@
 model's backend and the replica holding it, so resumes and cancels reach that replica.
 
 Entries expire ``ttl`` seconds after they were added (the sessions' own TTL) and the oldest
-go first past ``max_entries``. The map is this process's memory: after a gateway restart a
-resume of an older passed stream is a 404, as a stream of the gateway's own memory store is.
+go first past ``max_entries``. Each is its client's API key's: another key's lookup finds
+nothing, and its request goes on to the gateway's own path, which answers an unknown id's 404.
+The map is this process's memory: after a gateway restart a resume of an older passed stream
+is a 404, as a stream of the gateway's own memory store is.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class PassedStream:
     replica_url: str
     rename: tuple[bytes, bytes] | None  # the upstream's "model" value -> the entry's name
     expires: float
+    owner: str = ""  # the API key digest of the client that started it (auth's owner)
 
 
 class PassedStreams:
@@ -36,18 +39,19 @@ class PassedStreams:
         return len(self._by_id)
 
     def add(self, names: list[str], backend: Any, replica_url: str,
-            rename: tuple[bytes, bytes] | None = None) -> None:  # fmt: skip
+            rename: tuple[bytes, bytes] | None = None, owner: str = "") -> None:  # fmt: skip
         """Route each of ``names`` (the session id, the completion id) to the replica."""
         now = self._clock()
-        entry = PassedStream(backend, replica_url, rename, now + self.ttl)
+        entry = PassedStream(backend, replica_url, rename, now + self.ttl, owner)
         for name in names:
             self._by_id.pop(name, None)  # re-added names move to the end (the newest)
             self._by_id[name] = entry
         self._trim(now)
 
-    def get(self, name: str) -> PassedStream | None:
+    def get(self, name: str, owner: str = "") -> PassedStream | None:
+        """The stream named ``name`` if ``owner`` started it (another's is unknown)."""
         entry = self._by_id.get(name)
-        if entry is None or entry.expires <= self._clock():
+        if entry is None or entry.expires <= self._clock() or entry.owner != owner:
             return None
         return entry
 

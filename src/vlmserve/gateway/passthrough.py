@@ -12,7 +12,11 @@ cancel``) of such a stream go to the replica that holds it.
 It sits inside the other middlewares (request id, metrics, auth, activity, body limit apply as
 to any request). Everything else, and what it cannot pass (another backend, a replica that is
 not a vlmserve worker, a gateway with a durable store of its own, a ``session_id`` already in
-use here), goes on to the full path with its body replayed. Off with
+use here, or any ``session_id`` when API keys are configured: the workers see the gateway's one
+key, so a client's own name is kept apart per key by the gateway's own session), goes on to the
+full path with its body replayed. A passed stream is its client's key's: a resume or cancel
+by another key (or by a resume token, which a worker cannot check for the gateway) goes on to
+the full path, which answers an unknown id's 404. Off with
 ``VLMSERVE_GATEWAY_PASSTHROUGH=false``.
 
 Measured (``benchmarks/overhead.py``, c=1, request by request): the full path cost the gateway
@@ -67,6 +71,7 @@ class _Plan:
     needs: frozenset[str]
     rename: tuple[bytes, bytes] | None  # the upstream's "model" value -> the entry's name
     session_id: str | None  # the client's own, reserved while the pass starts
+    owner: str  # the client's API key digest (auth's owner): its later requests only
 
 
 class PassthroughMiddleware:
@@ -97,24 +102,24 @@ class PassthroughMiddleware:
         """A resume or cancel of a passed stream (None: anything else)."""
         if not len(self.streams):
             return None
-        path, method = scope["path"], scope["method"]
+        path, method, owner = scope["path"], scope["method"], _owner(scope)
         if method == "GET" and path.startswith("/v1/streams/"):
-            return self.streams.get(path.removeprefix("/v1/streams/"))
+            return self.streams.get(path.removeprefix("/v1/streams/"), owner)
         if method == "POST" and path.startswith("/v1/cancel/"):
-            return self.streams.get(path.removeprefix("/v1/cancel/"))
+            return self.streams.get(path.removeprefix("/v1/cancel/"), owner)
         if method == "POST" and path.startswith(CHAT + "/") and path.endswith("/cancel"):
-            return self.streams.get(path[len(CHAT) + 1 : -len("/cancel")])
+            return self.streams.get(path[len(CHAT) + 1 : -len("/cancel")], owner)
         return None
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(receive)
         given = _resume_from(scope)
-        resumed = None if given is None else self._resumed(given)
+        resumed = None if given is None else self._resumed(given, _owner(scope))
         if resumed is not None:
             await self._forward(resumed, scope, body, receive, send)
             return
         try:
-            plan = None if given is not None else self._plan(body)
+            plan = None if given is not None else self._plan(body, scope)
         except VlmserveError as exc:  # a session_id a passed stream has
             await error_response(exc)(scope, receive, send)
             return
@@ -123,7 +128,7 @@ class PassthroughMiddleware:
             return
         await self._pass(plan, scope, body, receive, send)
 
-    def _resumed(self, given: str) -> PassedStream | None:
+    def _resumed(self, given: str, owner: str) -> PassedStream | None:
         """The passed stream a chat POST's ``Last-Event-ID`` names (None: not one)."""
         if not len(self.streams):
             return None
@@ -131,9 +136,9 @@ class PassthroughMiddleware:
             session_id, _ = parse_event_id(given)
         except VlmserveError:
             return None  # the full path answers the 400
-        return self.streams.get(session_id)
+        return self.streams.get(session_id, owner)
 
-    def _plan(self, body: bytes) -> _Plan | None:
+    def _plan(self, body: bytes, scope: Scope) -> _Plan | None:
         """What to pass, or None for the full path (which answers any 4xx of its own)."""
         try:
             data = orjson.loads(body)
@@ -142,6 +147,8 @@ class PassthroughMiddleware:
         if not isinstance(data, dict):
             return None
         name, session_id = data.get("model"), data.get("session_id")
+        if session_id is not None and self.services.settings.api_keys:
+            return None  # the workers see one key, the gateway's: its own session keeps it apart
         if not isinstance(name, str) or (session_id is not None and not self._free(session_id)):
             return None
         try:
@@ -164,7 +171,7 @@ class PassthroughMiddleware:
                 body = orjson.dumps(data)
             except TypeError:
                 return None  # an integer orjson cannot write: the full path takes it
-        return _Plan(backend, name, body, stream, needs, rename, session_id)
+        return _Plan(backend, name, body, stream, needs, rename, session_id, _owner(scope))
 
     def _within_limits(self, data: dict[str, Any], media: int) -> bool:
         """The gateway's own request limits (``Converter.check``'s counts), read off the raw
@@ -239,13 +246,13 @@ class PassthroughMiddleware:
         session_id = passage.headers.get("x-session-id")
         if not session_id:
             return _ignore
-        self.streams.add([session_id], backend, url, plan.rename)
+        self.streams.add([session_id], backend, url, plan.rename, plan.owner)
         pending = [True]
 
         def see(events: bytes) -> None:
             if pending[0] and (found := _COMPLETION_ID.search(events)):
                 pending[0] = False
-                self.streams.add([found.group(1).decode()], backend, url, plan.rename)
+                self.streams.add([found.group(1).decode()], backend, url, plan.rename, plan.owner)
 
         return see
 
@@ -292,6 +299,10 @@ def _upstream_headers(scope: Scope) -> dict[str, str]:
     if request_id:
         headers["x-request-id"] = request_id  # one id in both servers' logs
     return headers
+
+
+def _owner(scope: Scope) -> str:
+    return str(scope.get("state", {}).get("owner", ""))
 
 
 def _resume_from(scope: Scope) -> str | None:

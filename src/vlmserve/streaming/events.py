@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from vlmserve.streaming.scope import unscoped
+
 __all__ = [
     "DONE",
     "FINAL_STATES",
@@ -97,8 +99,9 @@ def gap_event(session_id: str, index: int) -> Event:
     last one the client has, so a client retrying with it gets the same answer."""
     return error_event(
         index,
-        f"events after {session_id}:{index} are no longer held (the in-memory buffer is bounded "
-        "and the store has no older ones); send the request again to start a new stream",
+        f"events after {unscoped(session_id)}:{index} are no longer held (the in-memory buffer "
+        "is bounded and the store has no older ones); send the request again to start a new "
+        "stream",
         "stream_gap",
     )
 

@@ -8,9 +8,11 @@ Where a listener's events come from:
     in the store, RUNNING, orphaned   -> the resumer continues it here, or it ends with a
       (crash, restart, stale owner)      ``server_restart`` error + [DONE]
 
-Where ``after`` lies is checked before any event: past the last event produced so far of a
-running session raises InvalidRequest (no client can have seen it); at or past the last event
-of an ended session gives no events at all (the API answers 204).
+A listener ``after`` the events a running session has produced so far waits for the next
+ones, as a live one does (``starting_after=3`` before a background response made event 4);
+at or past the end of an ended session it gets nothing (the API answers 204). Names are per
+``tenant`` (``scope.py``: an API key's digest, ``""`` without keys); ``secret_aliases`` (a
+resume token's digest) are in no namespace: only who holds the secret finds them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from vlmserve.streaming.events import (
     error_emit,
     gap_event,
 )
+from vlmserve.streaming.scope import scoped, unscoped
 from vlmserve.streaming.session import Session, SessionOptions
 from vlmserve.streaming.sse import validate_session_id
 from vlmserve.streaming.store.base import SessionStore, already_exists
@@ -47,16 +50,6 @@ from vlmserve.streaming.store.base import SessionStore, already_exists
 __all__ = ["Listener", "SessionManager"]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_after(name: str, after: int, last: int, ended: bool) -> None:
-    """Raise when ``after`` is past what a running session has produced (module docstring)."""
-    if after > last and not ended:
-        raise InvalidRequest(
-            f"Last-Event-ID {name}:{after} is past the last event of this stream so far "
-            f"({name}:{last}); resume with the id of the last event you received",
-            param="Last-Event-ID", code="invalid_last_event_id",
-        )  # fmt: skip
 
 
 class Listener:
@@ -91,11 +84,6 @@ class Listener:
     async def aclose(self) -> None:
         if self._gen is not None:
             await self._gen.aclose()
-
-
-def _stream(name: str, session: Session, after: int) -> AsyncGenerator[Event, None]:
-    _check_after(name, after, session.last_index, session.done)
-    return session.stream(after)
 
 
 class SessionManager:
@@ -138,14 +126,23 @@ class SessionManager:
     def active_count(self) -> int:
         return sum(1 for s in self._sessions.values() if not s.done)
 
-    def get(self, session_id: str) -> Session | None:
-        """The session held in this process, by id or alias."""
-        sid = self._aliases.get(session_id, session_id)
-        return self._sessions.get(sid)
+    def get(self, session_id: str, tenant: str = "") -> Session | None:
+        """The session held in this process, by id or alias (in ``tenant``'s namespace)."""
+        name = scoped(tenant, session_id)
+        return self._sessions.get(self._aliases.get(name, name))
 
-    async def exists(self, session_id: str) -> bool:
+    async def exists(self, session_id: str, tenant: str = "") -> bool:
         """Whether a session with this id or alias is held here or in the store."""
-        return self.get(session_id) is not None or await self.store.get(session_id) is not None
+        name = scoped(tenant, session_id)
+        return self.get(name) is not None or await self.store.get(name) is not None
+
+    async def record(self, session_id: str, tenant: str = "") -> SessionRecord | None:
+        """The stored record of a session by id or alias (the one held here first: the memory
+        store's record of a running session lags behind it)."""
+        session = self.get(session_id, tenant)
+        if session is not None:
+            return dataclasses.replace(session.record, aliases=list(session.record.aliases))
+        return await self.store.get(scoped(tenant, session_id))
 
     def set_resumer(self, fn: Resumer | None) -> None:
         self._resumer = fn
@@ -159,13 +156,17 @@ class SessionManager:
         on_cancel: OnCancel,
         on_error: OnError,
         aliases: Sequence[str] = (),
+        tenant: str = "",
+        secret_aliases: Sequence[str] = (),
     ) -> Session:
-        """Record the session in the store and run ``producer`` (with or without listeners)."""
-        for name in (session_id, *aliases):
+        """Record the session in the store and run ``producer`` (with or without listeners).
+        Its id and ``aliases`` are ``tenant``'s; ``secret_aliases`` are in no namespace."""
+        for name in (session_id, *aliases, *secret_aliases):
             validate_session_id(name)
         now = time.time()
-        record = SessionRecord(session_id, dict(request), SessionState.RUNNING, now, now,
-                               owner=self.owner, aliases=list(aliases))  # fmt: skip
+        names = [scoped(tenant, alias) for alias in aliases] + list(secret_aliases)
+        record = SessionRecord(scoped(tenant, session_id), dict(request), SessionState.RUNNING,
+                               now, now, owner=self.owner, aliases=names)  # fmt: skip
         if getattr(self.store, "instant", False):
             await self.store.create(record)  # raises InvalidRequest when the id is taken
             session = self._register(record)
@@ -205,8 +206,9 @@ class SessionManager:
             self._aliases[alias] = record.session_id
         return session
 
-    def listen(self, session_id: str, after: int = -1) -> Listener:
-        """Every event with index > ``after``, then live ones until the terminal ``[DONE]``."""
+    def listen(self, session_id: str, after: int = -1, tenant: str = "") -> Listener:
+        """Every event with index > ``after``, then live ones until the terminal ``[DONE]``
+        (``after`` ahead of the events produced so far: those after it, once they are)."""
         validate_session_id(session_id)
         if isinstance(after, bool) or not isinstance(after, int) or after < -1:
             raise InvalidRequest(
@@ -214,33 +216,30 @@ class SessionManager:
                 param="Last-Event-ID",
                 code="invalid_last_event_id",
             )
-        return Listener(self, session_id, after)
+        return Listener(self, scoped(tenant, session_id), after)
 
     async def _open(self, name: str, after: int) -> AsyncGenerator[Event, None]:
         session = self.get(name)
         if session is not None:
-            return _stream(name, session, after)
+            return session.stream(after)
         record = await self.store.get(name)
         if record is None:
             raise NotFound(
-                f"unknown session {name!r}: it never existed here or has expired "
+                f"unknown session {unscoped(name)!r}: it never existed here or has expired "
                 f"(finished sessions are kept {self.ttl:g}s)",
                 code="session_not_found",
             )
         session = self._sessions.get(record.session_id)
         if session is not None:
-            return _stream(name, session, after)
-        if record.state in FINAL_STATES or self._live_elsewhere(record):
-            # cancelled in the store while its owner still ends it: not ended yet
-            ended = record.state in FINAL_STATES and not self._live_elsewhere(record)
-            _check_after(name, after, record.last_index, ended)
-            if record.state in FINAL_STATES:
-                return self._replay(record, after)
+            return session.stream(after)
+        if record.state in FINAL_STATES:
+            return self._replay(record, after)
+        if self._live_elsewhere(record):
             return self._follow(record, after)
         session = await self._take_over(record.session_id)
         if session is None:  # ended or claimed by another replica meanwhile: look again
             return await self._open(name, after)
-        return _stream(name, session, after)
+        return session.stream(after)
 
     def _live_elsewhere(self, record: SessionRecord) -> bool:
         """Another replica produces it and its heartbeat is fresh."""
@@ -336,8 +335,9 @@ class SessionManager:
             logger.exception("session %s: the resumer failed", record.session_id)
             return None
 
-    async def cancel(self, session_id: str) -> bool:
+    async def cancel(self, session_id: str, tenant: str = "") -> bool:
         """Cancel by id or alias; False when unknown or already ended."""
+        session_id = scoped(tenant, session_id)
         session = self.get(session_id)
         if session is not None:
             return await session.cancel()

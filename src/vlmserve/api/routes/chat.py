@@ -9,7 +9,8 @@ from fastapi import APIRouter, Query, Request, Response
 
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.routing import StrictJSONRoute
-from vlmserve.api.services import ChatDep
+from vlmserve.api.services import ChatDep, OwnerDep
+from vlmserve.api.serving.chat import tenant_of
 from vlmserve.api.serving.sse import (
     ClientGone,
     accepts_event_stream,
@@ -36,6 +37,7 @@ def _resumable(request: Request, body: ChatCompletionRequest, resuming: bool) ->
 async def chat_completions(
     request: Request,
     chat: ChatDep,
+    owner: OwnerDep,
     body: ChatCompletionRequest,
     last_event_id: str | None = Query(default=None, max_length=300),
 ) -> Any:
@@ -56,12 +58,14 @@ async def chat_completions(
                 param="session_id",
             )
         resumable = _resumable(request, body, resuming=True)
-        return await sse_response(chat.sessions, session_id, after, resumable=resumable)
+        return await sse_response(chat.sessions, session_id, after, resumable=resumable,
+                                  tenant=tenant_of(owner))  # fmt: skip
     if body.stream:
-        session_id = await chat.start_stream(body, request_id)
+        session_id, token = await chat.start_stream(body, request_id, owner)
         resumable = _resumable(request, body, resuming=False)
-        return await sse_response(chat.sessions, session_id, -1, resumable=resumable)
+        return await sse_response(chat.sessions, session_id, -1, resumable=resumable,
+                                  tenant=tenant_of(owner), resume_token=token)  # fmt: skip
     try:
-        return await run_until_disconnect(request, chat.complete(body, request_id))
+        return await run_until_disconnect(request, chat.complete(body, request_id, owner=owner))
     except ClientGone:
         return Response(status_code=499)

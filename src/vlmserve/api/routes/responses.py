@@ -8,12 +8,16 @@ import logging
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
 
 from vlmserve.api.protocol.responses_api import ResponsesRequest
+from vlmserve.api.resume_token import HEADER, RESUME_TOKEN_OWNER
 from vlmserve.api.routing import StrictJSONRoute
 from vlmserve.api.services import OwnerDep, ResponsesDep
+from vlmserve.api.serving.chat import tenant_of
 from vlmserve.api.serving.responses_sse import response_sse
 from vlmserve.api.serving.sse import ClientGone, run_until_disconnect
+from vlmserve.errors import NotFound
 
 router = APIRouter(route_class=StrictJSONRoute)
 log = logging.getLogger(__name__)
@@ -35,11 +39,13 @@ async def create_response(request: Request, responses: ResponsesDep, owner: Owne
             )
         except ClientGone:
             return Response(status_code=499)
-    response_id = await responses.start(body, request_id, owner)
+    response_id, token = await responses.start(body, request_id, owner)
     if body.stream:
-        return await response_sse(responses.sessions, response_id, -1)
+        return await response_sse(responses.manager(body.store), response_id, -1,
+                                  tenant=tenant_of(owner), resume_token=token)  # fmt: skip
     if body.background:
-        return await responses.retrieve(response_id, owner)
+        answer = await responses.retrieve(response_id, owner)
+        return JSONResponse(answer, headers={HEADER: token})
     try:
         return await run_until_disconnect(request, responses.finished(response_id, owner))
     except ClientGone:  # a plain request is cancelled with its client, as a chat completion is
@@ -54,14 +60,23 @@ async def retrieve_response(
     response_id: str,
     stream: bool = False,
     starting_after: int | None = Query(default=None, ge=0, le=2**62),
+    token: str | None = Query(default=None, max_length=128),
 ) -> Any:
     """The stored response; with ``stream=true`` its events after ``starting_after`` (all when
-    left out), then live ones. Nothing left to send is a 204."""
+    left out; ahead of those made so far: once they are), then live ones. Nothing left to send
+    is a 204. Without an API key (keys configured), ``stream=true&token=`` (the response's
+    ``X-Resume-Token``) opens its events."""
+    after = -1 if starting_after is None else starting_after
+    if owner == RESUME_TOKEN_OWNER:
+        if not stream:  # the auth middleware lets no other token request in
+            raise NotFound(f"no stored response {response_id!r}", code="response_not_found")
+        record = await responses.by_token(response_id, token)
+        return await response_sse(responses.sessions, response_id, after,
+                                  stored_as=record.session_id)  # fmt: skip
     if not stream:
         return await responses.retrieve(response_id, owner)
     await responses.check_stored(response_id, owner)
-    after = -1 if starting_after is None else starting_after
-    return await response_sse(responses.sessions, response_id, after)
+    return await response_sse(responses.sessions, response_id, after, tenant=tenant_of(owner))
 
 
 @router.post("/v1/responses/{response_id}/cancel", response_model=None)

@@ -17,7 +17,7 @@ from vlmserve.api.protocol.tasks import (
     TriplesRequest,
 )
 from vlmserve.api.routing import StrictJSONRoute
-from vlmserve.api.services import TasksDep
+from vlmserve.api.services import OwnerDep, TasksDep
 from vlmserve.api.serving.sse import ClientGone, run_until_disconnect
 from vlmserve.api.serving.tasks import id_card_body
 
@@ -32,24 +32,27 @@ async def _answer(request: Request, work: Any) -> Any:
 
 
 @router.post("/v1/extract/entities", response_model=None)
-async def extract_entities(request: Request, service: TasksDep, body: EntitiesRequest) -> Any:
+async def extract_entities(request: Request, service: TasksDep, owner: OwnerDep,
+                           body: EntitiesRequest) -> Any:  # fmt: skip
     """Named entities ``{"entities": [{"text", "type"}], "model", "usage"}`` from text/media."""
     request.state.model = body.model
-    return await _answer(request, service.entities(body, request.state.request_id))
+    return await _answer(request, service.entities(body, request.state.request_id, owner))
 
 
 @router.post("/v1/extract/triples", response_model=None)
-async def extract_triples(request: Request, service: TasksDep, body: TriplesRequest) -> Any:
+async def extract_triples(request: Request, service: TasksDep, owner: OwnerDep,
+                          body: TriplesRequest) -> Any:  # fmt: skip
     """Knowledge triples ``{"triples": [{"subject", "predicate", "object"}], ...}``."""
     request.state.model = body.model
-    return await _answer(request, service.triples(body, request.state.request_id))
+    return await _answer(request, service.triples(body, request.state.request_id, owner))
 
 
 @router.post("/v1/extract/id-card", response_model=None)
-async def extract_id_card(request: Request, service: TasksDep, body: IdCardRequest) -> Any:
+async def extract_id_card(request: Request, service: TasksDep, owner: OwnerDep,
+                          body: IdCardRequest) -> Any:  # fmt: skip
     """A KTP photo (URL/data URL/base64) -> seed 003's fields, normalised and checked."""
     request.state.model = body.model
-    return await _answer(request, service.id_card(body, request.state.request_id))
+    return await _answer(request, service.id_card(body, request.state.request_id, owner))
 
 
 @router.post("/v1/extract/id-card/validate")
@@ -59,6 +62,7 @@ async def validate_id_card_fields(body: IdCardValidateRequest) -> dict[str, Any]
 
 
 @router.post("/ktp-ocr/", response_model=None)
-async def ktp_ocr(request: Request, service: TasksDep, file: UploadFile = File(...)) -> Any:
+async def ktp_ocr(request: Request, service: TasksDep, owner: OwnerDep,
+                  file: UploadFile = File(...)) -> Any:  # fmt: skip
     """Seed 003: multipart ``file`` (a KTP photo) -> the card's fields as JSON."""
-    return await _answer(request, service.ktp_upload(file, request.state.request_id))
+    return await _answer(request, service.ktp_upload(file, request.state.request_id, owner))

@@ -8,28 +8,37 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.metrics import Metrics
 from vlmserve.api.protocol.chat import ChatCompletionRequest, StreamOptions
 from vlmserve.api.protocol.responses import CompletionIds, chunk_json, delta_of, usage
+from vlmserve.api.resume_token import issue
 from vlmserve.api.serving.choices import Answer, Usage, choice_chunk
 from vlmserve.api.serving.convert import Converter
 from vlmserve.api.serving.generation import (
     Generation,
+    Leased,
     SentChoices,
     open_generation,
     seeded,
     sent_by_choice,
     sent_token_ids,
 )
+from vlmserve.api.serving.keys import KeyPolicy
 from vlmserve.engine.choices import merge_choices
 from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, FinishReason
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
-from vlmserve.registry.manager import Lease, ModelManager
+from vlmserve.registry.manager import ModelManager
 from vlmserve.streaming import Emit, Event, Resumption, SessionManager, SessionRecord, error_emit
 
-__all__ = ["ChatService"]
+__all__ = ["ChatService", "tenant_of"]
 
 log = logging.getLogger(__name__)
+
+
+def tenant_of(owner: str) -> str:
+    """The namespace of ``owner``'s sessions (``streaming/scope.py``): none without keys."""
+    return "" if owner == ANONYMOUS else owner
 
 
 def _new_ids(model: str) -> CompletionIds:
@@ -82,7 +91,7 @@ def _ending(chunk: Chunk) -> dict[str, Any]:
     }
 
 
-async def _leased(leases: list[Lease], emits: AsyncIterator[Emit]) -> AsyncIterator[Emit]:
+async def _leased(leases: list[Leased], emits: AsyncIterator[Emit]) -> AsyncIterator[Emit]:
     """Hold the model leases for as long as the stream produces (no idle unload meanwhile)."""
     try:
         async for emit in emits:
@@ -114,26 +123,32 @@ class ChatService:
         converter: Converter,
         sessions: SessionManager,
         metrics: Metrics | None = None,
+        keys: KeyPolicy | None = None,
     ):
         self.models = models
         self.converter = converter
         self.sessions = sessions
         self.metrics = metrics
+        self.keys = keys or KeyPolicy()
         sessions.set_resumer(self.resume)
 
     async def open_generation(
         self, body: ChatCompletionRequest, request_id: str, *, model: str | None = None,
         resume_after: list[int] | None = None, priority: int = INTERACTIVE_PRIORITY,
+        owner: str = ANONYMOUS,
     ) -> Generation:  # fmt: skip
         """Lease, admit and prepare one generation (``generation.open_generation``)."""
         return await open_generation(
             self.models, self.converter, self.metrics, body, request_id,
-            model=model, resume_after=resume_after, priority=priority,
+            model=model, resume_after=resume_after, priority=priority, owner=owner,
+            keys=self.keys,
         )  # fmt: skip
 
     async def complete(self, body: ChatCompletionRequest, request_id: str, *,
-                       priority: int = INTERACTIVE_PRIORITY) -> dict[str, Any]:  # fmt: skip
-        generation = await self.open_generation(body, request_id, priority=priority)
+                       priority: int = INTERACTIVE_PRIORITY, owner: str = ANONYMOUS,
+                       ) -> dict[str, Any]:  # fmt: skip
+        generation = await self.open_generation(body, request_id, priority=priority,
+                                                owner=owner)  # fmt: skip
         answer = Answer()
         try:
             async for chunk in generation.chunks:
@@ -143,10 +158,12 @@ class ChatService:
             generation.lease.release()
         return answer.body(_new_ids(generation.model_id))
 
-    async def start_stream(self, body: ChatCompletionRequest, request_id: str) -> str:
-        """Validate and prepare (4xx before any byte is sent), then start the session."""
-        session_id = body.session_id or uuid.uuid4().hex
-        if body.session_id and await self.sessions.exists(session_id):
+    async def start_stream(self, body: ChatCompletionRequest, request_id: str,
+                           owner: str = ANONYMOUS) -> tuple[str, str]:  # fmt: skip
+        """Validate and prepare (4xx before any byte is sent), then start the session in
+        ``owner``'s namespace; its id and resume token (``resume_token.py``)."""
+        session_id, tenant = body.session_id or uuid.uuid4().hex, tenant_of(owner)
+        if body.session_id and await self.sessions.exists(session_id, tenant):
             raise InvalidRequest(
                 f"session {session_id!r} already exists; resume it with a Last-Event-ID header "
                 "or start a new one with another session_id",
@@ -154,20 +171,22 @@ class ChatService:
                 code="session_exists",
             )
         body = seeded(body, self.sessions.durable)
-        generation = await self.open_generation(body, request_id)
+        generation = await self.open_generation(body, request_id, owner=owner)
+        token, token_alias = issue()
         try:
             ids = _new_ids(generation.model_id)
             record = {"body": body.model_dump(mode="json"), "id": ids.id,
-                      "created": ids.created, "model": ids.model}  # fmt: skip
+                      "created": ids.created, "model": ids.model, "api_owner": owner}  # fmt: skip
             emits = _emits(generation.chunks, ids, body.stream_options, first=True, n=body.n)
             await self.sessions.start(
                 session_id, record, _leased([generation.lease], emits),
                 on_cancel=_on_cancel(ids), on_error=_on_error, aliases=[ids.id],
+                tenant=tenant, secret_aliases=[token_alias],
             )  # fmt: skip
         except BaseException:
             await generation.abandon()
             raise
-        return session_id
+        return session_id, token
 
     async def resume(self, record: SessionRecord, events: list[Event]) -> Resumption | None:
         """After a restart: continue a stored generation after exactly the tokens already sent
@@ -205,7 +224,7 @@ class ChatService:
         if body.n == 1:
             generation = await self.open_generation(
                 body, f"resume-{record.session_id}", model=record.request["model"],
-                resume_after=sent_token_ids(events),
+                resume_after=sent_token_ids(events), owner=_owner(record),
             )  # fmt: skip
             return [(0, generation)]
         opened: list[tuple[int, Generation]] = []
@@ -218,12 +237,17 @@ class ChatService:
                 opened.append((i, await self.open_generation(
                     alone, f"resume-{record.session_id}-choice{i}",
                     model=record.request["model"], resume_after=sent.tokens.get(i, []),
+                    owner=_owner(record),
                 )))  # fmt: skip
         except BaseException:
             for _, generation in opened:
                 await generation.abandon()
             raise
         return opened
+
+
+def _owner(record: SessionRecord) -> str:
+    return str(record.request.get("api_owner", ANONYMOUS))
 
 
 def _unsent_finishes(ids: CompletionIds, sent: SentChoices) -> list[Emit]:

@@ -15,18 +15,21 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.metrics import Metrics
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.serving.convert import Converter, response_format
+from vlmserve.api.serving.keys import KeyedLease, KeyPolicy
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, GenerateRequest, Serves
 from vlmserve.errors import UnsupportedFeature
-from vlmserve.registry.manager import Lease, ModelManager
+from vlmserve.registry.manager import ModelManager
 
 __all__ = [
     "Generation",
+    "Leased",
     "SentChoices",
     "open_generation",
     "seeded",
@@ -35,12 +38,21 @@ __all__ = [
 ]
 
 
+class Leased(Protocol):
+    """A generation's hold on its model (a registry ``Lease``, with its key's place)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+    def release(self) -> None: ...
+
+
 @dataclass(slots=True)
 class Generation:
     """A prepared generation: its chunks start flowing when first iterated (which hands the
     queue place over to the engine). Whoever takes it releases ``lease`` when done."""
 
-    lease: Lease
+    lease: Leased
     prepared: Any
     chunks: AsyncIterator[Chunk]
     release_place: Callable[[], None]
@@ -137,13 +149,24 @@ async def open_generation(
     models: ModelManager, converter: Converter, metrics: Metrics | None,
     body: ChatCompletionRequest, request_id: str, *, model: str | None = None,
     resume_after: list[int] | None = None, priority: int = INTERACTIVE_PRIORITY,
+    owner: str = ANONYMOUS, keys: KeyPolicy | None = None,
 ) -> Generation:  # fmt: skip
     """Lease, admit and prepare (every 4xx/429/503 raises here). ``resume_after``: tokens an
     earlier run already sent; the engine continues after them (``ValueError`` for a proxied
     model, whose tokens are the upstream's). ``priority``: the engine's admission class
-    (``BATCH_PRIORITY`` for batch lines)."""
+    (``BATCH_PRIORITY`` for batch lines). ``owner``'s key salts the prefix cache and holds one
+    of its places (``keys.py``; a continued generation or a batch line takes none: batches
+    have their own concurrency)."""
     needs = converter.needs(body)
-    lease = await models.acquire(model or body.model, "chat", Serves.CHAT, needs)
+    keys = keys or KeyPolicy()
+    interactive = resume_after is None and priority == INTERACTIVE_PRIORITY
+    place = keys.take(owner) if interactive else _nothing
+    try:
+        held = await models.acquire(model or body.model, "chat", Serves.CHAT, needs)
+    except BaseException:
+        place()
+        raise
+    lease = KeyedLease(held, place)
     prepared, release = None, _nothing
     try:
         backend = lease.backend
@@ -153,6 +176,8 @@ async def open_generation(
         request = await _engine_request(converter, backend, body, request_id)
         request.prefix_token_ids = list(resume_after or [])
         request.priority = priority
+        if not backend.proxied:
+            request.cache_salt = keys.salt(owner, request.cache_salt)
         prepared = await backend.prepare(request)
     except BaseException:
         release()

@@ -9,14 +9,19 @@ store, continuation after a restart (``_resume``, through the SessionManager's r
 sessions go on to ``ChatService.resume``).
 
 ``store: false`` responses are not retrievable; a non-streamed one runs through
-``ChatService.complete`` and never touches the store. ``DELETE`` leaves a tombstone session
-(``<id>.deleted``): the store has no delete yet, and both expire with the sessions' TTL.
+``ChatService.complete`` and never touches the store; a streamed one runs as a session of
+``unstored``, a manager of its own on a memory store: its prompt, images and events never
+reach the disk (nor Redis), and are gone with the process. ``DELETE`` leaves a tombstone session
+(``<id>.deleted``, of kind ``deleted``): the store has no delete yet, and both expire with the
+sessions' TTL.
 
-A stored response belongs to the API key that made it (``api_owner`` in its record: the auth
-digest, never the key): for any other key every call on it, ``previous_response_id`` included,
-is the same 404 as for an unknown id. It is kept ``sessions_ttl_seconds`` after its last event
-(the store's retention, enforced here too so that an expired one is a 404 before the store's
-sweep has run).
+A stored response belongs to the API key that made it: its session, and its tombstone, are in
+that key's namespace (``streaming/scope.py``; ``api_owner`` in its record too: the auth
+digest, never the key), so for any other key every call on it, ``previous_response_id``
+included, is the same 404 as for an unknown id, and no other key's session name (a chat
+``session_id`` such as ``<id>.deleted``) can touch it. It is kept ``sessions_ttl_seconds``
+after its last event (the store's retention, enforced here too so that an expired one is a 404
+before the store's sweep has run).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Any
 
 from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.protocol.responses_api import ResponsesRequest
-from vlmserve.api.serving.chat import ChatService
+from vlmserve.api.resume_token import issue, token_alias
+from vlmserve.api.serving.chat import ChatService, tenant_of
 from vlmserve.api.serving.files import FilesService
 from vlmserve.api.serving.generation import seeded
 from vlmserve.api.serving.responses_convert import (
@@ -55,11 +61,14 @@ from vlmserve.streaming import (
     FINAL_STATES,
     Emit,
     Event,
+    MemoryStore,
     Resumer,
     Resumption,
+    SessionManager,
     SessionRecord,
     SessionState,
 )
+from vlmserve.streaming.scope import scoped, unscoped
 
 __all__ = ["KIND", "ResponsesService"]
 
@@ -93,6 +102,9 @@ class ResponsesService:
                  files: FilesService | None = None) -> None:  # fmt: skip
         self.chat = chat
         self.sessions = chat.sessions
+        self.unstored = SessionManager(MemoryStore(ttl=self.sessions.ttl),
+                                       ring_size=self.sessions.options.ring_size,
+                                       ttl=self.sessions.ttl)  # fmt: skip
         self.files = files  # for input_image file_id; None: only URLs
         # One resumer per SessionManager: ours continues responses, the chat one the rest.
         self._chat_resumer = chat_resumer
@@ -124,13 +136,14 @@ class ResponsesService:
         return [*history, *input_messages(body)], files
 
     async def start(self, body: ResponsesRequest, request_id: str, owner: str = ANONYMOUS
-                    ) -> str:  # fmt: skip
-        """Validate, prepare (every 4xx before a byte is sent), then run it as a session."""
+                    ) -> tuple[str, str]:  # fmt: skip
+        """Validate, prepare (every 4xx before a byte is sent), then run it as a session in
+        ``owner``'s namespace; its id and resume token (``resume_token.py``)."""
         check_supported(body, strict=getattr(self.chat.converter.settings, "strict_fields", False))
         conversation, files = await self._conversation(body, owner)
         chat_body = seeded(to_chat_request(body, conversation), self.sessions.durable)
         try:
-            generation = await self.chat.open_generation(chat_body, request_id)
+            generation = await self.chat.open_generation(chat_body, request_id, owner=owner)
         except VlmserveError as exc:
             raise remap(exc) from None
         response_id = new_response_id()
@@ -142,10 +155,12 @@ class ResponsesService:
             "response": base_response(body, response_id, generation.model_id),
         }  # fmt: skip
         rlog = ResponseLog.restore(request, [])
+        token, token_alias = issue()
         try:
-            session = await self.sessions.start(response_id, request, produce(rlog, generation),
-                                                on_cancel=rlog.on_cancel,
-                                                on_error=rlog.on_error)  # fmt: skip
+            session = await self.manager(body.store).start(
+                response_id, request, produce(rlog, generation), on_cancel=rlog.on_cancel,
+                on_error=rlog.on_error, tenant=tenant_of(owner), secret_aliases=[token_alias],
+            )  # fmt: skip
         except BaseException:
             await generation.abandon()
             raise
@@ -153,11 +168,18 @@ class ResponsesService:
             # Nobody listens, yet nothing may cancel it for that: a background response runs
             # without a client; a plain request waits for it (and cancels it if it leaves).
             session.attach()
-        return response_id
+        return response_id, token
+
+    def manager(self, store: bool) -> SessionManager:
+        """Where a response's session runs: the sessions' store, or memory (``store: false``)."""
+        return self.sessions if store else self.unstored
+
+    async def close(self) -> None:
+        await self.unstored.close()
 
     async def finished(self, response_id: str, owner: str = ANONYMOUS) -> dict[str, Any]:
         """The response once its generation has ended (a stored, non-streamed create)."""
-        session = self.sessions.get(response_id)
+        session = self.sessions.get(response_id, tenant_of(owner))
         if session is not None:
             await session.wait()
         return await self.retrieve(response_id, owner)
@@ -170,7 +192,8 @@ class ResponsesService:
         conversation, _ = await self._conversation(body, owner)
         chat_body = seeded(to_chat_request(body, conversation), self.sessions.durable)
         try:
-            answer = await self.chat.complete(chat_body, request_id, priority=priority)
+            answer = await self.chat.complete(chat_body, request_id, priority=priority,
+                                              owner=owner)  # fmt: skip
         except VlmserveError as exc:
             raise remap(exc) from None
         rlog = ResponseLog(base_response(body, new_response_id(), answer["model"]),
@@ -189,17 +212,17 @@ class ResponsesService:
 
     async def _record(self, response_id: str, owner: str, param: str | None = None
                       ) -> SessionRecord:  # fmt: skip
-        store = self.sessions.store
+        store, tenant = self.sessions.store, tenant_of(owner)
         record = None
         if response_id.startswith("resp_") and len(response_id) <= 64:
-            record = await store.get(response_id)
+            record = await store.get(scoped(tenant, response_id))
         if (
             record is None
             or record.request.get("kind") != KIND
             or not record.request.get("store")
             or record.request.get("api_owner", ANONYMOUS) != owner
             or self._expired(record)
-            or await store.get(_tombstone(response_id)) is not None
+            or await self._deleted(scoped(tenant, _tombstone(response_id)))
         ):
             raise NotFound(
                 f"no stored response {response_id!r} (unknown, deleted, created with "
@@ -209,6 +232,27 @@ class ResponsesService:
                 code="response_not_found",
             )
         return record
+
+    async def by_token(self, response_id: str, token: str | None) -> SessionRecord:
+        """The stored response ``token`` was issued for, if it is ``response_id`` (else the
+        404 of an unknown id); an orphaned one (a restart) continues here."""
+        record = None if not token else await self.sessions.record(token_alias(token))
+        if (
+            record is None
+            or record.request.get("kind") != KIND
+            or not record.request.get("store")
+            or unscoped(record.session_id) != response_id
+            or self._expired(record)
+            or await self._deleted(_tombstone(record.session_id))
+        ):
+            raise NotFound(f"no stored response {response_id!r}", code="response_not_found")
+        if record.state is SessionState.RUNNING and self.sessions.get(record.session_id) is None:
+            await self._take_over(record)
+        return record
+
+    async def _deleted(self, tombstone: str) -> bool:
+        record = await self.sessions.store.get(tombstone)
+        return record is not None and record.request.get("kind") == "deleted"
 
     async def _events(self, record: SessionRecord) -> list[Event]:
         events = await self.sessions.store.events(record.session_id, -1)
@@ -221,7 +265,7 @@ class ResponsesService:
                        ) -> SessionRecord:  # fmt: skip
         """The stored record, after continuing the response here if it was orphaned."""
         record = await self._record(response_id, owner, param)
-        if record.state is SessionState.RUNNING and self.sessions.get(response_id) is None:
+        if record.state is SessionState.RUNNING and self.sessions.get(record.session_id) is None:
             await self._take_over(record)
             record = await self._record(response_id, owner, param)
         return record
@@ -262,15 +306,16 @@ class ResponsesService:
     async def cancel(self, response_id: str, owner: str = ANONYMOUS) -> dict[str, Any]:
         """Stop a running response (within an engine step); a finished one is returned as is."""
         await self._record(response_id, owner)
-        await self.sessions.cancel(response_id)
+        await self.sessions.cancel(response_id, tenant_of(owner))
         return await self.retrieve(response_id, owner)
 
     async def delete(self, response_id: str, owner: str = ANONYMOUS) -> dict[str, Any]:
         await self._record(response_id, owner)
-        await self.sessions.cancel(response_id)
+        await self.sessions.cancel(response_id, tenant_of(owner))
         with contextlib.suppress(InvalidRequest):  # InvalidRequest: deleted meanwhile
             await self.sessions.start(_tombstone(response_id), {"kind": "deleted"}, _no_events(),
-                                      on_cancel=list, on_error=lambda exc: [])  # fmt: skip
+                                      on_cancel=list, on_error=lambda exc: [],
+                                      tenant=tenant_of(owner))  # fmt: skip
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     # -- restart --------------------------------------------------------------------------

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Response
 from fastapi.responses import StreamingResponse
 
 from vlmserve.api.protocol.responses import sse_json
+from vlmserve.api.resume_token import HEADER, with_token
 from vlmserve.errors import InvalidRequest
 from vlmserve.streaming import Event, Listener, SessionManager
 
@@ -36,9 +38,9 @@ def encode_response_event(event: Event) -> bytes:
     return f"event: {kind}\ndata: {data}\n\n".encode()
 
 
-async def _opened(sessions: SessionManager, response_id: str, after: int) -> Listener:
+async def _opened(sessions: SessionManager, name: str, after: int, tenant: str) -> Listener:
     try:
-        return await sessions.listen(response_id, after)
+        return await sessions.listen(name, after, tenant)
     except InvalidRequest as exc:
         if exc.code != "invalid_last_event_id":
             raise
@@ -46,10 +48,18 @@ async def _opened(sessions: SessionManager, response_id: str, after: int) -> Lis
         raise InvalidRequest(message, param="starting_after", code=exc.code) from None
 
 
-async def response_sse(sessions: SessionManager, response_id: str, after: int) -> Response:
-    """Events with ``sequence_number > after``, then live ones; 204 when none can follow."""
-    events = await _opened(sessions, response_id, after)
+async def response_sse(sessions: SessionManager, response_id: str, after: int, *,
+                       tenant: str = "", stored_as: str | None = None,
+                       resume_token: str | None = None) -> Response:  # fmt: skip
+    """Events with ``sequence_number > after`` (ahead of those made so far: once they are),
+    then live ones; 204 when none can follow. ``response_id`` in ``tenant``'s namespace, or
+    ``stored_as`` (found by its resume token); ``resume_token``: a new response's token, in
+    the ``X-Resume-Token`` header and its first event."""
+    events = await _opened(sessions, stored_as or response_id, after,
+                           "" if stored_as else tenant)  # fmt: skip
     headers = {**_HEADERS, "X-Session-ID": response_id}
+    if resume_token is not None:
+        headers[HEADER] = resume_token
     try:
         first = await anext(events)
     except StopAsyncIteration:
@@ -60,7 +70,10 @@ async def response_sse(sessions: SessionManager, response_id: str, after: int) -
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            yield encode_response_event(first)
+            opening = first
+            if resume_token is not None and first.index == 0:
+                opening = replace(first, data=with_token(first.data, resume_token))
+            yield encode_response_event(opening)
             async for event in events:
                 if event.terminal:
                     return

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.generation import Generation, sent_token_ids
@@ -48,7 +49,8 @@ async def resumption(chat: ChatService, request: dict[str, Any], events: list[Ev
         return Resumption(_replay(log.end_again()), log.on_cancel, log.on_error)
     body = ChatCompletionRequest.model_validate(request["body"])
     generation = await chat.open_generation(body, f"resume-{session_id}",
-                                            resume_after=sent_token_ids(events))  # fmt: skip
+                                            resume_after=sent_token_ids(events),
+                                            owner=request.get("api_owner", ANONYMOUS))  # fmt: skip
     return Resumption(produce(log, generation), log.on_cancel, log.on_error)
 
 

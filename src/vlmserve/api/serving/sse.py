@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
+from vlmserve.api.resume_token import HEADER, with_token
 from vlmserve.streaming import DONE, Event, SessionManager, encode_event
 from vlmserve.streaming.sse import encode_data
 
@@ -58,13 +60,22 @@ async def sse_response(
     after: int,
     *,
     resumable: bool,
-    extra_headers: dict[str, str] | None = None,
+    tenant: str = "",
+    stored_as: str | None = None,
+    resume_token: str | None = None,
 ) -> Response:
-    """Replay after ``after`` then follow live. Unknown sessions raise (-> 404) and an index
-    past the produced events of a running one raises (-> 400), both before any byte; nothing
-    left to send is a 204."""
-    headers = {**SSE_HEADERS, "X-Session-ID": session_id, **(extra_headers or {})}
-    events = sessions.listen(session_id, after)
+    """Replay after ``after`` then follow live (an ``after`` ahead of the events produced so
+    far waits for them). Unknown sessions raise (-> 404) before any byte; nothing left to send
+    is a 204. ``session_id`` is the name the client knows, in ``tenant``'s namespace (or
+    ``stored_as``, the session's stored name, found by its resume token); ``resume_token``: a
+    new stream's token, in the ``X-Resume-Token`` header and the first event."""
+    headers = {**SSE_HEADERS, "X-Session-ID": session_id}
+    if resume_token is not None:
+        headers[HEADER] = resume_token
+    if stored_as is None:
+        events = sessions.listen(session_id, after, tenant)
+    else:
+        events = sessions.listen(stored_as, after)
     try:
         first = await anext(events)
     except StopAsyncIteration:  # at or past the end of an ended session
@@ -77,7 +88,10 @@ async def sse_response(
     async def body() -> AsyncIterator[bytes]:
         last = first
         try:
-            yield encode(first)
+            if resume_token is not None and first.index == 0:
+                yield encode(replace(first, data=with_token(first.data, resume_token)))
+            else:
+                yield encode(first)
             async for last in events:
                 yield encode(last)
         finally:

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import UploadFile
 
+from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.protocol.tasks import (
     EntitiesRequest,
@@ -148,9 +149,9 @@ class TaskService:
             "response_format": prompt.response_format(),
         })  # fmt: skip
 
-    async def _ask(self, prompt: TaskPrompt, wire: ChatCompletionRequest, request_id: str
-                   ) -> Answer:  # fmt: skip
-        completion = await self.chat.complete(wire, request_id)
+    async def _ask(self, prompt: TaskPrompt, wire: ChatCompletionRequest, request_id: str,
+                   owner: str = ANONYMOUS) -> Answer:  # fmt: skip
+        completion = await self.chat.complete(wire, request_id, owner=owner)
         choice = completion["choices"][0]
         text, finish = choice["message"]["content"] or "", choice.get("finish_reason") or ""
         budget = wire.max_tokens or 0
@@ -164,30 +165,35 @@ class TaskService:
             raise _invalid(prompt, text, finish, problem, budget)
         return Answer(data, completion)
 
-    async def _extract(self, prompt: TaskPrompt, body: ExtractRequest, request_id: str) -> Answer:
+    async def _extract(self, prompt: TaskPrompt, body: ExtractRequest, request_id: str,
+                       owner: str) -> Answer:  # fmt: skip
         _require_input(body)
         wire = self._wire(prompt, body, _media_parts(body), body.text)
         try:
-            return await self._ask(prompt, wire, request_id)
+            return await self._ask(prompt, wire, request_id, owner)
         except VlmserveError as exc:
             clip = "frames" if body.frames is not None else "video"
             _media_param(exc, [f"images[{i}]" for i in range(len(body.images))] + [clip])
             raise
 
-    async def entities(self, body: EntitiesRequest, request_id: str) -> dict[str, Any]:
+    async def entities(self, body: EntitiesRequest, request_id: str, owner: str = ANONYMOUS
+                       ) -> dict[str, Any]:  # fmt: skip
         types = body.entity_types or list(DEFAULT_ENTITY_TYPES)
         prompt = entities_prompt(types, body.json_schema, body.max_items or MAX_ENTITIES)
-        return _shaped(await self._extract(prompt, body, request_id), body, "entities")
+        return _shaped(await self._extract(prompt, body, request_id, owner), body, "entities")
 
-    async def triples(self, body: TriplesRequest, request_id: str) -> dict[str, Any]:
+    async def triples(self, body: TriplesRequest, request_id: str, owner: str = ANONYMOUS
+                      ) -> dict[str, Any]:  # fmt: skip
         prompt = triples_prompt(body.json_schema, body.max_items or MAX_TRIPLES)
-        return _shaped(await self._extract(prompt, body, request_id), body, "triples")
+        return _shaped(await self._extract(prompt, body, request_id, owner), body, "triples")
 
-    async def id_card(self, body: IdCardRequest, request_id: str) -> dict[str, Any]:
+    async def id_card(self, body: IdCardRequest, request_id: str, owner: str = ANONYMOUS
+                      ) -> dict[str, Any]:  # fmt: skip
         prompt = id_card_prompt(body.json_schema)
         parts = [{"type": "image_url", "image_url": {"url": body.image}}]
         try:
-            answer = await self._ask(prompt, self._wire(prompt, body, parts, None), request_id)
+            answer = await self._ask(prompt, self._wire(prompt, body, parts, None), request_id,
+                                     owner)  # fmt: skip
         except VlmserveError as exc:
             _media_param(exc, ["image"])
             raise
@@ -195,12 +201,13 @@ class TaskService:
             return {"result": answer.data, **answer.envelope()}
         return {**id_card_body(answer.data), **answer.envelope()}
 
-    async def ktp_upload(self, file: UploadFile, request_id: str) -> dict[str, Any]:
+    async def ktp_upload(self, file: UploadFile, request_id: str, owner: str = ANONYMOUS
+                         ) -> dict[str, Any]:  # fmt: skip
         """Seed 003's ``/ktp-ocr/``: a multipart photo, size-checked before decoding."""
         data = await read_upload(file, self.chat.converter.settings.max_media_bytes)
         body = IdCardRequest(image=base64.b64encode(data).decode())
         try:
-            return await self.id_card(body, request_id)
+            return await self.id_card(body, request_id, owner)
         except (MediaError, PayloadTooLarge) as exc:
             exc.param = "file"
             raise
