@@ -1,0 +1,80 @@
+"""Bounds before work, measured on a real server process: what one cheap request can make the
+server read, hold or stall. Peak RSS is the server's VmHWM, reset after the setup (uploads)
+and before the request under test."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from support import MODEL, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MiB = 2**20
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise LookupError(field)
+
+
+def reset_peak(pid: int) -> None:
+    """Reset the process's peak RSS (VmHWM) to its current RSS."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rise(pid: int, rss_before_kib: int) -> int:
+    """Bytes the peak RSS rose over ``rss_before_kib`` since the last reset."""
+    return (_status_kib(pid, "VmHWM") - rss_before_kib) * 1024
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    data = tmp_path_factory.mktemp("bounds-data")
+    env = {"VLMSERVE_FILES_DIR": str(data), "VLMSERVE_SESSIONS_DB_PATH": str(data / "s.db")}
+    proc = ServerProcess(["serve", "--model", str(tiny_dir), "--served-model-name", MODEL,
+                          "--device", "cpu"], env=env)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def upload(url: str, data: bytes, purpose: str, name: str = "f.bin") -> str:
+    files = {"file": (name, data)}
+    answer = httpx.post(f"{url}/v1/files", files=files, data={"purpose": purpose}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return str(answer.json()["id"])
+
+
+def test_forty_references_to_one_48_mib_file_are_refused_before_any_is_read(
+    server: ServerProcess,
+) -> None:
+    # a PNG signature, then 48 MiB less a little: the largest upload the default allows
+    file_id = upload(server.url, b"\x89PNG\r\n\x1a\n" + os.urandom(48 * MiB - 4096), "vision",
+                     "big.png")
+    parts = [{"type": "input_image", "file_id": file_id} for _ in range(40)]
+    body = {"model": MODEL, "max_output_tokens": 2,
+            "input": [{"role": "user", "content": [*parts, {"type": "input_text", "text": "?"}]}]}
+    pid = server.proc.pid
+    rss = _status_kib(pid, "VmRSS")
+    reset_peak(pid)
+    started = time.perf_counter()
+    answer = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    seconds = time.perf_counter() - started
+    rise = peak_rise(pid, rss)
+    assert answer.status_code == 400, answer.text
+    assert "VLMSERVE_MAX_MEDIA_PER_REQUEST" in answer.json()["error"]["message"]
+    assert seconds < 1.0, f"{seconds:.2f} s"
+    assert rise < 64 * MiB, f"peak RSS rose {rise / MiB:.0f} MiB"
