@@ -5,6 +5,7 @@ and before the request under test."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +44,7 @@ def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     data = tmp_path_factory.mktemp("bounds-data")
     env = {"VLMSERVE_FILES_DIR": str(data), "VLMSERVE_SESSIONS_DB_PATH": str(data / "s.db")}
     proc = ServerProcess(["serve", "--model", str(tiny_dir), "--served-model-name", MODEL,
-                          "--device", "cpu"], env=env)
+                          "--device", "cpu", "--max-model-len", "8192"], env=env)
     try:
         proc.wait_ready()
         yield proc
@@ -78,3 +79,46 @@ def test_forty_references_to_one_48_mib_file_are_refused_before_any_is_read(
     assert "VLMSERVE_MAX_MEDIA_PER_REQUEST" in answer.json()["error"]["message"]
     assert seconds < 1.0, f"{seconds:.2f} s"
     assert rise < 64 * MiB, f"peak RSS rose {rise / MiB:.0f} MiB"
+
+
+class HealthProbe:
+    """Polls ``/health`` from a thread every 20 ms; ``worst`` is the slowest answer (s)."""
+
+    def __init__(self, url: str):
+        self.url, self.worst, self.count = url, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not self._stop.is_set():
+                started = time.perf_counter()
+                assert http.get(f"{self.url}/health").status_code == 200
+                self.worst = max(self.worst, time.perf_counter() - started)
+                self.count += 1
+                self._stop.wait(0.02)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+def test_health_stays_fast_while_a_large_logprobs_answer_is_built_and_sent(
+    server: ServerProcess,
+) -> None:
+    # n=8 x 800 tokens x 20 alternatives: ~9 MiB of JSON (the tiny model makes 4,000 tokens,
+    # ~44 MiB, in minutes on a 2-core machine; the serialisation cost grows with the size)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 8,
+            "logprobs": True, "top_logprobs": 20, "max_tokens": 800, "ignore_eos": True,
+            "temperature": 1.0}  # fmt: skip
+    with HealthProbe(server.url) as probe:
+        answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=600)
+    assert answer.status_code == 200, answer.text[:500]
+    assert len(answer.content) > 8 * MiB
+    choices = answer.json()["choices"]
+    assert len(choices) == 8 and all(len(c["logprobs"]["content"]) == 800 for c in choices)
+    assert probe.count > 10 and probe.worst < 0.2, f"/health took {probe.worst * 1000:.0f} ms"

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 
+from vlmserve.api.json_response import json_response
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.routing import StrictJSONRoute
 from vlmserve.api.services import ChatDep
@@ -58,6 +59,7 @@ async def chat_completions(
         resumable = _resumable(request, body, resuming=False)
         return await sse_response(chat.sessions, session_id, -1, resumable=resumable)
     try:
-        return await run_until_disconnect(request, chat.complete(body, request_id))
+        answer = await run_until_disconnect(request, chat.complete(body, request_id))
     except ClientGone:
         return Response(status_code=499)
+    return await json_response(answer)

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
+from vlmserve.api.json_response import json_response
 from vlmserve.api.protocol.responses_api import ResponsesRequest
 from vlmserve.api.routing import StrictJSONRoute
 from vlmserve.api.services import OwnerDep, ResponsesDep
@@ -30,21 +31,23 @@ async def create_response(request: Request, responses: ResponsesDep, owner: Owne
         log.warning("%s: ignoring unsupported fields %s", request_id, body.ignored_fields)
     if not body.store and not body.stream:
         try:
-            return await run_until_disconnect(
+            answer = await run_until_disconnect(
                 request, responses.complete_unstored(body, request_id, owner)
             )
         except ClientGone:
             return Response(status_code=499)
+        return await json_response(answer)
     response_id = await responses.start(body, request_id, owner)
     if body.stream:
         return await response_sse(responses.sessions, response_id, -1)
     if body.background:
         return await responses.retrieve(response_id, owner)
     try:
-        return await run_until_disconnect(request, responses.finished(response_id, owner))
+        answer = await run_until_disconnect(request, responses.finished(response_id, owner))
     except ClientGone:  # a plain request is cancelled with its client, as a chat completion is
         await responses.cancel(response_id, owner)
         return Response(status_code=499)
+    return await json_response(answer)
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)
