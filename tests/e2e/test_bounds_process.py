@@ -4,6 +4,7 @@ and before the request under test."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -75,6 +76,8 @@ def test_forty_references_to_one_48_mib_file_are_refused_before_any_is_read(
     answer = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
     seconds = time.perf_counter() - started
     rise = peak_rise(pid, rss)
+    print(f"40 references: {answer.status_code} in {seconds * 1000:.0f} ms, peak RSS rose "
+          f"{rise / MiB:.1f} MiB")
     assert answer.status_code == 400, answer.text
     assert "VLMSERVE_MAX_MEDIA_PER_REQUEST" in answer.json()["error"]["message"]
     assert seconds < 1.0, f"{seconds:.2f} s"
@@ -118,7 +121,100 @@ def test_health_stays_fast_while_a_large_logprobs_answer_is_built_and_sent(
     with HealthProbe(server.url) as probe:
         answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=600)
     assert answer.status_code == 200, answer.text[:500]
+    print(f"{len(answer.content) / MiB:.1f} MiB answer: worst /health {probe.worst * 1000:.0f} ms")
     assert len(answer.content) > 8 * MiB
     choices = answer.json()["choices"]
     assert len(choices) == 8 and all(len(c["logprobs"]["content"]) == 800 for c in choices)
     assert probe.count > 10 and probe.worst < 0.2, f"/health took {probe.worst * 1000:.0f} ms"
+
+
+def _batch_file(target_bytes: int) -> bytes:
+    """Chat request lines (~1.2 KB each) up to ``target_bytes``."""
+    pad = "word " * 220
+    lines, size, i = [], 0, 0
+    while size < target_bytes:
+        body = {"model": MODEL, "max_tokens": 2,
+                "messages": [{"role": "user", "content": f"{i} {pad}"}]}  # fmt: skip
+        line = json.dumps({"custom_id": f"c{i}", "method": "POST",
+                           "url": "/v1/chat/completions", "body": body}) + "\n"  # fmt: skip
+        lines.append(line)
+        size, i = size + len(line), i + 1
+    return "".join(lines).encode()
+
+
+def wait_status(url: str, batch_id: str, wanted: tuple[str, ...], timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = httpx.get(f"{url}/v1/batches/{batch_id}", timeout=30).json()
+        if batch["status"] in wanted:
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} still {batch['status']}")
+
+
+def test_four_batches_on_one_47_mib_file_hold_little_memory_and_never_stall(
+    server: ServerProcess,
+) -> None:
+    data = _batch_file(47 * MiB)
+    file_id = upload(server.url, data, "batch", "big.jsonl")
+    pid = server.proc.pid
+    rss = _status_kib(pid, "VmRSS")
+    reset_peak(pid)
+    made = []
+    for _ in range(4):
+        with HealthProbe(server.url) as probe:
+            answer = httpx.post(f"{server.url}/v1/batches", timeout=60, json={
+                "input_file_id": file_id, "endpoint": "/v1/chat/completions"})  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            batch = wait_status(server.url, answer.json()["id"], ("in_progress", "failed"))
+        assert batch["status"] == "in_progress", batch["errors"]
+        assert batch["request_counts"]["total"] == data.count(b"\n")
+        assert probe.worst < 0.2, f"/health took {probe.worst * 1000:.0f} ms during a create"
+        made.append(batch["id"])
+        print(f"create {len(made)}: worst /health {probe.worst * 1000:.0f} ms")
+    rise = peak_rise(pid, rss)
+    print(f"four batches: peak RSS rose {rise / MiB:.0f} MiB")
+    for batch_id in made:
+        httpx.post(f"{server.url}/v1/batches/{batch_id}/cancel", timeout=30)
+    for batch_id in made:
+        wait_status(server.url, batch_id, ("cancelled",))
+    assert rise < 200 * MiB, f"peak RSS rose {rise / MiB:.0f} MiB"
+
+
+def test_a_deleted_input_file_loses_no_finished_line_across_kill_9(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    env = {"VLMSERVE_FILES_DIR": str(tmp_path), "VLMSERVE_SESSIONS_DB_PATH": str(tmp_path / "s.db")}
+    args = ["serve", "--model", str(tiny_dir), "--served-model-name", MODEL, "--device", "cpu"]
+    lines = [{"custom_id": f"k{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "max_tokens": 24, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": f"Count {i}."}]}}
+             for i in range(30)]  # fmt: skip
+    first = ServerProcess(args, env=env)
+    try:
+        first.wait_ready()
+        file_id = upload(first.url, "".join(json.dumps(x) + "\n" for x in lines).encode(),
+                         "batch", "in.jsonl")
+        batch_id = httpx.post(f"{first.url}/v1/batches", timeout=30, json={
+            "input_file_id": file_id, "endpoint": "/v1/chat/completions"}).json()["id"]  # fmt: skip
+        assert httpx.delete(f"{first.url}/v1/files/{file_id}", timeout=30).status_code == 200
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{first.url}/v1/batches/{batch_id}").json()["request_counts"][
+            "completed"] < 5:  # fmt: skip
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first.proc.kill()  # kill -9: no clean shutdown
+        first.proc.wait()
+    finally:
+        first.stop()
+    second = ServerProcess(args, env=env)
+    try:
+        second.wait_ready()
+        batch = wait_status(second.url, batch_id, ("completed", "failed"), timeout=300)
+        assert batch["status"] == "completed", batch["errors"]
+        assert batch["request_counts"] == {"total": 30, "completed": 30, "failed": 0}
+        out = httpx.get(f"{second.url}/v1/files/{batch['output_file_id']}/content").text
+        assert sorted(json.loads(x)["custom_id"] for x in out.splitlines()) == sorted(
+            x["custom_id"] for x in lines)
+    finally:
+        second.stop()

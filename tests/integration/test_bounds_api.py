@@ -3,7 +3,9 @@ sized before a byte of a file is read, each distinct file read once."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -85,3 +87,73 @@ async def test_too_many_references_are_refused_before_any_file_is_read(
     assert answer.json()["error"]["code"] == "too_many_media_items"
     assert "VLMSERVE_MAX_MEDIA_PER_REQUEST" in answer.json()["error"]["message"]
     assert reads == []
+
+
+# -- batch input files ------------------------------------------------------------------------
+
+
+def chat_line(custom_id: str, text: str = "Hi.", **body: Any) -> dict[str, Any]:
+    request = {"model": MODEL, "messages": [{"role": "user", "content": text}],
+               "max_tokens": 2, "temperature": 0, **body}  # fmt: skip
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": request}  # fmt: skip
+
+
+async def run_batch(http: httpx.AsyncClient, data: bytes) -> dict[str, Any]:
+    file_id = await upload(http, data, "batch", "in.jsonl")
+    made = await http.post("/v1/batches", json={"input_file_id": file_id,
+                                                "endpoint": "/v1/chat/completions"})  # fmt: skip
+    assert made.status_code == 200, made.text
+    return await finished(http, made.json()["id"])
+
+
+async def finished(http: httpx.AsyncClient, batch_id: str) -> dict[str, Any]:
+    for _ in range(6000):
+        batch = (await http.get(f"/v1/batches/{batch_id}")).json()
+        if batch["status"] in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"batch stuck in {batch['status']}")
+
+
+async def test_a_line_with_raw_unicode_line_separators_and_a_bom_runs(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    odd = json.dumps(chat_line("odd", "a\u2028b\u0085c\u2029d"), ensure_ascii=False)
+    data = ("\ufeff" + odd + "\r\n" + json.dumps(chat_line("plain")) + "\n").encode()
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (_, http):
+        batch = await run_batch(http, data)
+        out = (await http.get(f"/v1/files/{batch['output_file_id']}/content")).text
+    assert batch["status"] == "completed", batch["errors"]
+    assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert [json.loads(x)["custom_id"] for x in out.splitlines()] == ["odd", "plain"]
+
+
+async def test_a_line_nested_5000_deep_fails_the_batch_as_an_invalid_json_line(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    deep = '{"custom_id": "d", "url": "/v1/chat/completions", "body": ' + "[" * 5000
+    data = (json.dumps(chat_line("a")) + "\n" + deep + "]" * 5000 + "}\n").encode()
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (_, http):
+        batch = await run_batch(http, data)
+    assert batch["status"] == "failed"
+    errors = batch["errors"]["data"]
+    assert [(e["line"], e["code"]) for e in errors] == [(2, "invalid_json_line")]
+    assert "Recursion" not in errors[0]["message"]
+
+
+async def test_deleting_the_input_file_loses_no_line_of_its_batch(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    lines = [chat_line(f"l{i}", max_tokens=8, ignore_eos=True) for i in range(6)]
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (_, http):
+        file_id = await upload(http, data, "batch", "in.jsonl")
+        made = await http.post("/v1/batches", json={"input_file_id": file_id,
+                                                    "endpoint": "/v1/chat/completions"})  # fmt: skip
+        assert (await http.delete(f"/v1/files/{file_id}")).status_code == 200
+        batch = await finished(http, made.json()["id"])
+        out = (await http.get(f"/v1/files/{batch['output_file_id']}/content")).text
+    assert batch["status"] == "completed", batch["errors"]
+    assert len(out.splitlines()) == 6
+    assert not any((tmp_path / "inputs").iterdir())  # the pin is gone once the batch finished

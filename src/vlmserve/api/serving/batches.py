@@ -127,6 +127,7 @@ class BatchesService:
             "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": body.metadata,
         }  # fmt: skip
+        self.store.pin(batch["id"], source.id)  # deleting the file loses none of its lines
         self.store.put_batch(owner, batch, self.files.expires_at(now))
         self._launch(owner, batch["id"])
         return batch

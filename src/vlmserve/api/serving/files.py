@@ -9,6 +9,7 @@ unknown one is: nobody learns which ids exist.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -118,15 +119,21 @@ class FilesService:
         self.store.add_file(row)
         return row
 
-    def write(self, owner: str, file_id: str, filename: str, lines: list[str]) -> FileRow:
-        """A file the server makes (batch output and errors): JSONL, purpose batch_output.
-        It counts towards the owner's quota but is always written."""
-        data = "".join(f"{line}\n" for line in lines).encode()
+    async def write_results(self, owner: str, file_id: str, filename: str, batch_id: str,
+                            ok: bool) -> bool:
+        """A file the server makes from a batch's stored output (``ok``) or error lines: JSONL,
+        purpose batch_output, written row by row in a worker thread; False when there are no
+        such lines. It counts towards the owner's quota but is always written."""
         path = self.store.blob(file_id)
+        part = path.with_suffix(".part")
         self.store.db()
-        path.with_suffix(".part").write_bytes(data)
-        path.with_suffix(".part").rename(path)
-        return self._add(owner, file_id, filename, "batch_output", len(data))
+        size = await asyncio.to_thread(self.store.dump_lines, batch_id, ok, part)
+        if not size:
+            part.unlink(missing_ok=True)
+            return False
+        part.rename(path)
+        self._add(owner, file_id, filename, "batch_output", size)
+        return True
 
     # -- read, delete -----------------------------------------------------------------------
 

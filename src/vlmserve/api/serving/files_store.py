@@ -5,6 +5,9 @@
     batch_lines  one row per finished batch line (its output or error line), written as the line
                  finishes: a restarted server runs only the lines that have no row
 
+A batch pins its input file at create (a hard link, ``inputs/<batch id>``, removed when the
+batch has finished): deleting the file meanwhile loses none of the batch's lines.
+
 Nothing is created before the first write (``open`` is lazy), so a server that never sees a
 file leaves no trace on disk. The queries are small and indexed; they run on the event loop.
 """
@@ -12,6 +15,8 @@ file leaves no trace on disk. The queries are small and indexed; they run on the
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -68,6 +73,7 @@ class FilesStore:
     def __init__(self, root: Path):
         self.root = root
         self.blobs = root / "files"
+        self.inputs = root / "inputs"
         self.db_path = root / "files.db"
         self._db: sqlite3.Connection | None = None
 
@@ -91,6 +97,23 @@ class FilesStore:
 
     def blob(self, file_id: str) -> Path:
         return self.blobs / file_id
+
+    def pinned(self, batch_id: str) -> Path:
+        """The batch's own name for its input file."""
+        return self.inputs / batch_id
+
+    def pin(self, batch_id: str, file_id: str) -> None:
+        """Give the batch its own name for the input file: a hard link (no copy, the same
+        bytes), or a copy where the file system has no links."""
+        self.inputs.mkdir(parents=True, exist_ok=True)
+        target = self.pinned(batch_id)
+        try:
+            os.link(self.blob(file_id), target)
+        except OSError:
+            shutil.copyfile(self.blob(file_id), target)
+
+    def unpin(self, batch_id: str) -> None:
+        self.pinned(batch_id).unlink(missing_ok=True)
 
     # -- files ------------------------------------------------------------------------------
 
@@ -199,6 +222,7 @@ class FilesStore:
         return [(r[0], json.loads(r[1])) for r in rows]
 
     def delete_batch(self, batch_id: str) -> None:
+        self.unpin(batch_id)
         self.db().execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch_id,))
         self.db().execute("DELETE FROM batches WHERE id = ?", (batch_id,))
 
@@ -224,9 +248,17 @@ class FilesStore:
         counts = dict(rows.fetchall())
         return counts.get(1, 0), counts.get(0, 0)
 
-    def lines(self, batch_id: str, ok: bool) -> list[str]:
-        rows = self.db().execute(
-            "SELECT result FROM batch_lines WHERE batch_id = ? AND ok = ? ORDER BY line",
-            (batch_id, int(ok)),
-        )
-        return [r[0] for r in rows]
+    def dump_lines(self, batch_id: str, ok: bool, dest: Path) -> int:
+        """Write the batch's output (``ok``) or error lines to ``dest`` as JSONL, row by row,
+        on a connection of its own; returns the bytes written. Blocking: a worker thread."""
+        db = sqlite3.connect(self.db_path)
+        size = 0
+        try:
+            with dest.open("wb") as out:
+                rows = db.execute("SELECT result FROM batch_lines WHERE batch_id = ? AND ok = ? "
+                                  "ORDER BY line", (batch_id, int(ok)))  # fmt: skip
+                for (result,) in rows:
+                    size += out.write(result.encode() + b"\n")
+        finally:
+            db.close()
+        return size
