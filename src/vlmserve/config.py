@@ -197,9 +197,11 @@ class Settings(BaseSettings):
     files_dir: str | None = None
     # one upload's bytes; the whole request is also under max_body_bytes, so keep this below it
     files_max_bytes: int = Field(default=48 * MiB, ge=1)
-    files_quota_bytes: int = Field(default=10 * 2**30, ge=0)  # per API key, all its files; 0 = none
+    # per API key: its files, batch output files and the results of its unfinished batches
+    files_quota_bytes: int = Field(default=10 * 2**30, ge=0)  # 0 = none
     files_ttl_seconds: float = Field(default=30 * 86400.0, ge=0)  # files and batches; 0 = keep
     batch_max_concurrency: int = Field(default=1, ge=1)  # batch lines in flight, all batches
+    batch_max_unfinished: int = Field(default=16, ge=1)  # per API key: batches not yet finished
 
     @property
     def files_path(self) -> Path:

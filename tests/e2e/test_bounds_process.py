@@ -44,8 +44,20 @@ def peak_rise(pid: int, rss_before_kib: int) -> int:
 def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data = tmp_path_factory.mktemp("bounds-data")
     env = {"VLMSERVE_FILES_DIR": str(data), "VLMSERVE_SESSIONS_DB_PATH": str(data / "s.db")}
-    proc = ServerProcess(["serve", "--model", str(tiny_dir), "--served-model-name", MODEL,
-                          "--device", "cpu", "--max-model-len", "8192"], env=env)
+    proc = ServerProcess(
+        [
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--served-model-name",
+            MODEL,
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "8192",
+        ],
+        env=env,
+    )
     try:
         proc.wait_ready()
         yield proc
@@ -64,11 +76,15 @@ def test_forty_references_to_one_48_mib_file_are_refused_before_any_is_read(
     server: ServerProcess,
 ) -> None:
     # a PNG signature, then 48 MiB less a little: the largest upload the default allows
-    file_id = upload(server.url, b"\x89PNG\r\n\x1a\n" + os.urandom(48 * MiB - 4096), "vision",
-                     "big.png")
+    file_id = upload(
+        server.url, b"\x89PNG\r\n\x1a\n" + os.urandom(48 * MiB - 4096), "vision", "big.png"
+    )
     parts = [{"type": "input_image", "file_id": file_id} for _ in range(40)]
-    body = {"model": MODEL, "max_output_tokens": 2,
-            "input": [{"role": "user", "content": [*parts, {"type": "input_text", "text": "?"}]}]}
+    body = {
+        "model": MODEL,
+        "max_output_tokens": 2,
+        "input": [{"role": "user", "content": [*parts, {"type": "input_text", "text": "?"}]}],
+    }
     pid = server.proc.pid
     rss = _status_kib(pid, "VmRSS")
     reset_peak(pid)
@@ -76,8 +92,10 @@ def test_forty_references_to_one_48_mib_file_are_refused_before_any_is_read(
     answer = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
     seconds = time.perf_counter() - started
     rise = peak_rise(pid, rss)
-    print(f"40 references: {answer.status_code} in {seconds * 1000:.0f} ms, peak RSS rose "
-          f"{rise / MiB:.1f} MiB")
+    print(
+        f"40 references: {answer.status_code} in {seconds * 1000:.0f} ms, peak RSS rose "
+        f"{rise / MiB:.1f} MiB"
+    )
     assert answer.status_code == 400, answer.text
     assert "VLMSERVE_MAX_MEDIA_PER_REQUEST" in answer.json()["error"]["message"]
     assert seconds < 1.0, f"{seconds:.2f} s"
@@ -115,9 +133,16 @@ def test_health_stays_fast_while_a_large_logprobs_answer_is_built_and_sent(
 ) -> None:
     # n=8 x 800 tokens x 20 alternatives: ~9 MiB of JSON (the tiny model makes 4,000 tokens,
     # ~44 MiB, in minutes on a 2-core machine; the serialisation cost grows with the size)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 8,
-            "logprobs": True, "top_logprobs": 20, "max_tokens": 800, "ignore_eos": True,
-            "temperature": 1.0}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 8,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "max_tokens": 800,
+        "ignore_eos": True,
+        "temperature": 1.0,
+    }
     with HealthProbe(server.url) as probe:
         answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=600)
     assert answer.status_code == 200, answer.text[:500]
@@ -133,10 +158,22 @@ def _batch_file(target_bytes: int) -> bytes:
     pad = "word " * 220
     lines, size, i = [], 0, 0
     while size < target_bytes:
-        body = {"model": MODEL, "max_tokens": 2,
-                "messages": [{"role": "user", "content": f"{i} {pad}"}]}  # fmt: skip
-        line = json.dumps({"custom_id": f"c{i}", "method": "POST",
-                           "url": "/v1/chat/completions", "body": body}) + "\n"  # fmt: skip
+        body = {
+            "model": MODEL,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": f"{i} {pad}"}],
+        }
+        line = (
+            json.dumps(
+                {
+                    "custom_id": f"c{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": body,
+                }
+            )
+            + "\n"
+        )
         lines.append(line)
         size, i = size + len(line), i + 1
     return "".join(lines).encode()
@@ -163,8 +200,11 @@ def test_four_batches_on_one_47_mib_file_hold_little_memory_and_never_stall(
     made = []
     for _ in range(4):
         with HealthProbe(server.url) as probe:
-            answer = httpx.post(f"{server.url}/v1/batches", timeout=60, json={
-                "input_file_id": file_id, "endpoint": "/v1/chat/completions"})  # fmt: skip
+            answer = httpx.post(
+                f"{server.url}/v1/batches",
+                timeout=60,
+                json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"},
+            )
             assert answer.status_code == 200, answer.text
             batch = wait_status(server.url, answer.json()["id"], ("in_progress", "failed"))
         assert batch["status"] == "in_progress", batch["errors"]
@@ -186,21 +226,37 @@ def test_a_deleted_input_file_loses_no_finished_line_across_kill_9(
 ) -> None:
     env = {"VLMSERVE_FILES_DIR": str(tmp_path), "VLMSERVE_SESSIONS_DB_PATH": str(tmp_path / "s.db")}
     args = ["serve", "--model", str(tiny_dir), "--served-model-name", MODEL, "--device", "cpu"]
-    lines = [{"custom_id": f"k{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": MODEL, "max_tokens": 24, "ignore_eos": True,
-                       "messages": [{"role": "user", "content": f"Count {i}."}]}}
-             for i in range(30)]  # fmt: skip
+    lines = [
+        {
+            "custom_id": f"k{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "max_tokens": 24,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"Count {i}."}],
+            },
+        }
+        for i in range(30)
+    ]
     first = ServerProcess(args, env=env)
     try:
         first.wait_ready()
-        file_id = upload(first.url, "".join(json.dumps(x) + "\n" for x in lines).encode(),
-                         "batch", "in.jsonl")
-        batch_id = httpx.post(f"{first.url}/v1/batches", timeout=30, json={
-            "input_file_id": file_id, "endpoint": "/v1/chat/completions"}).json()["id"]  # fmt: skip
+        file_id = upload(
+            first.url, "".join(json.dumps(x) + "\n" for x in lines).encode(), "batch", "in.jsonl"
+        )
+        batch_id = httpx.post(
+            f"{first.url}/v1/batches",
+            timeout=30,
+            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"},
+        ).json()["id"]
         assert httpx.delete(f"{first.url}/v1/files/{file_id}", timeout=30).status_code == 200
         deadline = time.monotonic() + 120
-        while httpx.get(f"{first.url}/v1/batches/{batch_id}").json()["request_counts"][
-            "completed"] < 5:  # fmt: skip
+        while (
+            httpx.get(f"{first.url}/v1/batches/{batch_id}").json()["request_counts"]["completed"]
+            < 5
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         first.proc.kill()  # kill -9: no clean shutdown
@@ -215,6 +271,7 @@ def test_a_deleted_input_file_loses_no_finished_line_across_kill_9(
         assert batch["request_counts"] == {"total": 30, "completed": 30, "failed": 0}
         out = httpx.get(f"{second.url}/v1/files/{batch['output_file_id']}/content").text
         assert sorted(json.loads(x)["custom_id"] for x in out.splitlines()) == sorted(
-            x["custom_id"] for x in lines)
+            x["custom_id"] for x in lines
+        )
     finally:
         second.stop()

@@ -19,8 +19,9 @@ from vlmserve.testing.media import image_bytes
 
 
 @contextlib.asynccontextmanager
-async def serving(tiny_dir: Path, models: ModelManager, **settings: Any
-                  ) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:  # fmt: skip
+async def serving(
+    tiny_dir: Path, models: ModelManager, **settings: Any
+) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     app = build_app(make_settings(tiny_dir, **settings), models=models)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -29,8 +30,7 @@ async def serving(tiny_dir: Path, models: ModelManager, **settings: Any
 
 
 async def upload(http: httpx.AsyncClient, data: bytes, purpose: str, name: str = "f") -> str:
-    answer = await http.post("/v1/files", files={"file": (name, data)},
-                             data={"purpose": purpose})  # fmt: skip
+    answer = await http.post("/v1/files", files={"file": (name, data)}, data={"purpose": purpose})
     assert answer.status_code == 200, answer.text
     return str(answer.json()["id"])
 
@@ -38,8 +38,12 @@ async def upload(http: httpx.AsyncClient, data: bytes, purpose: str, name: str =
 def image_refs(*file_ids: str) -> dict[str, Any]:
     parts = [{"type": "input_image", "file_id": f} for f in file_ids]
     content = [*parts, {"type": "input_text", "text": "Describe."}]
-    return {"model": MODEL, "max_output_tokens": 2, "store": False,
-            "input": [{"role": "user", "content": content}]}  # fmt: skip
+    return {
+        "model": MODEL,
+        "max_output_tokens": 2,
+        "store": False,
+        "input": [{"role": "user", "content": content}],
+    }
 
 
 async def test_a_file_named_three_times_is_read_once(
@@ -59,8 +63,10 @@ async def test_a_file_named_three_times_is_read_once(
 async def test_a_file_over_the_media_limit_is_refused_by_its_size_before_it_is_read(
     tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
 ) -> None:
-    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path),
-                       max_media_bytes=4096) as (app, http):  # fmt: skip
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path), max_media_bytes=4096) as (
+        app,
+        http,
+    ):
         big = await upload(http, b"\x89PNG\r\n\x1a\n" + bytes(8192), "vision", "big.png")
         store = app.state.services.files.store
         reads: list[str] = []
@@ -93,16 +99,26 @@ async def test_too_many_references_are_refused_before_any_file_is_read(
 
 
 def chat_line(custom_id: str, text: str = "Hi.", **body: Any) -> dict[str, Any]:
-    request = {"model": MODEL, "messages": [{"role": "user", "content": text}],
-               "max_tokens": 2, "temperature": 0, **body}  # fmt: skip
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": request}  # fmt: skip
+    request = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 2,
+        "temperature": 0,
+        **body,
+    }
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": request,
+    }
 
 
 async def run_batch(http: httpx.AsyncClient, data: bytes) -> dict[str, Any]:
     file_id = await upload(http, data, "batch", "in.jsonl")
-    made = await http.post("/v1/batches", json={"input_file_id": file_id,
-                                                "endpoint": "/v1/chat/completions"})  # fmt: skip
+    made = await http.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+    )
     assert made.status_code == 200, made.text
     return await finished(http, made.json()["id"])
 
@@ -149,11 +165,147 @@ async def test_deleting_the_input_file_loses_no_line_of_its_batch(
     data = "".join(json.dumps(x) + "\n" for x in lines).encode()
     async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (_, http):
         file_id = await upload(http, data, "batch", "in.jsonl")
-        made = await http.post("/v1/batches", json={"input_file_id": file_id,
-                                                    "endpoint": "/v1/chat/completions"})  # fmt: skip
+        made = await http.post(
+            "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+        )
         assert (await http.delete(f"/v1/files/{file_id}")).status_code == 200
         batch = await finished(http, made.json()["id"])
         out = (await http.get(f"/v1/files/{batch['output_file_id']}/content")).text
     assert batch["status"] == "completed", batch["errors"]
     assert len(out.splitlines()) == 6
     assert not any((tmp_path / "inputs").iterdir())  # the pin is gone once the batch finished
+
+
+# -- quotas -----------------------------------------------------------------------------------
+
+BOUNDARY = "vlmserve-test-boundary"
+
+
+def _form_head(name: str = "f.jsonl", purpose: str = "batch") -> bytes:
+    return (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'
+        f'{purpose}\r\n--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; '
+        f'filename="{name}"\r\nContent-Type: application/octet-stream\r\n\r\n'
+    ).encode()
+
+
+async def chunked_upload(
+    http: httpx.AsyncClient, size: int, chunk: int = 16 * 1024, close: bool = True
+) -> httpx.Response:
+    """A multipart upload sent in pieces, without Content-Length, yielding between pieces."""
+
+    async def body() -> AsyncIterator[bytes]:
+        yield _form_head()
+        for start in range(0, size, chunk):
+            await asyncio.sleep(0.001)
+            yield b"x" * min(chunk, size - start)
+        if close:
+            yield f"\r\n--{BOUNDARY}--\r\n".encode()
+
+    headers = {"content-type": f"multipart/form-data; boundary={BOUNDARY}"}
+    return await http.post("/v1/files", content=body(), headers=headers)
+
+
+async def test_eight_parallel_chunked_uploads_stay_within_the_quota(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    quota = 2**20
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path), files_quota_bytes=quota) as (
+        _,
+        http,
+    ):
+        answers = await asyncio.gather(*(chunked_upload(http, 300 * 1024) for _ in range(8)))
+        listed = (await http.get("/v1/files")).json()["data"]
+    stored = sum(f["bytes"] for f in listed)
+    assert stored <= quota, f"{stored} bytes stored against a {quota}-byte quota"
+    codes = sorted(a.status_code for a in answers)
+    assert codes == [200] * 3 + [413] * 5, [a.text for a in answers]
+    refused = next(a for a in answers if a.status_code == 413).json()["error"]
+    assert refused["code"] == "files_quota_exceeded"
+    assert "VLMSERVE_FILES_QUOTA_BYTES" in refused["message"]
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted(
+        f["id"] for f in listed
+    )  # no .part left behind
+
+
+async def test_an_upload_cut_before_its_closing_boundary_is_refused_and_not_stored(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (_, http):
+        answer = await chunked_upload(http, 10_000, close=False)
+        listed = (await http.get("/v1/files")).json()["data"]
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == "incomplete_upload"
+    assert listed == []
+
+
+async def test_batch_results_count_towards_the_quota_and_a_full_key_gets_no_new_batch(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    lines = [chat_line(f"q{i}", max_tokens=8, ignore_eos=True) for i in range(4)]
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    async with serving(
+        tiny_dir, chat_models, files_dir=str(tmp_path), files_quota_bytes=len(data) + 512
+    ) as (_, http):
+        batch = await run_batch(http, data)
+        assert batch["status"] == "completed"
+        again = await http.post(
+            "/v1/batches",
+            json={"input_file_id": batch["input_file_id"], "endpoint": "/v1/chat/completions"},
+        )
+        small = await http.post(
+            "/v1/files", files={"file": ("a", b"{}")}, data={"purpose": "batch"}
+        )
+    assert again.status_code == 400, again.text
+    assert again.json()["error"]["code"] == "files_quota_exceeded"
+    assert "VLMSERVE_FILES_QUOTA_BYTES" in again.json()["error"]["message"]
+    assert small.status_code == 413, small.text
+
+
+async def test_unfinished_batches_per_key_are_capped(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    lines = [chat_line(f"u{i}", max_tokens=64, ignore_eos=True) for i in range(50)]
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path), batch_max_unfinished=1) as (
+        _,
+        http,
+    ):
+        file_id = await upload(http, data, "batch", "in.jsonl")
+        create = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+        first = await http.post("/v1/batches", json=create)
+        second = await http.post("/v1/batches", json=create)
+        await http.post(f"/v1/batches/{first.json()['id']}/cancel")
+        await finished(http, first.json()["id"])
+        third = await http.post("/v1/batches", json=create)
+        await http.post(f"/v1/batches/{third.json()['id']}/cancel")
+    assert first.status_code == 200 and third.status_code == 200, third.text
+    assert second.status_code == 400, second.text
+    assert second.json()["error"]["code"] == "batch_quota_exceeded"
+    assert "VLMSERVE_BATCH_MAX_UNFINISHED" in second.json()["error"]["message"]
+
+
+async def test_batch_metadata_is_held_to_openais_limits(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    cases = [
+        ({f"k{i}": "v" for i in range(17)}, 400),
+        ({"k" * 65: "v"}, 400),
+        ({"k": "v" * 513}, 400),
+        ({"k" * 64: "v" * 512}, 200),
+    ]
+    data = (json.dumps(chat_line("m")) + "\n").encode()
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (_, http):
+        file_id = await upload(http, data, "batch", "in.jsonl")
+        for metadata, status in cases:
+            answer = await http.post(
+                "/v1/batches",
+                json={
+                    "input_file_id": file_id,
+                    "endpoint": "/v1/chat/completions",
+                    "metadata": metadata,
+                },
+            )
+            assert answer.status_code == status, (list(metadata)[:1], answer.text[:300])
+            if status == 200:
+                await finished(http, answer.json()["id"])

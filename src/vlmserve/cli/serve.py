@@ -42,7 +42,7 @@ ENV_ONLY = (
     "deregister_command", "instance_id", "deregister_timeout", "sessions_db_path",
     "sessions_ttl_seconds", "cancel_after_disconnect_seconds", "stream_ring_size",
     "files_dir", "files_max_bytes", "files_quota_bytes", "files_ttl_seconds",
-    "batch_max_concurrency",
+    "batch_max_concurrency", "batch_max_unfinished",
 )  # fmt: skip
 # Repeatable flags whose values may also be comma lists, and the setting each adds to.
 LIST_FLAGS = {

@@ -9,11 +9,21 @@ from vlmserve.api.json_response import dumps, json_response
 
 def _answer(tokens: int) -> dict:
     top = [{"token": f"t{k}", "logprob": -k / 3, "bytes": (116, 48 + k % 10)} for k in range(20)]
-    item = {"token": "a\u2028\"", "logprob": -0.5, "bytes": [97], "top_logprobs": top}
-    choice = {"index": 0, "message": {"role": "assistant", "content": "x" * 10},
-              "logprobs": {"content": [item] * tokens}, "finish_reason": "length"}  # fmt: skip
-    return {"id": "c", "choices": [choice, {**choice, "index": 1}], "usage": {"n": 2 ** 70},
-            "empty": {}, "none": None, "list": []}  # fmt: skip
+    item = {"token": 'a\u2028"', "logprob": -0.5, "bytes": [97], "top_logprobs": top}
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "x" * 10},
+        "logprobs": {"content": [item] * tokens},
+        "finish_reason": "length",
+    }
+    return {
+        "id": "c",
+        "choices": [choice, {**choice, "index": 1}],
+        "usage": {"n": 2**70},
+        "empty": {},
+        "none": None,
+        "list": [],
+    }
 
 
 def test_pieces_are_the_same_json_as_one_serialisation() -> None:

@@ -46,16 +46,19 @@ class LineRequest:
     body: Any
 
 
-def _parse(number: int, text: str, endpoint: str) -> tuple[dict[str, Any] | None, tuple[str, str]
-                                                            | None]:  # fmt: skip
+def _parse(
+    number: int, text: str, endpoint: str
+) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
     """(the request object, None) or (None, (code, message)) of a line that is not one."""
     try:
         item = strict_loads(text)
     except json.JSONDecodeError as exc:
         return None, ("invalid_json_line", f"line {number} is not valid JSON: {exc.msg}")
     except RecursionError:
-        return None, ("invalid_json_line", f"line {number} is not valid JSON: it is nested "
-                      "too deeply")  # fmt: skip
+        return None, (
+            "invalid_json_line",
+            f"line {number} is not valid JSON: it is nested too deeply",
+        )
     if not isinstance(item, dict):
         return None, ("invalid_request", f"line {number} is not a JSON object")
     if not isinstance(item.get("custom_id"), str) or not item["custom_id"]:
@@ -63,8 +66,10 @@ def _parse(number: int, text: str, endpoint: str) -> tuple[dict[str, Any] | None
     if item.get("method", "POST") != "POST":
         return None, ("invalid_method", f"line {number}: method must be POST")
     if item.get("url") != endpoint:
-        return None, ("mismatched_url", f"line {number}: url {item.get('url')!r} is not the "
-                      f"batch's endpoint {endpoint!r}")  # fmt: skip
+        return None, (
+            "mismatched_url",
+            f"line {number}: url {item.get('url')!r} is not the batch's endpoint {endpoint!r}",
+        )
     return item, None
 
 
@@ -83,7 +88,7 @@ def scan_input(path: Path, endpoint: str) -> tuple[list[BatchLine], list[dict[st
         for number, raw in enumerate(f, start=1):  # binary lines end at b"\n" only
             start, offset = offset, offset + len(raw)
             if number == 1 and raw.startswith(_BOM):
-                raw, start = raw[len(_BOM):], start + len(_BOM)
+                raw, start = raw[len(_BOM) :], start + len(_BOM)
             text = _text(raw)
             if not text.strip():
                 continue
@@ -95,15 +100,28 @@ def scan_input(path: Path, endpoint: str) -> tuple[list[BatchLine], list[dict[st
                 seen.add(item["custom_id"])
                 lines.append(BatchLine(number, start, len(raw.rstrip(b"\n"))))
             if problem is not None and len(errors) < _MAX_ERRORS:
-                errors.append({"code": problem[0], "message": problem[1], "param": None,
-                               "line": number})  # fmt: skip
+                errors.append(
+                    {"code": problem[0], "message": problem[1], "param": None, "line": number}
+                )
     if not errors and not lines:
-        errors.append({"code": "empty_file", "message": "the input file has no request lines",
-                       "param": None, "line": None})  # fmt: skip
+        errors.append(
+            {
+                "code": "empty_file",
+                "message": "the input file has no request lines",
+                "param": None,
+                "line": None,
+            }
+        )
     if not errors and len(lines) > MAX_LINES:
-        errors.append({"code": "too_many_requests", "message": f"the input file has "
-                       f"{len(lines)} lines; a batch holds at most {MAX_LINES}",
-                       "param": None, "line": None})  # fmt: skip
+        errors.append(
+            {
+                "code": "too_many_requests",
+                "message": f"the input file has "
+                f"{len(lines)} lines; a batch holds at most {MAX_LINES}",
+                "param": None,
+                "line": None,
+            }
+        )
     return lines, errors
 
 

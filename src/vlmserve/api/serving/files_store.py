@@ -41,6 +41,7 @@ CREATE TABLE IF NOT EXISTS batch_lines (
     PRIMARY KEY (batch_id, line)
 );
 """
+_UNFINISHED = "('validating', 'in_progress', 'finalizing', 'cancelling')"
 
 
 @dataclass(slots=True)
@@ -154,11 +155,30 @@ class FilesStore:
         sql += f" ORDER BY created_at {order}, id {order} LIMIT ?"
         return [FileRow(*r) for r in self.db().execute(sql, (*args, limit))]
 
-    def used_bytes(self, owner: str) -> int:
+    def file_bytes(self, owner: str) -> int:
+        """Bytes of the owner's files (uploads and batch output files)."""
         if not self.exists():
             return 0
         row = self.db().execute("SELECT SUM(bytes) FROM files WHERE owner = ?", (owner,))
         return int(row.fetchone()[0] or 0)
+
+    def used_bytes(self, owner: str) -> int:
+        """Bytes the owner stores: its files and the results its unfinished batches hold."""
+        if not self.exists():
+            return 0
+        row = self.db().execute(
+            "SELECT SUM(LENGTH(CAST(l.result AS BLOB)) + 1) FROM batch_lines l JOIN batches b "
+            f"ON b.id = l.batch_id WHERE b.owner = ? AND b.status IN {_UNFINISHED}", (owner,)
+        )
+        return self.file_bytes(owner) + int(row.fetchone()[0] or 0)
+
+    def unfinished_count(self, owner: str) -> int:
+        if not self.exists():
+            return 0
+        row = self.db().execute(
+            f"SELECT COUNT(*) FROM batches WHERE owner = ? AND status IN {_UNFINISHED}", (owner,)
+        )
+        return int(row.fetchone()[0])
 
     def delete_file(self, file_id: str) -> None:
         self.db().execute("DELETE FROM files WHERE id = ?", (file_id,))
@@ -216,8 +236,7 @@ class FilesStore:
         if not self.exists():
             return []
         rows = self.db().execute(
-            "SELECT owner, data FROM batches WHERE status IN "
-            "('validating', 'in_progress', 'finalizing', 'cancelling') ORDER BY created_at"
+            f"SELECT owner, data FROM batches WHERE status IN {_UNFINISHED} ORDER BY created_at"
         )
         return [(r[0], json.loads(r[1])) for r in rows]
 
@@ -255,8 +274,10 @@ class FilesStore:
         size = 0
         try:
             with dest.open("wb") as out:
-                rows = db.execute("SELECT result FROM batch_lines WHERE batch_id = ? AND ok = ? "
-                                  "ORDER BY line", (batch_id, int(ok)))  # fmt: skip
+                rows = db.execute(
+                    "SELECT result FROM batch_lines WHERE batch_id = ? AND ok = ? ORDER BY line",
+                    (batch_id, int(ok)),
+                )
                 for (result,) in rows:
                     size += out.write(result.encode() + b"\n")
         finally:

@@ -72,24 +72,28 @@ def _check_count(count: int, limits: MediaLimits) -> None:
         raise InvalidRequest(
             f"{count} media items in one request (file references included); the limit is "
             f"{limits.max_items} (VLMSERVE_MAX_MEDIA_PER_REQUEST)",
-            param="input", code="too_many_media_items",
-        )  # fmt: skip
+            param="input",
+            code="too_many_media_items",
+        )
 
 
-def _checked_row(files: FilesService, owner: str, file_id: str, where: str,
-                 limits: MediaLimits) -> FileRow:  # fmt: skip
+def _checked_row(
+    files: FilesService, owner: str, file_id: str, where: str, limits: MediaLimits
+) -> FileRow:
     """The file's row once it passed every check that reads no byte of it."""
     row = files.get(owner, file_id, param=where)
     if row.purpose not in IMAGE_PURPOSES:
         raise InvalidRequest(
             f"file {file_id!r} has purpose {row.purpose!r}; an input_image file is uploaded "
-            f"with purpose {' or '.join(repr(p) for p in IMAGE_PURPOSES)}", param=where,
-        )  # fmt: skip
+            f"with purpose {' or '.join(repr(p) for p in IMAGE_PURPOSES)}",
+            param=where,
+        )
     if row.bytes > limits.max_bytes:
         raise PayloadTooLarge(
             f"file {file_id!r} is {row.bytes} bytes; the limit is {limits.max_bytes} bytes per "
-            "media item (VLMSERVE_MAX_MEDIA_BYTES)", param=where,
-        )  # fmt: skip
+            "media item (VLMSERVE_MAX_MEDIA_BYTES)",
+            param=where,
+        )
     return row
 
 
