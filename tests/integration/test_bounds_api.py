@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -309,3 +310,46 @@ async def test_batch_metadata_is_held_to_openais_limits(
             assert answer.status_code == status, (list(metadata)[:1], answer.text[:300])
             if status == 200:
                 await finished(http, answer.json()["id"])
+
+
+# -- private data -----------------------------------------------------------------------------
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+async def test_stored_data_is_private_whatever_the_umask(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    data_dir, sessions = tmp_path / "data", tmp_path / "state" / "sessions.db"
+    lines = "".join(json.dumps(chat_line(f"p{i}")) + "\n" for i in range(2)).encode()
+    old = os.umask(0)
+    try:
+        async with serving(
+            tiny_dir,
+            chat_models,
+            files_dir=str(data_dir),
+            persist_sessions=True,
+            sessions_db_path=str(sessions),
+        ) as (_, http):
+            batch = await run_batch(http, lines)
+            stream = await http.post(
+                "/v1/chat/completions", json={**chat_line("s")["body"], "stream": True}
+            )
+            assert stream.status_code == 200
+            content = await http.get(f"/v1/files/{batch['output_file_id']}/content")
+            found = {
+                p: _mode(p) for p in [data_dir, *data_dir.rglob("*"), *sessions.parent.iterdir()]
+            }
+    finally:
+        os.umask(old)
+    assert batch["status"] == "completed"
+    for suffix in ("", "-wal", "-shm"):
+        assert (data_dir / f"files.db{suffix}") in found
+        assert sessions.with_name(sessions.name + suffix) in found
+    wrong = {str(p): oct(m) for p, m in found.items() if m != (0o700 if p.is_dir() else 0o600)}
+    assert wrong == {}
+    assert _mode(sessions.parent) == 0o700
+    assert content.headers["x-content-type-options"] == "nosniff"
+    assert content.headers["content-disposition"].startswith("attachment")

@@ -9,7 +9,8 @@ A batch pins its input file at create (a hard link, ``inputs/<batch id>``, remov
 batch has finished): deleting the file meanwhile loses none of the batch's lines.
 
 Nothing is created before the first write (``open`` is lazy), so a server that never sees a
-file leaves no trace on disk. The queries are small and indexed; they run on the event loop.
+file leaves no trace on disk. Everything here is private: files 0600, directories 0700.
+The queries are small and indexed; they run on the event loop.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vlmserve.private import open_private, private_db, private_dir
 
 __all__ = ["FileRow", "FilesStore", "LineResult"]
 
@@ -83,7 +86,9 @@ class FilesStore:
 
     def db(self) -> sqlite3.Connection:
         if self._db is None:
-            self.blobs.mkdir(parents=True, exist_ok=True)
+            private_dir(self.root)
+            private_dir(self.blobs)
+            private_db(self.db_path)
             db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
@@ -106,12 +111,13 @@ class FilesStore:
     def pin(self, batch_id: str, file_id: str) -> None:
         """Give the batch its own name for the input file: a hard link (no copy, the same
         bytes), or a copy where the file system has no links."""
-        self.inputs.mkdir(parents=True, exist_ok=True)
+        private_dir(self.inputs)
         target = self.pinned(batch_id)
         try:
             os.link(self.blob(file_id), target)
         except OSError:
-            shutil.copyfile(self.blob(file_id), target)
+            with self.blob(file_id).open("rb") as src, open_private(target) as out:
+                shutil.copyfileobj(src, out)
 
     def unpin(self, batch_id: str) -> None:
         self.pinned(batch_id).unlink(missing_ok=True)
@@ -273,7 +279,7 @@ class FilesStore:
         db = sqlite3.connect(self.db_path)
         size = 0
         try:
-            with dest.open("wb") as out:
+            with open_private(dest) as out:
                 rows = db.execute(
                     "SELECT result FROM batch_lines WHERE batch_id = ? AND ok = ? ORDER BY line",
                     (batch_id, int(ok)),

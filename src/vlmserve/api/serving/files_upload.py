@@ -18,6 +18,7 @@ from typing import IO
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from vlmserve.errors import InvalidRequest
+from vlmserve.private import open_private
 
 __all__ = ["FORM_OVERHEAD", "Upload", "receive_upload"]
 
@@ -112,7 +113,7 @@ async def receive_upload(
     boundary = _boundary(content_type)
     ok = False
     try:
-        with dest.open("wb") as out:
+        with open_private(dest) as out:
             reader = _Reader(out, charge)
             parser = MultipartParser(boundary, {
                 "on_part_begin": reader.on_part_begin, "on_part_data": reader.on_part_data,
