@@ -150,6 +150,9 @@ class Settings(BaseSettings):
 
     # --- limits, checked before work ---------------------------------------------------
     max_body_bytes: int = 64 * MiB
+    # seconds from connect (or a kept-alive request's first byte) to the end of the request
+    # head; a slower head gets 408 and its connection is closed (slow-loris clients)
+    request_head_timeout: float = Field(default=10.0, gt=0)
     max_media_per_request: int = 8
     max_media_bytes: int = 20 * MiB
     max_image_pixels: int = 4096 * 4096
