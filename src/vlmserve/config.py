@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     min_pixels: int | None = None  # image processor bounds; None: the model's own
     max_pixels: int | None = None
     max_model_len: int = 32768  # prompt + completion tokens
+    # the most characters one token can stand for: a prompt with more text characters than
+    # max_model_len * this is refused before it is tokenised (tokenising it could take minutes)
+    max_chars_per_token: float = Field(default=64.0, gt=0)
     # vLLM's --reasoning-parser (qwen3, deepseek_r1): thinking goes to `reasoning`; None:
     # detected from the chat template. --tool-call-parser: how tool calls are read (hermes)
     reasoning_parser: str | None = None

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -353,3 +354,29 @@ async def test_stored_data_is_private_whatever_the_umask(
     assert _mode(sessions.parent) == 0o700
     assert content.headers["x-content-type-options"] == "nosniff"
     assert content.headers["content-disposition"].startswith("attachment")
+
+
+# -- text that cannot fit -----------------------------------------------------------------------
+
+
+async def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenised(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    # 256 tokens of at most 64 characters each: 16,384 characters; tokenising 4 MiB would take
+    # far longer than the refusal
+    text = "lorem ipsum " * (4 * 2**20 // 12)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    async with serving(tiny_dir, chat_models, max_model_len=256) as (_, http):
+        started = time.perf_counter()
+        answer = await http.post("/v1/chat/completions", json=body)
+        seconds = time.perf_counter() - started
+        fits = await http.post(
+            "/v1/chat/completions",
+            json={**body, "messages": [{"role": "user", "content": "lorem " * 20}]},
+        )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert "VLMSERVE_MAX_CHARS_PER_TOKEN" in error["message"]
+    assert seconds < 1.0
+    assert fits.status_code == 200, fits.text

@@ -43,6 +43,7 @@ ENV_ONLY = (
     "sessions_ttl_seconds", "cancel_after_disconnect_seconds", "stream_ring_size",
     "files_dir", "files_max_bytes", "files_quota_bytes", "files_ttl_seconds",
     "batch_max_concurrency", "batch_max_unfinished", "request_head_timeout",
+    "max_chars_per_token",
 )  # fmt: skip
 # Repeatable flags whose values may also be comma lists, and the setting each adds to.
 LIST_FLAGS = {
