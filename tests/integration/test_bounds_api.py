@@ -380,3 +380,41 @@ async def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenise
     assert "VLMSERVE_MAX_CHARS_PER_TOKEN" in error["message"]
     assert seconds < 1.0
     assert fits.status_code == 200, fits.text
+
+
+# -- listings -------------------------------------------------------------------------------------
+
+
+async def test_another_keys_id_as_a_listing_cursor_answers_as_an_unknown_id(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    a, b = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
+    data = (json.dumps(chat_line("x")) + "\n").encode()
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path), api_keys=["ka", "kb"]) as (
+        _,
+        http,
+    ):
+        http.headers.update(a)
+        a_file = await upload(http, data, "batch", "a.jsonl")
+        a_batch = (
+            await http.post(
+                "/v1/batches", json={"input_file_id": a_file, "endpoint": "/v1/chat/completions"}
+            )
+        ).json()["id"]
+        await finished(http, a_batch)
+        http.headers.update(b)
+        for _ in range(3):
+            b_file = await upload(http, data, "batch", "b.jsonl")
+            made = await http.post(
+                "/v1/batches", json={"input_file_id": b_file, "endpoint": "/v1/chat/completions"}
+            )
+            await finished(http, made.json()["id"])
+        pages = {}
+        for route, theirs in (("/v1/files", a_file), ("/v1/batches", a_batch)):
+            for order in ("asc", "desc"):
+                params = {"order": order} if route == "/v1/files" else {}
+                real = await http.get(route, params={**params, "after": theirs})
+                fake = await http.get(route, params={**params, "after": theirs[:-6] + "000000"})
+                pages[route, order] = (real.status_code, real.json(), fake.status_code, fake.json())
+    for (route, order), (real_status, real, fake_status, fake) in pages.items():
+        assert (real_status, real) == (fake_status, fake), (route, order)

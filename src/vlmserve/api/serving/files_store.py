@@ -155,8 +155,10 @@ class FilesStore:
             sql, args = sql + " AND purpose = ?", [*args, purpose]
         if after:
             op = "<" if descending else ">"
-            sql += f" AND (created_at, id) {op} (SELECT created_at, id FROM files WHERE id = ?)"
-            args.append(after)
+            # the cursor only among the owner's files: another key's id pages as an unknown one
+            sql += (f" AND (created_at, id) {op} (SELECT created_at, id FROM files WHERE id = ? "
+                    "AND owner = ?)")
+            args += [after, owner]
         order = "DESC" if descending else "ASC"
         sql += f" ORDER BY created_at {order}, id {order} LIMIT ?"
         return [FileRow(*r) for r in self.db().execute(sql, (*args, limit))]
@@ -233,8 +235,9 @@ class FilesStore:
             return []
         sql, args = "SELECT data FROM batches WHERE owner = ?", [owner]
         if after:
-            sql += " AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ?)"
-            args.append(after)
+            sql += (" AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ? "
+                    "AND owner = ?)")
+            args += [after, owner]
         sql += " ORDER BY created_at DESC, id DESC LIMIT ?"
         return [json.loads(r[0]) for r in self.db().execute(sql, (*args, limit))]
 
