@@ -276,3 +276,15 @@ async def test_another_keys_id_as_a_listing_cursor_answers_as_an_unknown_id(
                 pages[route, order] = (real.status_code, real.json(), fake.status_code, fake.json())
     for (route, order), (real_status, real, fake_status, fake) in pages.items():
         assert (real_status, real) == (fake_status, fake), (route, order)
+
+
+async def test_a_batch_line_with_logprobs_writes_them_in_its_output(
+    tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
+) -> None:
+    line = chat_line("lp", max_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=2)
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (_, http):
+        batch = await run_batch(http, (json.dumps(line) + "\n").encode())
+        out = (await http.get(f"/v1/files/{batch['output_file_id']}/content")).text
+    body = json.loads(out)["response"]["body"]
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(item["top_logprobs"]) == 2 for item in content)

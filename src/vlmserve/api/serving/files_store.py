@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from vlmserve.private import open_private, private_db, private_dir
 
 __all__ = ["FileRow", "FilesStore", "LineResult"]
@@ -71,6 +73,22 @@ class LineResult:
     line: int  # 1-based line number in the input file
     ok: bool  # True: an output line; False: an error line
     result: dict[str, Any]  # the line written to the output or error file
+
+
+def _fragment(value: Any) -> Any:
+    if isinstance(value, orjson.Fragment):  # pre-serialised JSON (chat logprobs)
+        return json.loads(value.contents)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _result_json(result: dict[str, Any]) -> str:
+    """A line's result as JSON text: orjson (which writes the pre-serialised parts of an answer
+    as they are), the standard library for what orjson refuses (an integer wider than 64
+    bits)."""
+    try:
+        return orjson.dumps(result).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(result, default=_fragment)
 
 
 class FilesStore:
@@ -259,7 +277,7 @@ class FilesStore:
     def add_line(self, batch_id: str, result: LineResult) -> None:
         self.db().execute(
             "INSERT OR REPLACE INTO batch_lines VALUES (?, ?, ?, ?)",
-            (batch_id, result.line, int(result.ok), json.dumps(result.result)),
+            (batch_id, result.line, int(result.ok), _result_json(result.result)),
         )
 
     def done_lines(self, batch_id: str) -> set[int]:
