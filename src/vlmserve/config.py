@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     min_pixels: int | None = None  # image processor bounds; None: the model's own
     max_pixels: int | None = None
     max_model_len: int = 32768  # prompt + completion tokens
+    # the most characters one token can stand for: a prompt with more text characters than
+    # max_model_len * this is refused before it is tokenised (tokenising it could take minutes)
+    max_chars_per_token: float = Field(default=64.0, gt=0)
     # vLLM's --reasoning-parser (qwen3, deepseek_r1): thinking goes to `reasoning`; None:
     # detected from the chat template. --tool-call-parser: how tool calls are read (hermes)
     reasoning_parser: str | None = None
@@ -155,6 +158,9 @@ class Settings(BaseSettings):
 
     # --- limits, checked before work ---------------------------------------------------
     max_body_bytes: int = 64 * MiB
+    # seconds from connect (or a kept-alive request's first byte) to the end of the request
+    # head; a slower head gets 408 and its connection is closed (slow-loris clients)
+    request_head_timeout: float = Field(default=10.0, gt=0)
     max_media_per_request: int = 8
     max_media_bytes: int = 20 * MiB
     max_image_pixels: int = 4096 * 4096
@@ -210,9 +216,11 @@ class Settings(BaseSettings):
     files_dir: str | None = None
     # one upload's bytes; the whole request is also under max_body_bytes, so keep this below it
     files_max_bytes: int = Field(default=48 * MiB, ge=1)
-    files_quota_bytes: int = Field(default=10 * 2**30, ge=0)  # per API key, all its files; 0 = none
+    # per API key: its files, batch output files and the results of its unfinished batches
+    files_quota_bytes: int = Field(default=10 * 2**30, ge=0)  # 0 = none
     files_ttl_seconds: float = Field(default=30 * 86400.0, ge=0)  # files and batches; 0 = keep
     batch_max_concurrency: int = Field(default=1, ge=1)  # batch lines in flight, all batches
+    batch_max_unfinished: int = Field(default=16, ge=1)  # per API key: batches not yet finished
 
     @property
     def files_path(self) -> Path:

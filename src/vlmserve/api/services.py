@@ -67,7 +67,8 @@ class Services:
         # one resumer per manager; files: input_image file_id
         responses = ResponsesService(chat, chat_resumer=chat.resume, files=files)
         batches = BatchesService(files, Endpoints(chat, responses, worker), models=models,
-                                 max_concurrency=settings.batch_max_concurrency)  # fmt: skip
+                                 max_concurrency=settings.batch_max_concurrency,
+                                 max_unfinished=settings.batch_max_unfinished)  # fmt: skip
         return cls(settings, models, sessions, metrics, chat, worker, TaskService(chat),
                    responses, files, batches)  # fmt: skip
 

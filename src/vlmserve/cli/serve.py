@@ -42,7 +42,8 @@ ENV_ONLY = (
     "deregister_command", "instance_id", "deregister_timeout", "sessions_db_path",
     "sessions_ttl_seconds", "cancel_after_disconnect_seconds", "stream_ring_size",
     "files_dir", "files_max_bytes", "files_quota_bytes", "files_ttl_seconds",
-    "batch_max_concurrency", "max_concurrent_per_key",
+    "batch_max_concurrency", "max_concurrent_per_key", "batch_max_unfinished",
+    "request_head_timeout", "max_chars_per_token",
 )  # fmt: skip
 # Repeatable flags whose values may also be comma lists, and the setting each adds to.
 LIST_FLAGS = {
@@ -261,14 +262,14 @@ def run(settings: Settings) -> None:
     sys.setswitchinterval(0.001)
     # httptools (C) with the request head capped here: h11 (pure Python) capped it itself but
     # cost ~1.7x the CPU per request and per SSE event (cli/http_protocol.py has the figures).
-    from vlmserve.cli.http_protocol import CappedHttpToolsProtocol
+    from vlmserve.cli.http_protocol import with_head_timeout
 
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        http=CappedHttpToolsProtocol,
+        http=with_head_timeout(settings.request_head_timeout),
         timeout_graceful_shutdown=30,
     )
     _serve(config)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from vlmserve.cli.http_protocol import MAX_HEAD_BYTES, CappedHttpToolsProtocol
+from vlmserve.cli.http_protocol import MAX_HEAD_BYTES, CappedHttpToolsProtocol, with_head_timeout
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -98,3 +98,65 @@ def test_keep_alive_requests_each_get_their_own_budget(port) -> None:
     one = _head(MAX_HEAD_BYTES // 2)
     answer = _exchange(port, one, one, one)
     assert answer.count(b"HTTP/1.1 200") == 3
+
+
+@pytest.fixture(scope="module")
+def short_deadline_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    config = uvicorn.Config(_app, host="127.0.0.1", port=free, http=with_head_timeout(0.5),
+                            log_level="error", lifespan="off", timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield free
+    server.should_exit = True
+    thread.join(5)
+
+
+def _closed_after(sock: socket.socket, limit: float) -> tuple[bool, bytes]:
+    """(whether the server closed ``sock`` within ``limit`` seconds, what it sent)."""
+    sock.settimeout(limit)
+    got = b""
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    except TimeoutError:
+        return False, got
+    except OSError:
+        pass
+    return True, got
+
+
+def test_slow_and_silent_heads_are_closed_at_the_deadline(short_deadline_port) -> None:
+    port = short_deadline_port
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    trickling = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    started = time.monotonic()
+    for s in trickling:
+        s.sendall(b"GET / HTTP/1.1\r\nX-Slow: ")
+    for _ in range(3):  # then 1 byte each 0.1 s: the head never ends
+        for s in trickling:
+            s.sendall(b"a")
+        time.sleep(0.1)
+    results = [_closed_after(s, 3.0) for s in silent + trickling]
+    elapsed = time.monotonic() - started
+    for s in silent + trickling:
+        s.close()
+    assert all(closed for closed, _ in results), results
+    assert all(got.startswith(b"HTTP/1.1 408") for _, got in results), results
+    assert elapsed < 3.0
+
+
+def test_a_prompt_head_and_a_kept_alive_connection_are_served(short_deadline_port) -> None:
+    with socket.create_connection(("127.0.0.1", short_deadline_port), timeout=5) as s:
+        for _ in range(2):  # the second request comes after the first one's deadline
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(0.8)
+        s.sendall(b"GET / HTTP/1.1\r\n")  # a kept-alive request's head trickles: 408
+        closed, got = _closed_after(s, 3.0)
+    assert closed and got.startswith(b"HTTP/1.1 408")

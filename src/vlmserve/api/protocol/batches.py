@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 __all__ = ["BatchCreate", "BatchList", "BatchObject", "RequestCounts"]
 
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 Endpoint = Literal["/v1/chat/completions", "/v1/responses", "/v1/embeddings"]
 
 
@@ -19,7 +21,7 @@ class BatchCreate(BaseModel):
     endpoint: Endpoint
     completion_window: Literal["24h"] = "24h"
     # OpenAI: at most 16 pairs, keys up to 64 characters, values up to 512
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
 
 
 class RequestCounts(BaseModel):

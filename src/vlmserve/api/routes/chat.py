@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 
+from vlmserve.api.json_response import json_response
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.routing import StrictJSONRoute
 from vlmserve.api.services import ChatDep, OwnerDep
@@ -66,6 +67,7 @@ async def chat_completions(
         return await sse_response(chat.sessions, session_id, -1, resumable=resumable,
                                   tenant=tenant_of(owner), resume_token=token)  # fmt: skip
     try:
-        return await run_until_disconnect(request, chat.complete(body, request_id, owner=owner))
+        answer = await run_until_disconnect(request, chat.complete(body, request_id, owner=owner))
     except ClientGone:
         return Response(status_code=499)
+    return await json_response(answer)

@@ -63,5 +63,9 @@ async def delete_file(files: FilesDep, owner: OwnerDep, file_id: str) -> FileDel
 
 @router.get("/v1/files/{file_id}/content", response_model=None)
 async def file_content(files: FilesDep, owner: OwnerDep, file_id: str) -> Any:
-    """The file's bytes as uploaded (a batch's output and error files: JSONL)."""
-    return FileResponse(files.path(owner, file_id), media_type="application/octet-stream")
+    """The file's bytes as uploaded (a batch's output and error files: JSONL), as a download:
+    never rendered or sniffed by a browser as a page of this origin."""
+    row = files.get(owner, file_id)
+    return FileResponse(files.store.blob(row.id), media_type="application/octet-stream",
+                        filename=row.filename, content_disposition_type="attachment",
+                        headers={"X-Content-Type-Options": "nosniff"})

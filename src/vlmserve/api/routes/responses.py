@@ -10,6 +10,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from vlmserve.api.json_response import json_response
 from vlmserve.api.protocol.responses_api import ResponsesRequest
 from vlmserve.api.resume_token import HEADER, RESUME_TOKEN_OWNER
 from vlmserve.api.routing import StrictJSONRoute
@@ -34,11 +35,12 @@ async def create_response(request: Request, responses: ResponsesDep, owner: Owne
         log.warning("%s: unknown fields %s: not used", request_id, body.unknown_fields)
     if not body.store and not body.stream:
         try:
-            return await run_until_disconnect(
+            answer = await run_until_disconnect(
                 request, responses.complete_unstored(body, request_id, owner)
             )
         except ClientGone:
             return Response(status_code=499)
+        return await json_response(answer)
     response_id, token = await responses.start(body, request_id, owner)
     if body.stream:
         return await response_sse(responses.manager(body.store), response_id, -1,
@@ -47,10 +49,11 @@ async def create_response(request: Request, responses: ResponsesDep, owner: Owne
         answer = await responses.retrieve(response_id, owner)
         return JSONResponse(answer, headers={HEADER: token})
     try:
-        return await run_until_disconnect(request, responses.finished(response_id, owner))
+        answer = await run_until_disconnect(request, responses.finished(response_id, owner))
     except ClientGone:  # a plain request is cancelled with its client, as a chat completion is
         await responses.cancel(response_id, owner)
         return Response(status_code=499)
+    return await json_response(answer)
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)

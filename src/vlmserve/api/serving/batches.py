@@ -49,12 +49,13 @@ def interactive_waiting(models: ModelManager, batch_lines: int) -> bool:
 
 class BatchesService:
     def __init__(self, files: FilesService, endpoints: Endpoints, *, max_concurrency: int,
-                 models: ModelManager | None = None):  # fmt: skip
+                 models: ModelManager | None = None, max_unfinished: int = 16):  # fmt: skip
         self.files = files
         self.store = files.store
         self.endpoints = endpoints
         self.window_seconds = dict(WINDOW_SECONDS)  # shorter in tests of expiry
         self._max_concurrency = max_concurrency
+        self.max_unfinished = max_unfinished  # per owner
         self._models = models
         self._priority: Priority | None = None  # made on the app's event loop
         self._runs: dict[str, tuple[BatchRun, asyncio.Task[None]]] = {}
@@ -115,6 +116,14 @@ class BatchesService:
                 f"file {source.id!r} has purpose {source.purpose!r}; a batch's input file is "
                 "uploaded with purpose 'batch'", param="input_file_id",
             )  # fmt: skip
+        unfinished = self.store.unfinished_count(owner)
+        if unfinished >= self.max_unfinished:
+            raise InvalidRequest(
+                f"this API key has {unfinished} unfinished batches, the limit "
+                f"(VLMSERVE_BATCH_MAX_UNFINISHED); wait for one to finish or cancel one",
+                code="batch_quota_exceeded",
+            )
+        self.files.check_room(owner)
         now = int(time.time())
         window = self.window_seconds[body.completion_window]
         batch = {
@@ -127,6 +136,7 @@ class BatchesService:
             "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": body.metadata,
         }  # fmt: skip
+        self.store.pin(batch["id"], source.id)  # deleting the file loses none of its lines
         self.store.put_batch(owner, batch, self.files.expires_at(now))
         self._launch(owner, batch["id"])
         return batch

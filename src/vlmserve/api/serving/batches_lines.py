@@ -7,18 +7,14 @@ OpenAI's output line format.
     error   the same with the 4xx (or 500) status and its error body in ``response``, and
             ``error`` = {"code", "message"}
 
-A file whose lines are not all such objects (bad JSON, a missing custom_id, a repeated one,
-another url than the batch's endpoint) fails the whole batch before any line runs, with the line
-numbers in ``errors.data``; a line whose *body* the endpoint refuses is an error line and the
-batch goes on.
+The file is checked before any line runs (``batches_input``); a line whose *body* the
+endpoint refuses is an error line and the batch goes on.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -27,7 +23,7 @@ from vlmserve.api.errors import error_body
 from vlmserve.api.protocol.chat import ChatCompletionRequest
 from vlmserve.api.protocol.embeddings import EmbeddingsRequest
 from vlmserve.api.protocol.responses_api import ResponsesRequest
-from vlmserve.api.routing import strict_loads
+from vlmserve.api.serving.batches_input import LineRequest
 from vlmserve.api.serving.chat import ChatService
 from vlmserve.api.serving.files_store import LineResult
 from vlmserve.api.serving.responses import ResponsesService
@@ -35,89 +31,23 @@ from vlmserve.api.serving.worker import WorkerService
 from vlmserve.engine.types import BATCH_PRIORITY
 from vlmserve.errors import InvalidRequest, VlmserveError
 
-__all__ = [
-    "ENDPOINTS",
-    "BatchLine",
-    "Endpoints",
-    "error_result",
-    "expired_result",
-    "ok_result",
-    "parse_lines",
-]
+__all__ = ["ENDPOINTS", "Endpoints", "error_result", "expired_result", "ok_result"]
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/responses", "/v1/embeddings")
-MAX_LINES = 50_000  # OpenAI's limit per batch
-_MAX_ERRORS = 20  # line errors listed when a file is refused
-
-
-@dataclass(slots=True)
-class BatchLine:
-    line: int  # 1-based
-    custom_id: str
-    body: Any
-
-
-def _line_problem(number: int, text: str, endpoint: str) -> tuple[str, str] | None:
-    """(code, message) of a line that is not a request object, or None."""
-    try:
-        item = strict_loads(text)
-    except json.JSONDecodeError as exc:
-        return "invalid_json_line", f"line {number} is not valid JSON: {exc.msg}"
-    if not isinstance(item, dict):
-        return "invalid_request", f"line {number} is not a JSON object"
-    if not isinstance(item.get("custom_id"), str) or not item["custom_id"]:
-        return "missing_custom_id", f"line {number} has no custom_id (a non-empty string)"
-    if item.get("method", "POST") != "POST":
-        return "invalid_method", f"line {number}: method must be POST"
-    if item.get("url") != endpoint:
-        return "mismatched_url", (f"line {number}: url {item.get('url')!r} is not the batch's "
-                                  f"endpoint {endpoint!r}")  # fmt: skip
-    return None
-
-
-def parse_lines(text: str, endpoint: str) -> tuple[list[BatchLine], list[dict[str, Any]]]:
-    """The lines of an input file, or (when any is malformed) the errors, OpenAI's shape:
-    ``{"code", "message", "param", "line"}``."""
-    lines: list[BatchLine] = []
-    errors: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        problem = _line_problem(number, raw, endpoint)
-        if problem is None:
-            item = json.loads(raw)
-            if item["custom_id"] in seen:
-                message = f"line {number}: custom_id {item['custom_id']!r} is used twice"
-                problem = "duplicate_custom_id", message
-            else:
-                seen.add(item["custom_id"])
-                lines.append(BatchLine(number, item["custom_id"], item.get("body")))
-        if problem is not None and len(errors) < _MAX_ERRORS:
-            errors.append({"code": problem[0], "message": problem[1], "param": None,
-                           "line": number})  # fmt: skip
-    if not errors and not lines:
-        errors.append({"code": "empty_file", "message": "the input file has no request lines",
-                       "param": None, "line": None})  # fmt: skip
-    if not errors and len(lines) > MAX_LINES:
-        errors.append({"code": "too_many_requests", "message": f"the input file has "
-                       f"{len(lines)} lines; a batch holds at most {MAX_LINES}",
-                       "param": None, "line": None})  # fmt: skip
-    return lines, errors
 
 
 def _request_id() -> str:
     return f"batch_req_{uuid.uuid4().hex}"
 
 
-def ok_result(line: BatchLine, request_id: str, body: dict[str, Any]) -> LineResult:
+def ok_result(line: LineRequest, request_id: str, body: dict[str, Any]) -> LineResult:
     response = {"status_code": 200, "request_id": request_id, "body": body}
     result = {"id": _request_id(), "custom_id": line.custom_id, "response": response,
               "error": None}  # fmt: skip
     return LineResult(line.line, True, result)
 
 
-def error_result(line: BatchLine, request_id: str, exc: VlmserveError) -> LineResult:
+def error_result(line: LineRequest, request_id: str, exc: VlmserveError) -> LineResult:
     code = exc.code or exc.error_type
     body = error_body(exc.message, exc.error_type, code, exc.param)
     response = {"status_code": exc.status_code, "request_id": request_id, "body": body}
@@ -126,7 +56,7 @@ def error_result(line: BatchLine, request_id: str, exc: VlmserveError) -> LineRe
     return LineResult(line.line, False, result)
 
 
-def expired_result(line: BatchLine) -> LineResult:
+def expired_result(line: LineRequest) -> LineResult:
     """A line the completion window ended before it ran (OpenAI's ``batch_expired`` entry)."""
     error = {"code": "batch_expired", "message": "This request could not be executed before "
              "the completion window expired."}  # fmt: skip

@@ -1,9 +1,11 @@
 """The work of one batch, as a task on the app's event loop.
 
-    validating   the input file is read and checked line by line (a bad file: failed)
+    validating   the input file (the batch's pinned copy) is checked line by line in a worker
+                 thread, keeping each line's offset (a bad file: failed)
     in_progress  the lines without a stored result run, at most ``batch_max_concurrency`` in
                  flight across all batches; each result is stored as its line finishes
-    finalizing   the output and error files are written from the stored results
+    finalizing   the output and error files are written from the stored results, row by row
+                 in a worker thread
     completed    (or cancelled, after cancelling; failed for a bad input file; expired when
                  ``expires_at``, the end of the 24h completion window, passes first: the lines
                  in flight are stopped, and every line without a result is a ``batch_expired``
@@ -23,17 +25,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from vlmserve.api.serving.batches_lines import (
+from vlmserve.api.serving.batches_input import (
     BatchLine,
-    Endpoints,
-    error_result,
-    expired_result,
-    ok_result,
-    parse_lines,
+    LineRequest,
+    read_request,
+    scan_input,
 )
+from vlmserve.api.serving.batches_lines import Endpoints, error_result, expired_result, ok_result
 from vlmserve.api.serving.files import FilesService
+from vlmserve.api.serving.files_store import LineResult
 from vlmserve.errors import Overloaded, ServiceUnavailable, VlmserveError
 
 __all__ = ["TERMINAL", "BatchRun", "Priority", "stop_runs"]
@@ -86,6 +89,7 @@ class BatchRun:
         self.endpoints, self.priority = endpoints, priority
         self.on_line = on_line  # (batch id, custom_id) after each line that ran: tests, metrics
         self.cancelling = asyncio.Event()
+        self.path = Path()  # the input file, once validated
 
     def _batch(self) -> dict[str, Any]:
         found = self.store.batch(self.batch_id)
@@ -104,7 +108,7 @@ class BatchRun:
             if batch["status"] == "cancelling":
                 await self._finalize("cancelled")
                 return
-            lines = self._validate(batch)
+            lines = await self._validate(batch)
             if lines is None:
                 return
             deadline = float(batch.get("expires_at") or "inf")
@@ -112,7 +116,7 @@ class BatchRun:
             if self.cancelling.is_set():
                 await self._finalize("cancelled")
             elif expired:
-                self._expire(lines)
+                await self._expire(lines)
                 await self._finalize("expired")
             else:
                 await self._finalize("completed")
@@ -125,22 +129,29 @@ class BatchRun:
             self.update(status="failed", failed_at=int(time.time()),
                         errors={"object": "list", "data": [error]})  # fmt: skip
 
-    def _validate(self, batch: dict[str, Any]) -> list[BatchLine] | None:
+    def _input(self, batch: dict[str, Any]) -> Path:
+        """The batch's pinned input; a batch made before pinning reads the owner's file."""
+        pinned = self.store.pinned(self.batch_id)
+        if pinned.exists():
+            return pinned
+        return self.files.path(self.owner, batch["input_file_id"])
+
+    async def _validate(self, batch: dict[str, Any]) -> list[BatchLine] | None:
         try:
-            text = self.files.read_text(self.owner, batch["input_file_id"])
-        except VlmserveError as exc:
-            errors = [{"code": "input_file_unavailable", "message": exc.message,
-                       "param": "input_file_id", "line": None}]  # fmt: skip
-        else:
-            lines, errors = parse_lines(text, batch["endpoint"])
+            self.path = self._input(batch)
+            lines, errors = await asyncio.to_thread(scan_input, self.path, batch["endpoint"])
+        except (VlmserveError, OSError) as exc:
+            message = exc.message if isinstance(exc, VlmserveError) else "the input file is gone"
+            lines, errors = [], [{"code": "input_file_unavailable", "message": message,
+                                  "param": "input_file_id", "line": None}]
         if errors:
             self.update(status="failed", failed_at=int(time.time()),
-                        errors={"object": "list", "data": errors})  # fmt: skip
+                        errors={"object": "list", "data": errors})
             return None
         if batch["status"] == "validating":
             counts = {"total": len(lines), "completed": 0, "failed": 0}
             self.update(status="in_progress", in_progress_at=int(time.time()),
-                        request_counts=counts)  # fmt: skip
+                        request_counts=counts)
         return lines
 
     async def _admit(self, deadline: float) -> bool:
@@ -192,37 +203,39 @@ class BatchRun:
     async def _line(self, endpoint: str, line: BatchLine) -> None:
         try:
             request_id = f"{self.batch_id}-{line.line}"
-            for attempt in range(_RETRIES):
-                try:
-                    body = await self.endpoints.run(endpoint, line.body, request_id, self.owner)
-                    result = ok_result(line, request_id, body)
-                    break
-                except (ServiceUnavailable, Overloaded) as exc:
-                    if attempt == _RETRIES - 1:
-                        result = error_result(line, request_id, exc)
-                        break
-                    await asyncio.sleep(min(2.0**attempt, exc.retry_after * 2))
-                except VlmserveError as exc:
-                    result = error_result(line, request_id, exc)
-                    break
-                except Exception:
-                    log.exception("batch %s line %d failed", self.batch_id, line.line)
-                    failure = VlmserveError("the request failed; the server log has the details",
-                                            code="internal_error")  # fmt: skip
-                    result = error_result(line, request_id, failure)
-                    break
+            request = await asyncio.to_thread(read_request, self.path, line)
+            result = await self._answer(endpoint, request, request_id)
             self.store.add_line(self.batch_id, result)
             if self.on_line is not None:
-                self.on_line(self.batch_id, line.custom_id)
+                self.on_line(self.batch_id, request.custom_id)
         finally:
             self.priority.release()
 
-    def _expire(self, lines: list[BatchLine]) -> None:
+    async def _answer(self, endpoint: str, request: LineRequest, request_id: str) -> LineResult:
+        for attempt in range(_RETRIES):
+            try:
+                body = await self.endpoints.run(endpoint, request.body, request_id, self.owner)
+                return ok_result(request, request_id, body)
+            except (ServiceUnavailable, Overloaded) as exc:
+                if attempt == _RETRIES - 1:
+                    return error_result(request, request_id, exc)
+                await asyncio.sleep(min(2.0**attempt, exc.retry_after * 2))
+            except VlmserveError as exc:
+                return error_result(request, request_id, exc)
+            except Exception:
+                log.exception("batch %s line %d failed", self.batch_id, request.line)
+                failure = VlmserveError("the request failed; the server log has the details",
+                                        code="internal_error")
+                return error_result(request, request_id, failure)
+        raise AssertionError("unreachable: the last attempt returns")
+
+    async def _expire(self, lines: list[BatchLine]) -> None:
         """Every line without a result becomes a ``batch_expired`` error line."""
         done = self.store.done_lines(self.batch_id)
         for line in lines:
             if line.line not in done:
-                self.store.add_line(self.batch_id, expired_result(line))
+                request = await asyncio.to_thread(read_request, self.path, line)
+                self.store.add_line(self.batch_id, expired_result(request))
         log.info("batch %s expired: its completion window ended", self.batch_id)
 
     async def _finalize(self, status: str) -> None:
@@ -231,15 +244,15 @@ class BatchRun:
         stem = self.batch_id.removeprefix("batch_")
         for ok, key, suffix in ((True, "output_file_id", "output"), (False, "error_file_id",
                                                                       "error")):  # fmt: skip
-            lines = self.store.lines(self.batch_id, ok)
-            if lines:
-                file_id = f"file-{stem}-{suffix}"
-                self.files.write(self.owner, file_id, f"{self.batch_id}_{suffix}.jsonl", lines)
+            file_id = f"file-{stem}-{suffix}"
+            name = f"{self.batch_id}_{suffix}.jsonl"
+            if await self.files.write_results(self.owner, file_id, name, self.batch_id, ok):
                 ids[key] = file_id
         completed, failed = self.store.line_counts(self.batch_id)
         counts = {**batch["request_counts"], "completed": completed, "failed": failed}
         when = {"cancelled": "cancelled_at", "expired": "expired_at"}.get(status, "completed_at")
         self.update(status=status, request_counts=counts, **ids, **{when: int(time.time())})
+        self.store.unpin(self.batch_id)
 
     def cancel(self) -> None:
         self.cancelling.set()

@@ -9,14 +9,28 @@ sends each choice's deltas under its index, and a usage chunk at the end with th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from vlmserve.api.protocol.responses import CompletionIds, chunk_json, completion_body, usage
 from vlmserve.engine.types import Chunk
 from vlmserve.errors import VlmserveError
 
 __all__ = ["Answer", "Usage", "choice_chunk"]
+
+
+def _item_json(item: dict[str, Any]) -> bytes:
+    """One ``logprobs.content`` item as JSON, kept as bytes until the answer is written: a
+    token with 20 alternatives is ~40 dicts and lists, and hundreds of thousands of such
+    objects made the garbage collector's full passes hold the event loop for up to a second
+    each; a bytes object is never scanned."""
+    try:
+        return orjson.dumps(item)
+    except orjson.JSONEncodeError:  # an integer wider than 64 bits
+        return json.dumps(item, separators=(",", ":")).encode()
 
 
 @dataclass(slots=True)
@@ -26,7 +40,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] | None = None
+    logprobs: list[bytes] | None = None  # each item's JSON (``_item_json``)
     last: Chunk | None = None
 
     def add(self, chunk: Chunk) -> None:
@@ -35,7 +49,8 @@ class _Choice:
         for delta in chunk.tool_calls or []:
             self._merge(delta)
         if chunk.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + chunk.logprobs
+            self.logprobs = self.logprobs or []
+            self.logprobs.extend(_item_json(item) for item in chunk.logprobs)
         self.last = chunk
 
     def _merge(self, delta: dict[str, Any]) -> None:
@@ -94,13 +109,22 @@ class Answer:
                                   tool_calls=choice.calls or None)  # fmt: skip
             entry = one["choices"][0]
             entry["index"] = index
-            entry["logprobs"] = None if choice.logprobs is None else {"content": choice.logprobs}
+            if choice.logprobs is None:
+                entry["logprobs"] = None
+            else:
+                entry["logprobs"] = {"content": _content(choice.logprobs)}
             bodies.append(one)
         if not bodies:
             raise VlmserveError("generation ended without a result")
         body = bodies[0]
         body["choices"] = [b["choices"][0] for b in bodies]
         return body
+
+
+def _content(items: list[bytes]) -> orjson.Fragment:
+    """The items as one JSON array, written as is by orjson (``api.json_response``; a batch's
+    result line: ``files_store``)."""
+    return orjson.Fragment(b"[" + b",".join(items) + b"]")
 
 
 def choice_chunk(

@@ -130,6 +130,32 @@ def _media_count(messages: list[ChatMessageIn]) -> int:
     )
 
 
+def _text_chars(messages: list[ChatMessageIn]) -> int:
+    chars = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            chars += len(m.content)
+        elif m.content is not None:
+            chars += sum(len(p.text) for p in m.content if isinstance(p, TextContentPart))
+    return chars
+
+
+def _check_text_fits(messages: list[ChatMessageIn], settings: Settings) -> None:
+    """Refuse, before tokenising, text that no tokenizer could fit in the context: more
+    characters than ``max_model_len`` tokens of ``max_chars_per_token`` each."""
+    chars, ratio = _text_chars(messages), getattr(settings, "max_chars_per_token", 64.0)
+    limit = settings.max_model_len * ratio
+    if chars > limit:
+        raise InvalidRequest(
+            f"the messages hold {chars} characters of text; the context limit of "
+            f"{settings.max_model_len} tokens (VLMSERVE_MAX_MODEL_LEN) holds at most "
+            f"{int(limit)} at {ratio:g} characters a token (VLMSERVE_MAX_CHARS_PER_TOKEN); "
+            "shorten the input",
+            param="messages",
+            code="context_length_exceeded",
+        )
+
+
 def _video_part(video: VideoFrames) -> VideoPart:
     """Decoded frames with their place on the clip's timeline (the processors that timestamp
     frames, Qwen2.5-VL/Qwen3-VL/SmolVLM, read it)."""
@@ -193,6 +219,7 @@ class Converter:
                 param="messages",
                 code="too_many_media_items",
             )
+        _check_text_fits(body.messages, self.settings)
         limit = self.settings.max_model_len
         if self.max_tokens(body) >= limit:
             raise InvalidRequest(

@@ -9,11 +9,12 @@ unknown one is: nobody learns which ids exist.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class FilesService:
         self.max_bytes = max_bytes
         self.quota_bytes = quota_bytes  # 0: no quota
         self.ttl = ttl  # 0: files are kept until deleted
+        self._pending: dict[str, int] = {}  # bytes of uploads in flight, by owner
 
     @classmethod
     def from_settings(cls, settings: Settings) -> FilesService:
@@ -61,17 +63,20 @@ class FilesService:
         return (f"the file is larger than {self.max_bytes} bytes (VLMSERVE_FILES_MAX_BYTES); "
                 "split it into smaller files")  # fmt: skip
 
-    def _quota_left(self, owner: str) -> int | None:
-        return None if not self.quota_bytes else self.quota_bytes - self.store.used_bytes(owner)
+    def used(self, owner: str) -> int:
+        """Bytes the owner stores or is uploading now (``used_bytes`` and the uploads in
+        flight)."""
+        return self.store.used_bytes(owner) + self._pending.get(owner, 0)
 
-    def _over_quota(self, owner: str, adding: int) -> PayloadTooLarge:
-        used = self.store.used_bytes(owner)
+    def _over_quota(self, owner: str, adding: int, used: int | None = None) -> PayloadTooLarge:
+        used = self.used(owner) if used is None else used
         return PayloadTooLarge(
-            f"this upload ({_mib(adding)}) would take this API key's files to "
-            f"{_mib(used + adding)}, over its quota of {_mib(self.quota_bytes)} "
-            "(VLMSERVE_FILES_QUOTA_BYTES); delete files (DELETE /v1/files/{id}) first",
+            f"this upload ({_mib(adding)}) would take this API key's stored data (files, batch "
+            f"results and uploads in progress) to {_mib(used + adding)}, over its quota of "
+            f"{_mib(self.quota_bytes)} (VLMSERVE_FILES_QUOTA_BYTES); delete files "
+            "(DELETE /v1/files/{id}) first",
             param="file", code="files_quota_exceeded",
-        )  # fmt: skip
+        )
 
     def check_length(self, owner: str, content_length: str | None) -> None:
         """Refuse by the declared length, before a byte is read."""
@@ -80,37 +85,74 @@ class FilesService:
         declared = int(content_length) - FORM_OVERHEAD
         if declared > self.max_bytes:
             raise PayloadTooLarge(self._too_large(), param="file")
-        left = self._quota_left(owner)
-        if left is not None and declared > left:
+        if self.quota_bytes and self.used(owner) + declared > self.quota_bytes:
             raise self._over_quota(owner, declared)
+
+    def check_room(self, owner: str) -> None:
+        """Refuse new work that stores results when the owner's quota is used up."""
+        used = self.used(owner)
+        if self.quota_bytes and used >= self.quota_bytes:
+            raise InvalidRequest(
+                f"this API key stores {_mib(used)} (files and batch results), its whole quota "
+                f"of {_mib(self.quota_bytes)} (VLMSERVE_FILES_QUOTA_BYTES); delete files "
+                "(DELETE /v1/files/{id}) first", code="files_quota_exceeded",
+            )
+
+    def _charger(self, owner: str) -> tuple[Callable[[int], None], Callable[[], None]]:
+        """(charge, release) of one upload. ``charge(n)`` refuses the next ``n`` bytes over the
+        size limit or the quota, else holds them as pending. The check and the hold run on the
+        event loop with no await between them, and a finished upload's row is added before its
+        hold is released, so concurrent uploads of one key cannot pass the quota together."""
+        held = 0
+        results = 0  # bytes of the owner's unfinished batch results, read once
+        if self.quota_bytes:
+            results = self.store.used_bytes(owner) - self.store.file_bytes(owner)
+
+        def charge(n: int) -> None:
+            nonlocal held
+            if held + n > self.max_bytes:
+                raise PayloadTooLarge(self._too_large(), param="file")
+            if self.quota_bytes:
+                used = self.store.file_bytes(owner) + results + self._pending.get(owner, 0)
+                if used + n > self.quota_bytes:
+                    raise self._over_quota(owner, held + n, used - held)
+            held += n
+            self._pending[owner] = self._pending.get(owner, 0) + n
+
+        def release() -> None:
+            left = self._pending.get(owner, 0) - held
+            if left > 0:
+                self._pending[owner] = left
+            else:
+                self._pending.pop(owner, None)
+
+        return charge, release
 
     # -- create -----------------------------------------------------------------------------
 
     async def upload(self, owner: str, content_type: str | None, content_length: str | None,
-                     body: AsyncIterator[bytes]) -> dict[str, Any]:  # fmt: skip
+                     body: AsyncIterator[bytes]) -> dict[str, Any]:
         self.sweep()
         self.check_length(owner, content_length)
-        left = self._quota_left(owner)
-        limit = self.max_bytes if left is None else max(0, min(self.max_bytes, left))
         file_id = new_file_id()
         part = self.store.blob(file_id).with_suffix(".part")
         self.store.db()  # makes the directories
+        charge, release = self._charger(owner)
         try:
-            upload = await receive_upload(content_type, body, part, limit, self._too_large())
-        except PayloadTooLarge:
-            if left is not None and left < self.max_bytes:
-                raise self._over_quota(owner, limit + 1) from None
-            raise
-        except MultipartParseError as exc:
-            raise InvalidRequest(f"the multipart form cannot be read: {exc}") from None
-        purpose = upload.fields.get("purpose", "")
-        if purpose not in PURPOSES:
-            part.unlink(missing_ok=True)
-            raise InvalidRequest(
-                f"purpose {purpose!r} is not one of {', '.join(PURPOSES)}", param="purpose"
-            )
-        part.rename(self.store.blob(file_id))
-        return self._add(owner, file_id, upload.filename, purpose, upload.bytes).to_wire()
+            try:
+                upload = await receive_upload(content_type, body, part, charge)
+            except MultipartParseError as exc:
+                raise InvalidRequest(f"the multipart form cannot be read: {exc}") from None
+            purpose = upload.fields.get("purpose", "")
+            if purpose not in PURPOSES:
+                part.unlink(missing_ok=True)
+                raise InvalidRequest(
+                    f"purpose {purpose!r} is not one of {', '.join(PURPOSES)}", param="purpose"
+                )
+            part.rename(self.store.blob(file_id))
+            return self._add(owner, file_id, upload.filename, purpose, upload.bytes).to_wire()
+        finally:
+            release()  # after the row is added: no await between them
 
     def _add(self, owner: str, file_id: str, filename: str, purpose: str, size: int) -> FileRow:
         now = int(time.time())
@@ -118,15 +160,21 @@ class FilesService:
         self.store.add_file(row)
         return row
 
-    def write(self, owner: str, file_id: str, filename: str, lines: list[str]) -> FileRow:
-        """A file the server makes (batch output and errors): JSONL, purpose batch_output.
-        It counts towards the owner's quota but is always written."""
-        data = "".join(f"{line}\n" for line in lines).encode()
+    async def write_results(self, owner: str, file_id: str, filename: str, batch_id: str,
+                            ok: bool) -> bool:
+        """A file the server makes from a batch's stored output (``ok``) or error lines: JSONL,
+        purpose batch_output, written row by row in a worker thread; False when there are no
+        such lines. It counts towards the owner's quota but is always written."""
         path = self.store.blob(file_id)
+        part = path.with_suffix(".part")
         self.store.db()
-        path.with_suffix(".part").write_bytes(data)
-        path.with_suffix(".part").rename(path)
-        return self._add(owner, file_id, filename, "batch_output", len(data))
+        size = await asyncio.to_thread(self.store.dump_lines, batch_id, ok, part)
+        if not size:
+            part.unlink(missing_ok=True)
+            return False
+        part.rename(path)
+        self._add(owner, file_id, filename, "batch_output", size)
+        return True
 
     # -- read, delete -----------------------------------------------------------------------
 

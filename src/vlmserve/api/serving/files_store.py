@@ -5,18 +5,28 @@
     batch_lines  one row per finished batch line (its output or error line), written as the line
                  finishes: a restarted server runs only the lines that have no row
 
+A batch pins its input file at create (a hard link, ``inputs/<batch id>``, removed when the
+batch has finished): deleting the file meanwhile loses none of the batch's lines.
+
 Nothing is created before the first write (``open`` is lazy), so a server that never sees a
-file leaves no trace on disk. The queries are small and indexed; they run on the event loop.
+file leaves no trace on disk. Everything here is private: files 0600, directories 0700.
+The queries are small and indexed; they run on the event loop.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import orjson
+
+from vlmserve.private import open_private, private_db, private_dir
 
 __all__ = ["FileRow", "FilesStore", "LineResult"]
 
@@ -36,6 +46,7 @@ CREATE TABLE IF NOT EXISTS batch_lines (
     PRIMARY KEY (batch_id, line)
 );
 """
+_UNFINISHED = "('validating', 'in_progress', 'finalizing', 'cancelling')"
 
 
 @dataclass(slots=True)
@@ -64,10 +75,27 @@ class LineResult:
     result: dict[str, Any]  # the line written to the output or error file
 
 
+def _fragment(value: Any) -> Any:
+    if isinstance(value, orjson.Fragment):  # pre-serialised JSON (chat logprobs)
+        return json.loads(value.contents)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _result_json(result: dict[str, Any]) -> str:
+    """A line's result as JSON text: orjson (which writes the pre-serialised parts of an answer
+    as they are), the standard library for what orjson refuses (an integer wider than 64
+    bits)."""
+    try:
+        return orjson.dumps(result).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(result, default=_fragment)
+
+
 class FilesStore:
     def __init__(self, root: Path):
         self.root = root
         self.blobs = root / "files"
+        self.inputs = root / "inputs"
         self.db_path = root / "files.db"
         self._db: sqlite3.Connection | None = None
 
@@ -76,7 +104,9 @@ class FilesStore:
 
     def db(self) -> sqlite3.Connection:
         if self._db is None:
-            self.blobs.mkdir(parents=True, exist_ok=True)
+            private_dir(self.root)
+            private_dir(self.blobs)
+            private_db(self.db_path)
             db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
@@ -91,6 +121,24 @@ class FilesStore:
 
     def blob(self, file_id: str) -> Path:
         return self.blobs / file_id
+
+    def pinned(self, batch_id: str) -> Path:
+        """The batch's own name for its input file."""
+        return self.inputs / batch_id
+
+    def pin(self, batch_id: str, file_id: str) -> None:
+        """Give the batch its own name for the input file: a hard link (no copy, the same
+        bytes), or a copy where the file system has no links."""
+        private_dir(self.inputs)
+        target = self.pinned(batch_id)
+        try:
+            os.link(self.blob(file_id), target)
+        except OSError:
+            with self.blob(file_id).open("rb") as src, open_private(target) as out:
+                shutil.copyfileobj(src, out)
+
+    def unpin(self, batch_id: str) -> None:
+        self.pinned(batch_id).unlink(missing_ok=True)
 
     # -- files ------------------------------------------------------------------------------
 
@@ -125,17 +173,38 @@ class FilesStore:
             sql, args = sql + " AND purpose = ?", [*args, purpose]
         if after:
             op = "<" if descending else ">"
-            sql += f" AND (created_at, id) {op} (SELECT created_at, id FROM files WHERE id = ?)"
-            args.append(after)
+            # the cursor only among the owner's files: another key's id pages as an unknown one
+            sql += (f" AND (created_at, id) {op} (SELECT created_at, id FROM files WHERE id = ? "
+                    "AND owner = ?)")
+            args += [after, owner]
         order = "DESC" if descending else "ASC"
         sql += f" ORDER BY created_at {order}, id {order} LIMIT ?"
         return [FileRow(*r) for r in self.db().execute(sql, (*args, limit))]
 
-    def used_bytes(self, owner: str) -> int:
+    def file_bytes(self, owner: str) -> int:
+        """Bytes of the owner's files (uploads and batch output files)."""
         if not self.exists():
             return 0
         row = self.db().execute("SELECT SUM(bytes) FROM files WHERE owner = ?", (owner,))
         return int(row.fetchone()[0] or 0)
+
+    def used_bytes(self, owner: str) -> int:
+        """Bytes the owner stores: its files and the results its unfinished batches hold."""
+        if not self.exists():
+            return 0
+        row = self.db().execute(
+            "SELECT SUM(LENGTH(CAST(l.result AS BLOB)) + 1) FROM batch_lines l JOIN batches b "
+            f"ON b.id = l.batch_id WHERE b.owner = ? AND b.status IN {_UNFINISHED}", (owner,)
+        )
+        return self.file_bytes(owner) + int(row.fetchone()[0] or 0)
+
+    def unfinished_count(self, owner: str) -> int:
+        if not self.exists():
+            return 0
+        row = self.db().execute(
+            f"SELECT COUNT(*) FROM batches WHERE owner = ? AND status IN {_UNFINISHED}", (owner,)
+        )
+        return int(row.fetchone()[0])
 
     def delete_file(self, file_id: str) -> None:
         self.db().execute("DELETE FROM files WHERE id = ?", (file_id,))
@@ -184,8 +253,9 @@ class FilesStore:
             return []
         sql, args = "SELECT data FROM batches WHERE owner = ?", [owner]
         if after:
-            sql += " AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ?)"
-            args.append(after)
+            sql += (" AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ? "
+                    "AND owner = ?)")
+            args += [after, owner]
         sql += " ORDER BY created_at DESC, id DESC LIMIT ?"
         return [json.loads(r[0]) for r in self.db().execute(sql, (*args, limit))]
 
@@ -193,12 +263,12 @@ class FilesStore:
         if not self.exists():
             return []
         rows = self.db().execute(
-            "SELECT owner, data FROM batches WHERE status IN "
-            "('validating', 'in_progress', 'finalizing', 'cancelling') ORDER BY created_at"
+            f"SELECT owner, data FROM batches WHERE status IN {_UNFINISHED} ORDER BY created_at"
         )
         return [(r[0], json.loads(r[1])) for r in rows]
 
     def delete_batch(self, batch_id: str) -> None:
+        self.unpin(batch_id)
         self.db().execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch_id,))
         self.db().execute("DELETE FROM batches WHERE id = ?", (batch_id,))
 
@@ -207,7 +277,7 @@ class FilesStore:
     def add_line(self, batch_id: str, result: LineResult) -> None:
         self.db().execute(
             "INSERT OR REPLACE INTO batch_lines VALUES (?, ?, ?, ?)",
-            (batch_id, result.line, int(result.ok), json.dumps(result.result)),
+            (batch_id, result.line, int(result.ok), _result_json(result.result)),
         )
 
     def done_lines(self, batch_id: str) -> set[int]:
@@ -224,9 +294,19 @@ class FilesStore:
         counts = dict(rows.fetchall())
         return counts.get(1, 0), counts.get(0, 0)
 
-    def lines(self, batch_id: str, ok: bool) -> list[str]:
-        rows = self.db().execute(
-            "SELECT result FROM batch_lines WHERE batch_id = ? AND ok = ? ORDER BY line",
-            (batch_id, int(ok)),
-        )
-        return [r[0] for r in rows]
+    def dump_lines(self, batch_id: str, ok: bool, dest: Path) -> int:
+        """Write the batch's output (``ok``) or error lines to ``dest`` as JSONL, row by row,
+        on a connection of its own; returns the bytes written. Blocking: a worker thread."""
+        db = sqlite3.connect(self.db_path)
+        size = 0
+        try:
+            with open_private(dest) as out:
+                rows = db.execute(
+                    "SELECT result FROM batch_lines WHERE batch_id = ? AND ok = ? ORDER BY line",
+                    (batch_id, int(ok)),
+                )
+                for (result,) in rows:
+                    size += out.write(result.encode() + b"\n")
+        finally:
+            db.close()
+        return size

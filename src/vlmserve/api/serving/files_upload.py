@@ -2,20 +2,23 @@
 
 Starlette's ``request.form()`` spools the whole body before a route sees it; an upload here is
 refused by its ``Content-Length`` before a byte is read, and otherwise as soon as the file part
-passes the limit while it streams into ``<id>.part`` (deleted on any failure).
+passes a limit while it streams into ``<id>.part`` (deleted on any failure): each piece of the
+file is offered to ``charge`` before it is written, which raises to refuse it. A form that ends
+before its closing boundary (a cut-off upload) is refused, never stored as a complete file.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from vlmserve.errors import InvalidRequest, PayloadTooLarge
+from vlmserve.errors import InvalidRequest
+from vlmserve.private import open_private
 
 __all__ = ["FORM_OVERHEAD", "Upload", "receive_upload"]
 
@@ -36,9 +39,9 @@ class _Reader:
     """The parser's callbacks: the ``file`` part goes to ``out``, other parts to fields."""
 
     out: IO[bytes]
-    limit: int
-    too_large: str
+    charge: Callable[[int], None]  # raises to refuse the next n bytes of the file
     upload: Upload = field(default_factory=Upload)
+    ended: bool = False  # the closing boundary was read
     header_name: bytes = b""
     header_value: bytes = b""
     disposition: dict[bytes, bytes] = field(default_factory=dict)
@@ -71,14 +74,16 @@ class _Reader:
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         if self._is_file():
+            self.charge(end - start)
             self.upload.bytes += end - start
-            if self.upload.bytes > self.limit:
-                raise PayloadTooLarge(self.too_large, param="file")
             self.out.write(data[start:end])
             return
         self.value += data[start:end]
         if len(self.value) > _MAX_FIELD:
             raise InvalidRequest("a form field other than file is over 1 KiB")
+
+    def on_end(self) -> None:
+        self.ended = True
 
     def on_part_end(self) -> None:
         name = self.disposition.get(b"name")
@@ -100,24 +105,28 @@ def _boundary(content_type: str | None) -> bytes:
 
 
 async def receive_upload(
-    content_type: str | None, body: AsyncIterator[bytes], dest: Path, limit: int, too_large: str
+    content_type: str | None, body: AsyncIterator[bytes], dest: Path,
+    charge: Callable[[int], None],
 ) -> Upload:
-    """Stream the form into ``dest`` (the ``file`` part's bytes); PayloadTooLarge(too_large) as
-    soon as the file passes ``limit`` bytes. ``dest`` is removed unless this returns."""
+    """Stream the form into ``dest`` (the ``file`` part's bytes), each piece offered to
+    ``charge`` first (which raises to refuse it). ``dest`` is removed unless this returns."""
     boundary = _boundary(content_type)
     ok = False
     try:
-        with dest.open("wb") as out:
-            reader = _Reader(out, limit, too_large)
+        with open_private(dest) as out:
+            reader = _Reader(out, charge)
             parser = MultipartParser(boundary, {
                 "on_part_begin": reader.on_part_begin, "on_part_data": reader.on_part_data,
                 "on_part_end": reader.on_part_end, "on_header_field": reader.on_header_field,
                 "on_header_value": reader.on_header_value, "on_header_end": reader.on_header_end,
-                "on_headers_finished": reader.on_headers_finished,
+                "on_headers_finished": reader.on_headers_finished, "on_end": reader.on_end,
             })  # type: ignore[arg-type]  # fmt: skip
             async for chunk in body:
                 parser.write(chunk)
             parser.finalize()
+        if not reader.ended:
+            raise InvalidRequest("the upload ended before the form's closing boundary (cut "
+                                 "off?); send it again", code="incomplete_upload")
         if not reader.upload.has_file:
             raise InvalidRequest("the form has no 'file' field", param="file")
         ok = True

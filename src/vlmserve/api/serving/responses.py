@@ -45,7 +45,7 @@ from vlmserve.api.serving.responses_convert import (
     remap,
     to_chat_request,
 )
-from vlmserve.api.serving.responses_files import attach_files
+from vlmserve.api.serving.responses_files import MediaLimits, attach_files
 from vlmserve.api.serving.responses_items import input_items, list_page
 from vlmserve.api.serving.responses_objects import (
     ResponseLog,
@@ -131,7 +131,9 @@ class ResponsesService:
             turns = record.request["body"]["messages"][record.request["turns_from"] :]
             history = [*turns, assistant_message(output_text(previous))]
             files = list(record.request.get("input_files", []))
-        attached = await attach_files(body, owner, self.files)
+        settings = self.chat.converter.settings
+        limits = MediaLimits(settings.max_media_per_request, settings.max_media_bytes)
+        attached = await attach_files(body, owner, self.files, limits)
         files += [[len(history) + int(i), j, f] for i, j, f in attached]
         return [*history, *input_messages(body)], files
 

@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from vlmserve.private import private_db, private_dir
 from vlmserve.streaming.events import Event, SessionRecord, SessionState
 from vlmserve.streaming.store import sqlite_copy
 from vlmserve.streaming.store.base import already_exists, dump_meta, dump_request, load_meta
@@ -98,8 +99,10 @@ class SQLiteStore:
         self.path = str(path)
         self.ttl = ttl
         self.poll_interval = poll_interval
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        if self.path != ":memory:":  # private: 0600 (its -wal and -shm too)
+            if not Path(self.path).parent.exists():
+                private_dir(Path(self.path).parent)
+            private_db(Path(self.path))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmserve-sqlite")
         self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=10.0)
         self._conn.execute("PRAGMA journal_mode=WAL")

@@ -1,0 +1,277 @@
+"""Bounds before work, measured on a real server process: what one cheap request can make the
+server read, hold or stall. Peak RSS is the server's VmHWM, reset after the setup (uploads)
+and before the request under test."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from support import MODEL, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MiB = 2**20
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise LookupError(field)
+
+
+def reset_peak(pid: int) -> None:
+    """Reset the process's peak RSS (VmHWM) to its current RSS."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rise(pid: int, rss_before_kib: int) -> int:
+    """Bytes the peak RSS rose over ``rss_before_kib`` since the last reset."""
+    return (_status_kib(pid, "VmHWM") - rss_before_kib) * 1024
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    data = tmp_path_factory.mktemp("bounds-data")
+    env = {"VLMSERVE_FILES_DIR": str(data), "VLMSERVE_SESSIONS_DB_PATH": str(data / "s.db")}
+    proc = ServerProcess(
+        [
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--served-model-name",
+            MODEL,
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "8192",
+        ],
+        env=env,
+    )
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def upload(url: str, data: bytes, purpose: str, name: str = "f.bin") -> str:
+    files = {"file": (name, data)}
+    answer = httpx.post(f"{url}/v1/files", files=files, data={"purpose": purpose}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return str(answer.json()["id"])
+
+
+def test_forty_references_to_one_48_mib_file_are_refused_before_any_is_read(
+    server: ServerProcess,
+) -> None:
+    # a PNG signature, then 48 MiB less a little: the largest upload the default allows
+    file_id = upload(
+        server.url, b"\x89PNG\r\n\x1a\n" + os.urandom(48 * MiB - 4096), "vision", "big.png"
+    )
+    parts = [{"type": "input_image", "file_id": file_id} for _ in range(40)]
+    body = {
+        "model": MODEL,
+        "max_output_tokens": 2,
+        "input": [{"role": "user", "content": [*parts, {"type": "input_text", "text": "?"}]}],
+    }
+    pid = server.proc.pid
+    rss = _status_kib(pid, "VmRSS")
+    reset_peak(pid)
+    started = time.perf_counter()
+    answer = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    seconds = time.perf_counter() - started
+    rise = peak_rise(pid, rss)
+    print(
+        f"40 references: {answer.status_code} in {seconds * 1000:.0f} ms, peak RSS rose "
+        f"{rise / MiB:.1f} MiB"
+    )
+    assert answer.status_code == 400, answer.text
+    assert "VLMSERVE_MAX_MEDIA_PER_REQUEST" in answer.json()["error"]["message"]
+    assert seconds < 1.0, f"{seconds:.2f} s"
+    assert rise < 64 * MiB, f"peak RSS rose {rise / MiB:.0f} MiB"
+
+
+class HealthProbe:
+    """Polls ``/health`` from a thread every 20 ms; ``worst`` is the slowest answer (s)."""
+
+    def __init__(self, url: str):
+        self.url, self.worst, self.count = url, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not self._stop.is_set():
+                started = time.perf_counter()
+                assert http.get(f"{self.url}/health").status_code == 200
+                self.worst = max(self.worst, time.perf_counter() - started)
+                self.count += 1
+                self._stop.wait(0.02)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+def test_health_stays_fast_while_a_large_logprobs_answer_is_built_and_sent(
+    server: ServerProcess,
+) -> None:
+    # n=8 x 800 tokens x 20 alternatives: ~9 MiB of JSON (the tiny model makes 4,000 tokens,
+    # ~44 MiB, in minutes on a 2-core machine; the serialisation cost grows with the size)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 8,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "max_tokens": 800,
+        "ignore_eos": True,
+        "temperature": 1.0,
+    }
+    with HealthProbe(server.url) as probe:
+        answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=600)
+    assert answer.status_code == 200, answer.text[:500]
+    print(f"{len(answer.content) / MiB:.1f} MiB answer: worst /health {probe.worst * 1000:.0f} ms")
+    assert len(answer.content) > 8 * MiB
+    choices = answer.json()["choices"]
+    assert len(choices) == 8 and all(len(c["logprobs"]["content"]) == 800 for c in choices)
+    assert probe.count > 10 and probe.worst < 0.2, f"/health took {probe.worst * 1000:.0f} ms"
+
+
+def _batch_file(target_bytes: int) -> bytes:
+    """Chat request lines (~1.2 KB each) up to ``target_bytes``."""
+    pad = "word " * 220
+    lines, size, i = [], 0, 0
+    while size < target_bytes:
+        body = {
+            "model": MODEL,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": f"{i} {pad}"}],
+        }
+        line = (
+            json.dumps(
+                {
+                    "custom_id": f"c{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": body,
+                }
+            )
+            + "\n"
+        )
+        lines.append(line)
+        size, i = size + len(line), i + 1
+    return "".join(lines).encode()
+
+
+def wait_status(url: str, batch_id: str, wanted: tuple[str, ...], timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = httpx.get(f"{url}/v1/batches/{batch_id}", timeout=30).json()
+        if batch["status"] in wanted:
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} still {batch['status']}")
+
+
+def test_four_batches_on_one_47_mib_file_hold_little_memory_and_never_stall(
+    server: ServerProcess,
+) -> None:
+    data = _batch_file(47 * MiB)
+    file_id = upload(server.url, data, "batch", "big.jsonl")
+    pid = server.proc.pid
+    rss = _status_kib(pid, "VmRSS")
+    reset_peak(pid)
+    made = []
+    for _ in range(4):
+        with HealthProbe(server.url) as probe:
+            answer = httpx.post(
+                f"{server.url}/v1/batches",
+                timeout=60,
+                json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"},
+            )
+            assert answer.status_code == 200, answer.text
+            batch = wait_status(server.url, answer.json()["id"], ("in_progress", "failed"))
+        assert batch["status"] == "in_progress", batch["errors"]
+        assert batch["request_counts"]["total"] == data.count(b"\n")
+        assert probe.worst < 0.2, f"/health took {probe.worst * 1000:.0f} ms during a create"
+        made.append(batch["id"])
+        print(f"create {len(made)}: worst /health {probe.worst * 1000:.0f} ms")
+    rise = peak_rise(pid, rss)
+    print(f"four batches: peak RSS rose {rise / MiB:.0f} MiB")
+    for batch_id in made:
+        httpx.post(f"{server.url}/v1/batches/{batch_id}/cancel", timeout=30)
+    for batch_id in made:
+        wait_status(server.url, batch_id, ("cancelled",))
+    assert rise < 200 * MiB, f"peak RSS rose {rise / MiB:.0f} MiB"
+
+
+def test_a_deleted_input_file_loses_no_finished_line_across_kill_9(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    env = {"VLMSERVE_FILES_DIR": str(tmp_path), "VLMSERVE_SESSIONS_DB_PATH": str(tmp_path / "s.db")}
+    args = ["serve", "--model", str(tiny_dir), "--served-model-name", MODEL, "--device", "cpu"]
+    lines = [
+        {
+            "custom_id": f"k{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "max_tokens": 24,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"Count {i}."}],
+            },
+        }
+        for i in range(30)
+    ]
+    first = ServerProcess(args, env=env)
+    try:
+        first.wait_ready()
+        file_id = upload(
+            first.url, "".join(json.dumps(x) + "\n" for x in lines).encode(), "batch", "in.jsonl"
+        )
+        batch_id = httpx.post(
+            f"{first.url}/v1/batches",
+            timeout=30,
+            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"},
+        ).json()["id"]
+        assert httpx.delete(f"{first.url}/v1/files/{file_id}", timeout=30).status_code == 200
+        deadline = time.monotonic() + 120
+        while (
+            httpx.get(f"{first.url}/v1/batches/{batch_id}").json()["request_counts"]["completed"]
+            < 5
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first.proc.kill()  # kill -9: no clean shutdown
+        first.proc.wait()
+    finally:
+        first.stop()
+    second = ServerProcess(args, env=env)
+    try:
+        second.wait_ready()
+        batch = wait_status(second.url, batch_id, ("completed", "failed"), timeout=300)
+        assert batch["status"] == "completed", batch["errors"]
+        assert batch["request_counts"] == {"total": 30, "completed": 30, "failed": 0}
+        out = httpx.get(f"{second.url}/v1/files/{batch['output_file_id']}/content").text
+        assert sorted(json.loads(x)["custom_id"] for x in out.splitlines()) == sorted(
+            x["custom_id"] for x in lines
+        )
+    finally:
+        second.stop()
