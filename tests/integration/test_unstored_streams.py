@@ -35,6 +35,7 @@ async def test_a_streamed_unstored_response_writes_nothing_to_the_sessions_db(
                 rid = r.headers["x-session-id"]
                 retrieved = await http.get(f"/v1/responses/{rid}")
                 assert retrieved.status_code == (200 if store else 404)
+                assert ("x-resume-token" in r.headers) is store  # nothing to resume otherwise
     await app.state.services.sessions.store.close()  # the journal copied into the database
     written = on_disk(tmp_path)
     assert marks[True].encode() in written

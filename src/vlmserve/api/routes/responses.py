@@ -43,8 +43,10 @@ async def create_response(request: Request, responses: ResponsesDep, owner: Owne
         return await json_response(answer)
     response_id, token = await responses.start(body, request_id, owner)
     if body.stream:
+        # a store: false response is not retrievable: no token, which would open nothing
         return await response_sse(responses.manager(body.store), response_id, -1,
-                                  tenant=tenant_of(owner), resume_token=token)  # fmt: skip
+                                  tenant=tenant_of(owner),
+                                  resume_token=token if body.store else None)  # fmt: skip
     if body.background:
         answer = await responses.retrieve(response_id, owner)
         return JSONResponse(answer, headers={HEADER: token})
