@@ -96,10 +96,16 @@ def test_the_first_event_carries_the_token_as_its_first_field() -> None:
     assert with_token("[DONE]", "t0k") == "[DONE]"
 
 
-def test_access_log_lines_never_show_a_token(caplog: pytest.LogCaptureFixture) -> None:
+def test_access_log_lines_never_show_a_token(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     redact_tokens()
     redact_tokens()  # idempotent
     access = logging.getLogger("uvicorn.access")
+    # a server run earlier in the session applied uvicorn's logging config, which stops
+    # access records from reaching the root logger (where caplog listens)
+    monkeypatch.setattr(access, "propagate", True)
+    monkeypatch.setattr(access, "disabled", False)
     assert len([f for f in access.filters if type(f).__name__ == "_RedactTokens"]) == 1
     line = '%s - "%s %s HTTP/%s" %d'  # uvicorn's access-log format
     with caplog.at_level(logging.INFO, logger="uvicorn.access"):
