@@ -102,16 +102,23 @@ def test_access_log_lines_never_show_a_token(
     redact_tokens()
     redact_tokens()  # idempotent
     access = logging.getLogger("uvicorn.access")
-    # a server run earlier in the session applied uvicorn's logging config, which stops
-    # access records from reaching the root logger (where caplog listens)
-    monkeypatch.setattr(access, "propagate", True)
-    monkeypatch.setattr(access, "disabled", False)
+    # a server run earlier in the session leaves uvicorn's logging config, which stops access
+    # records on their way to the root logger (where caplog listens): as here; listen on the
+    # access logger itself
+    for name in ("uvicorn", "uvicorn.access"):
+        monkeypatch.setattr(logging.getLogger(name), "propagate", False)
     assert len([f for f in access.filters if type(f).__name__ == "_RedactTokens"]) == 1
     line = '%s - "%s %s HTTP/%s" %d'  # uvicorn's access-log format
-    with caplog.at_level(logging.INFO, logger="uvicorn.access"):
-        for path in ("/v1/streams/abc?last_event_id=abc%3A3&token=s3cr3t&x=1",
-                     "/v1/responses/r?TOKEN=s3cr3t"):  # fmt: skip
-            access.info(line, "127.0.0.1:5", "GET", path, "1.1", 200)
+    access.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+            for path in (
+                "/v1/streams/abc?last_event_id=abc%3A3&token=s3cr3t&x=1",
+                "/v1/responses/r?TOKEN=s3cr3t",
+            ):
+                access.info(line, "127.0.0.1:5", "GET", path, "1.1", 200)
+    finally:
+        access.removeHandler(caplog.handler)
     assert "s3cr3t" not in caplog.text
     assert "token=***&x=1" in caplog.text and "last_event_id=abc%3A3" in caplog.text
-    assert '"GET /v1/streams/abc?' in caplog.text and "1.1\" 200" in caplog.text
+    assert '"GET /v1/streams/abc?' in caplog.text and '1.1" 200' in caplog.text
