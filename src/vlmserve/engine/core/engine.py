@@ -138,6 +138,8 @@ class BatchEngine(EngineGauges, EngineLifecycle):
             self.decode_mode = self.runner.use_paged_decode(
                 c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager
             )
+        elif self.runner.device.type == "cpu" and not c.enforce_eager:
+            self.decode_mode = self.runner.use_compiled_attention()
         log.info("%s: decode runs with %s", model_id, self.decode_mode)
         return paging
 
