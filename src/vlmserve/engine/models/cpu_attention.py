@@ -85,6 +85,7 @@ class CompiledAttention:
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
         self._fn: Any = torch.compile(paged_decode, dynamic=False)
         self.broken = False  # a call needed compiling again: eager from then on
+        self._threads: set[int] = set()  # torch thread counts compiled for (dynamo guards it)
 
     def __call__(
         self,
@@ -109,6 +110,8 @@ class CompiledAttention:
             if tables.shape[1] < 2:  # a null block past every row's keys
                 tables = torch.cat([tables, tables.new_zeros(tables.shape[0], 1)], 1)
             args = (q, k_cache, v_cache, tables, lengths, scale)
+            if torch.get_num_threads() not in self._threads and not self.broken:
+                self.warm_up(q, k_cache, v_cache, scale)  # the same kernel: seconds, once
             if not self.broken:
                 try:
                     with torch.compiler.set_stance("fail_on_recompile"):
@@ -121,16 +124,21 @@ class CompiledAttention:
     def warm_up(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> float:
-        """Compile for these head shapes and dtype (q [B, H, D], any B): one call on the
-        null block, 2 rows of 3-block tables (distinct sizes: dimensions of equal size would
-        be compiled as one) -> seconds taken. Raises whatever compiling raises."""
+        """Compile for these head shapes and dtype (q [B, H, D], any B) and the current
+        thread count: one call on the null block, 2 rows of 3-block tables (distinct sizes:
+        dimensions of equal size would be compiled as one) -> seconds taken. Raises
+        whatever compiling raises."""
         started = time.perf_counter()
+        self._threads.add(torch.get_num_threads())
         with torch.inference_mode():  # as ``__call__`` makes its inputs
             q = q.new_zeros(2, *q.shape[1:])
             tables = torch.zeros(2, 3, dtype=torch.long, device=q.device)
             lengths = torch.ones(2, dtype=torch.long, device=q.device)
-            for t, dim in ((q, 0), (tables, 0), (tables, 1), (lengths, 0)):
+            for t, dim in ((q, 0), (tables, 0), (lengths, 0)):
                 torch._dynamo.mark_dynamic(t, dim)  # the cache's shape stays: its own kernel
+            # the width unbacked: no guard on it, so no second kernel past 4,096 keys (where
+            # inductor would switch its float sums to chunked ones: other rounding)
+            torch._dynamo.decorators.mark_unbacked(tables, 1)
             self._fn(q, k_cache, v_cache, tables, lengths, scale)
         seconds = time.perf_counter() - started
         log.debug("compiled the CPU paged decode attention in %.1f s", seconds)

@@ -324,20 +324,25 @@ class DecoderRunner:
             why = "capturing failed"
         return f"paged attention, eager ({why})"
 
-    def use_compiled_attention(self) -> str:
+    def use_compiled_attention(self, threads: int = 0) -> str:
         """CPU: decode attention reads the cache in place through ``CompiledAttention``,
-        compiled now; where it does not apply or compiling fails, decode gathers each row's
-        blocks as before. -> how decode runs, for the log."""
+        compiled now for ``threads`` torch threads (0: the current count; the steps' count,
+        else the first step compiles again); where it does not apply or compiling fails,
+        decode gathers each row's blocks as before. -> how decode runs, for the log."""
         if not base_decode(self):
             return "gathered attention (the model's own decode attention)"
         cache = self._kv()
         q = torch.zeros(1, self.heads, self.head_dim, dtype=self.dtype, device=self.device)
+        before = torch.get_num_threads()
         try:
+            torch.set_num_threads(threads or before)
             compiled = CompiledAttention()
             seconds = compiled.warm_up(q, cache.k[0], cache.v[0], self.scale)
         except Exception as exc:  # no C++ compiler, a compile error: inductor's many kinds
             log.warning("decode attention gathers each row's blocks: compiling failed (%s)", exc)
             return f"gathered attention (compiling failed: {type(exc).__name__})"
+        finally:
+            torch.set_num_threads(before)
         self.compiled = compiled
         return f"paged attention, compiled for CPU ({seconds:.1f} s)"
 
