@@ -138,10 +138,18 @@ class BatchEngine(EngineGauges, EngineLifecycle):
             self.decode_mode = self.runner.use_paged_decode(
                 c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager
             )
-        elif self.runner.device.type == "cpu" and not c.enforce_eager:
+        elif self._compiles_attention(c):
             self.decode_mode = self.runner.use_compiled_attention(self._threads)
         log.info("%s: decode runs with %s", model_id, self.decode_mode)
         return paging
+
+    def _compiles_attention(self, c: ChatEngineConfig) -> bool:
+        """CPU decode attention in place (compiled) for half-precision models, whose gathered
+        path copies and upcasts every row's context per step; float32 (the demo's tiny
+        models) keeps gathering, sparing a first start the ~15 s of compiling (docs/engine.md,
+        "How decode attention reads the cache"); ``--enforce-eager`` never compiles."""
+        half = self.runner.dtype in (torch.bfloat16, torch.float16)
+        return self.runner.device.type == "cpu" and half and not c.enforce_eager
 
     # --- called from event loops ---------------------------------------------------------
     def new_sequence(self, prepared: Prepared, loop: Any, queue: Any) -> Sequence:
