@@ -9,8 +9,8 @@ model's attention runs on bf16 keys and values (no float32 copy).
 
 Batch invariance: in the kernels inductor generates here every reduction over a row's keys is
 a sequential loop inside one row (vectorised across heads or head_dim, never across keys),
-and rows are split between threads whole, so a row's result does not depend on its
-companions or the thread count; positions past a row's length (up to the batch's widest
+and the kernel runs on one thread, so a row's result does not depend on its companions or
+the thread count; positions past a row's length (up to the batch's widest
 table, read from the zeroed null block) add exact zeros after its last key. One kernel serves
 every batch size and width: the batch and table-width dimensions are compiled dynamic, and a
 batch of one row or of one-block tables is padded to two (a dimension of size 1 would be
@@ -83,7 +83,10 @@ class CompiledAttention:
         _cache_per_isa()
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-        self._fn: Any = torch.compile(paged_decode, dynamic=False)
+        # one thread inside the kernel: its OpenMP (the compiler's) and torch's spin against
+        # each other between layers; on 2 busy cores a 2-thread kernel made the 8 x 4,096
+        # step 5x slower (504 against 95 ms)
+        self._fn: Any = torch.compile(paged_decode, dynamic=False, options={"cpp.threads": 1})
         self.broken = False  # a call needed compiling again: eager from then on
         self._threads: set[int] = set()  # torch thread counts compiled for (dynamo guards it)
 

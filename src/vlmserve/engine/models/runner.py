@@ -19,7 +19,9 @@ same weights itself (nano-vllm's ``model_runner``), with:
 - **a paged KV cache** (``PagedKVCache``): prefill and decode scatter K/V by slot; decode
   attention is one ``scaled_dot_product_attention`` per layer for the whole batch over the
   rows' gathered blocks (padded with the zero null block, masked), one query per head and
-  ``enable_gqa`` (see ``_decode_attention`` for why that layout is batch invariant);
+  ``enable_gqa`` (see ``_decode_attention`` for why that layout is batch invariant); on
+  CPU, for half-precision models the engine compiles attention that reads each row's blocks
+  in place instead (``use_compiled_attention``, ``cpu_attention.py``);
 - **fused projections**: q/k/v and gate/up are one matmul each. The fused weights are new
   storage and the HF parameters are re-pointed at views of it, so no memory is duplicated
   and ``model.generate`` keeps working on the same weights;
