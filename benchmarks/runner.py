@@ -38,7 +38,7 @@ __all__ = ["Result", "main", "parse_args", "tables_for"]
 @dataclass(slots=True)
 class Result:
     checkpoint: str
-    mode: str  # gathered | eager | graphs
+    mode: str  # gathered | compiled | eager | graphs
     device: str
     dtype: str
     threads: int
@@ -75,10 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the result here")
     p.add_argument(
         "--mode",
-        choices=["auto", "gathered", "eager", "graphs"],
+        choices=["auto", "gathered", "compiled", "eager", "graphs"],
         default="auto",
-        help="decode attention: gathered blocks (CPU's path), paged in place (CUDA) eagerly or "
-        "as CUDA graphs; auto: what the engine uses on the device",
+        help="decode attention: gathered blocks (the fallback), paged in place compiled for "
+        "CPU (CPU's path), paged in place on CUDA eagerly or as CUDA graphs; auto: what the "
+        "engine uses on the device",
     )
     ns = p.parse_args(argv)
     for flag in ("batch", "context", "block_size", "steps", "copy_mib"):
@@ -139,8 +140,14 @@ def run(ns: argparse.Namespace) -> Result:
     runner.allocate_cache(1 + sum(len(t) for t in tables), ns.block_size)
     mode = ns.mode
     if mode == "auto":
-        mode = "graphs" if device.type == "cuda" else "gathered"
-    if mode != "gathered":
+        mode = "graphs" if device.type == "cuda" else "compiled"
+    if mode == "compiled":
+        started = time.perf_counter()
+        how = runner.use_compiled_attention()
+        print(f"{how}; {time.perf_counter() - started:.1f} s to set up")
+        if runner.compiled is None:
+            raise SystemExit(f"--mode compiled is not available here: decode runs with {how}")
+    elif mode != "gathered":
         how = runner.use_paged_decode(ns.batch, graphs=mode == "graphs")
         if not how.startswith("paged") or (mode == "graphs") != ("CUDA graphs" in how):
             raise SystemExit(f"--mode {mode} is not available here: decode runs with {how}")

@@ -1,9 +1,10 @@
 """The batched engine on a bfloat16 model on CPU (what ``--dtype auto`` serves on a CPU with
 native bf16, and ``--dtype bfloat16`` anywhere).
 
-Pinned on the tiny Qwen2-VL saved in bfloat16: decode attention runs in float32 (torch's CPU
-kernel for one bf16 query per head is ~8x slower than float32's), and a request's greedy
-output is the same alone and inside a busy batch.
+Pinned on the tiny Qwen2-VL saved in bfloat16: the engine's decode attention reads the bf16
+cache in place (compiled, ``cpu_attention.py``); its gathered fallback runs in float32
+(torch's CPU kernel for one bf16 query per head is ~8x slower than float32's); and a
+request's greedy output is the same alone and inside a busy batch.
 """
 
 from __future__ import annotations
@@ -36,13 +37,21 @@ def bf16() -> Iterator[HFChatBackend]:
     backend.close()
 
 
-def test_decode_attention_of_a_bf16_model_is_computed_in_float32(
+def test_the_engine_decodes_a_bf16_model_with_attention_in_place(bf16: HFChatBackend) -> None:
+    assert bf16.engine is not None
+    assert bf16.engine.decode_mode.startswith("paged attention, compiled for CPU")
+    assert bf16.engine.runner.compiled is not None
+
+
+def test_gathered_decode_attention_of_a_bf16_model_is_computed_in_float32(
     bf16: HFChatBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A real decode step of the bf16 model calls attention on float32 keys, values and
-    mask, and the result is the float32 attention's, rounded to bf16 once."""
+    """The fallback (no C++ compiler, ``--enforce-eager``): a real decode step of the bf16
+    model calls attention on float32 keys, values and mask, and the result is the float32
+    attention's, rounded to bf16 once."""
     assert bf16.engine is not None
     runner = bf16.engine.runner
+    monkeypatch.setattr(runner, "compiled", None)
     assert runner.dtype is torch.bfloat16 and runner._attention_dtype() is torch.float32
     seen: list[tuple[torch.dtype, ...]] = []
     sdpa = F.scaled_dot_product_attention

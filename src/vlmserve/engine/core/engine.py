@@ -98,6 +98,7 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self.sampler = Sampler(vocab, eos_ids, c.logprobs_mode)
         # a prompt longer than chunk_size is computed in chunks of it, one per step
         self.chunk_size = c.max_num_batched_tokens
+        self._threads = model_threads(model, self.runner.device)
         self.paging = self._memory(c, block_size, model_id)
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, self.blocks)
@@ -113,7 +114,6 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self.failure: EngineFailed | None = None  # set once, when the engine became unusable
         self._outbox = Outbox()
         self._forked: list[tuple[Sequence, int]] = []  # choices forked this step, first tokens
-        self._threads = model_threads(model, self.runner.device)
         self.tokens_generated = 0
         self.steps = 0
         self.stream_interval = max(1, c.stream_interval)  # steps between outputs under load
@@ -138,8 +138,18 @@ class BatchEngine(EngineGauges, EngineLifecycle):
             self.decode_mode = self.runner.use_paged_decode(
                 c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager
             )
+        elif self._compiles_attention(c):
+            self.decode_mode = self.runner.use_compiled_attention(self._threads)
         log.info("%s: decode runs with %s", model_id, self.decode_mode)
         return paging
+
+    def _compiles_attention(self, c: ChatEngineConfig) -> bool:
+        """CPU decode attention in place (compiled) for half-precision models, whose gathered
+        path copies and upcasts every row's context per step; float32 (the demo's tiny
+        models) keeps gathering, sparing a first start the ~15 s of compiling (docs/engine.md,
+        "How decode attention reads the cache"); ``--enforce-eager`` never compiles."""
+        half = self.runner.dtype in (torch.bfloat16, torch.float16)
+        return self.runner.device.type == "cpu" and half and not c.enforce_eager
 
     # --- called from event loops ---------------------------------------------------------
     def new_sequence(self, prepared: Prepared, loop: Any, queue: Any) -> Sequence:

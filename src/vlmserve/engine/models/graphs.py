@@ -37,7 +37,14 @@ from vlmserve.engine.models import paged_attention
 if TYPE_CHECKING:
     from vlmserve.engine.models.runner import DecoderRunner
 
-__all__ = ["BUCKETS", "PagedDecode", "bucket_for", "graphs_unsupported", "paged_supported"]
+__all__ = [
+    "BUCKETS",
+    "PagedDecode",
+    "base_decode",
+    "bucket_for",
+    "graphs_unsupported",
+    "paged_supported",
+]
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -210,18 +217,23 @@ class PagedDecode:
         return self.captured_seconds
 
 
-def paged_supported(runner: DecoderRunner) -> bool:
+def base_decode(runner: DecoderRunner) -> bool:
     """Whether the runner's decode attention is the base runner's (causal over each row's
     tokens): a runner with its own masks or attention (Gemma 3's sliding windows) keeps
     its own decode."""
     from vlmserve.engine.models.runner import DecoderRunner
 
     cls = type(runner)
-    same = all(
+    return all(
         getattr(cls, hook) is getattr(DecoderRunner, hook)
         for hook in ("decode", "_decode_masks", "_decode_attention")
     )
-    return same and paged_attention.available(runner.device)
+
+
+def paged_supported(runner: DecoderRunner) -> bool:
+    """Whether the Triton paged decode step applies: the base runner's attention on a
+    device Triton runs on."""
+    return base_decode(runner) and paged_attention.available(runner.device)
 
 
 def graphs_unsupported(runner: DecoderRunner) -> str | None:

@@ -19,7 +19,9 @@ same weights itself (nano-vllm's ``model_runner``), with:
 - **a paged KV cache** (``PagedKVCache``): prefill and decode scatter K/V by slot; decode
   attention is one ``scaled_dot_product_attention`` per layer for the whole batch over the
   rows' gathered blocks (padded with the zero null block, masked), one query per head and
-  ``enable_gqa`` (see ``_decode_attention`` for why that layout is batch invariant);
+  ``enable_gqa`` (see ``_decode_attention`` for why that layout is batch invariant); on
+  CPU, for half-precision models the engine compiles attention that reads each row's blocks
+  in place instead (``use_compiled_attention``, ``cpu_attention.py``);
 - **fused projections**: q/k/v and gate/up are one matmul each. The fused weights are new
   storage and the HF parameters are re-pointed at views of it, so no memory is duplicated
   and ``model.generate`` keeps working on the same weights;
@@ -30,6 +32,7 @@ same weights itself (nano-vllm's ``model_runner``), with:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,11 +40,19 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.engine.core.kv_cache import PagedKVCache, block_bytes
-from vlmserve.engine.models.graphs import PagedDecode, graphs_unsupported, paged_supported
+from vlmserve.engine.models.cpu_attention import CompiledAttention
+from vlmserve.engine.models.graphs import (
+    PagedDecode,
+    base_decode,
+    graphs_unsupported,
+    paged_supported,
+)
 from vlmserve.engine.models.linear import Linear, fuse
 from vlmserve.engine.models.rope import RotaryTables
 
 __all__ = ["DecoderRunner", "PrefillRow", "Qwen2VLRunner"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -109,6 +120,7 @@ class DecoderRunner:
         self.ropes = self._rotary(lm.rotary_emb, sections, interleaved)  # by layer kind
         self.cache: PagedKVCache | None = None  # allocate_cache(), once the budget is known
         self.paged: PagedDecode | None = None  # use_paged_decode(): CUDA's decode step
+        self.compiled: CompiledAttention | None = None  # use_compiled_attention(): CPU's
 
     def _rotary(
         self, rotary: Any, sections: list[int] | None, interleaved: bool
@@ -314,6 +326,28 @@ class DecoderRunner:
             why = "capturing failed"
         return f"paged attention, eager ({why})"
 
+    def use_compiled_attention(self, threads: int = 0) -> str:
+        """CPU: decode attention reads the cache in place through ``CompiledAttention``,
+        compiled now for ``threads`` torch threads (0: the current count; the steps' count,
+        else the first step compiles again); where it does not apply or compiling fails,
+        decode gathers each row's blocks as before. -> how decode runs, for the log."""
+        if not base_decode(self):
+            return "gathered attention (the model's own decode attention)"
+        cache = self._kv()
+        q = torch.zeros(1, self.heads, self.head_dim, dtype=self.dtype, device=self.device)
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads or before)
+            compiled = CompiledAttention()
+            seconds = compiled.warm_up(q, cache.k[0], cache.v[0], self.scale)
+        except Exception as exc:  # no C++ compiler, a compile error: inductor's many kinds
+            log.warning("decode attention gathers each row's blocks: compiling failed (%s)", exc)
+            return f"gathered attention (compiling failed: {type(exc).__name__})"
+        finally:
+            torch.set_num_threads(before)
+        self.compiled = compiled
+        return f"paged attention, compiled for CPU ({seconds:.1f} s)"
+
     def decode(
         self,
         tokens: list[int],
@@ -333,10 +367,18 @@ class DecoderRunner:
         ids, pos, slot_t, len_t = self._host(tokens, positions, slots, lengths)
         table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, MB]
         table_t = table_t.to(self.device)
-        masks = self._decode_masks(len_t, width * bs)  # in the attention's dtype
-        upcast = self._attention_dtype()
         x = self.embed(ids)  # [B, hidden]
         ropes = {kind: t.text(pos, max(positions)) for kind, t in self.ropes.items()}
+        if self.compiled is not None:  # reads each row's blocks in place
+            keys_t = len_t + 1  # [B] keys each row attends to
+            for li, layer in enumerate(self.layers):
+                q, k, v = self._qkv(x, layer, *ropes[layer.kind])
+                cache.write(li, slot_t, k, v)
+                o = self.compiled(q, cache.k[li], cache.v[li], table_t, keys_t, self.scale)
+                x = self._mlp(x, o.view(len(tokens), -1), layer)
+            return self._logits(x)
+        masks = self._decode_masks(len_t, width * bs)  # in the attention's dtype
+        upcast = self._attention_dtype()
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [B, H, D], k/v [B, KVH, D]
             cache.write(li, slot_t, k, v)
