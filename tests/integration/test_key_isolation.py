@@ -193,3 +193,36 @@ async def test_prefix_cache_blocks_are_shared_only_within_a_key_unless_global(
             assert other == 0  # B cannot time A's prompt: nothing of it is B's hit
         else:
             assert other >= 5 * 16
+
+
+async def batch_cached_tokens(http: httpx.AsyncClient, key: dict[str, str], question: str) -> int:
+    """``cached_tokens`` of one chat line run as a batch of ``key``'s."""
+    line = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": MODEL, "max_tokens": 2, "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM},
+                     {"role": "user", "content": question}]}}  # fmt: skip
+    data = (json.dumps(line) + "\n").encode()
+    up = await http.post("/v1/files", files={"file": ("in.jsonl", data)},
+                         data={"purpose": "batch"}, headers=key)  # fmt: skip
+    assert up.status_code == 200, up.text
+    made = await http.post("/v1/batches", headers=key, json={
+        "input_file_id": up.json()["id"], "endpoint": "/v1/chat/completions",
+        "completion_window": "24h"})  # fmt: skip
+    assert made.status_code == 200, made.text
+    for _ in range(3000):
+        batch = (await http.get(f"/v1/batches/{made.json()['id']}", headers=key)).json()
+        if batch["status"] in ("completed", "failed", "cancelled", "expired"):
+            break
+        await asyncio.sleep(0.02)
+    assert batch["status"] == "completed", batch
+    out = await http.get(f"/v1/files/{batch['output_file_id']}/content", headers=key)
+    answer = json.loads(out.content.splitlines()[0])["response"]["body"]
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_a_batch_line_shares_prefix_blocks_only_with_its_own_key(tiny_dir: Path) -> None:
+    async with serving(tiny_dir) as http:
+        assert await batch_cached_tokens(http, A, "Name?") == 0
+        assert await batch_cached_tokens(http, B, "Card number?") == 0  # not A's batch's blocks
+        assert await batch_cached_tokens(http, A, "Date of birth?") >= 5 * 16  # A's own
+        assert await cached_tokens(http, A, "Address?") >= 5 * 16  # and A's chats share them

@@ -104,8 +104,11 @@ class Endpoints:
         return await self._run[endpoint](body, request_id, owner)
 
     async def _chat(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
-        return await self.chat.complete(_validate(ChatCompletionRequest, body), request_id,
-                                        priority=BATCH_PRIORITY)  # fmt: skip
+        parsed = _validate(ChatCompletionRequest, body)
+        # as the owner: the prefix cache is salted by its key (no place of its per-key cap)
+        return await self.chat.complete(
+            parsed, request_id, priority=BATCH_PRIORITY, owner=owner
+        )
 
     async def _responses(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
         parsed = _validate(ResponsesRequest, body)
