@@ -47,9 +47,9 @@ from vlmserve.engine.core.prefix import block_hashes
 from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.core.scheduler import Scheduler
 from vlmserve.engine.core.sequence import Group, SeqStatus, Sequence
-from vlmserve.engine.hf.generation import _Run
 from vlmserve.engine.hf.inputs import Prepared
 from vlmserve.engine.hf.threads import model_threads
+from vlmserve.engine.hf.tracker import OutputTracker
 from vlmserve.engine.models.architectures import build
 from vlmserve.engine.models.runner import PrefillRow
 from vlmserve.engine.models.vision_cache import VisionCache
@@ -166,7 +166,9 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         seq = Sequence(prepared, loop, queue, req.sampling.max_tokens - len(req.prefix_token_ids),
                        priority=req.priority)  # fmt: skip
         seq.index = index
-        seq.run = _Run(prepared, self.tokenizer, lambda chunk: self._emit(seq, chunk), index)
+        seq.run = OutputTracker(
+            prepared, self.tokenizer, lambda chunk: self._emit(seq, chunk), index
+        )
         end = getattr(prepared.parsers, "reasoning_end", None)
         if prepared.grammar is not None and end:  # the grammar starts after the reasoning
             seq.think_end = self._hf_tokenizer.encode(end, add_special_tokens=False)

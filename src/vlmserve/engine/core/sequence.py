@@ -39,7 +39,7 @@ class Sequence:
     loop: Any  # the consumer's event loop (asyncio.AbstractEventLoop)
     queue: Any  # its asyncio.Queue: Chunks, then an exception or END
     max_new: int  # tokens this run may still produce (max_tokens minus a resumed prefix)
-    run: Any = None  # generation._Run: detokeniser, stop strings, counts, finish reason
+    run: Any = None  # hf.tracker.OutputTracker: detokeniser, stop strings, counts, finish reason
     status: SeqStatus = SeqStatus.WAITING
     cancelled: bool = False
     slot: int = -1  # row of the decode batch (running rows are 0..B-1)

@@ -16,11 +16,9 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from vlmserve.engine.hf.detok import IncrementalDetokenizer
 from vlmserve.engine.hf.inputs import Prepared
-from vlmserve.engine.hf.logprobs import TokenTexts
-from vlmserve.engine.hf.stops import StopMatcher
-from vlmserve.engine.types import Chunk, FinishReason, SamplingParams
+from vlmserve.engine.hf.tracker import OutputTracker
+from vlmserve.engine.types import Chunk, SamplingParams
 from vlmserve.errors import UnsupportedFeature
 
 __all__ = ["run_generation", "tokens_after"]
@@ -204,65 +202,6 @@ def _generation_config(model: Any, s: SamplingParams, max_new: int, structured: 
     return gc
 
 
-class _Run:
-    """Per-token bookkeeping of one generation: text, stops, counts, finish reason, and
-    the OpenAI logprobs items of each token when asked for."""
-
-    def __init__(self, prepared: Prepared, tokenizer: Any, emit: Callable[[Chunk], None],
-                 index: int = 0) -> None:  # fmt: skip
-        req = prepared.request
-        self.prepared = prepared
-        self.index = index
-        self.tokens = TokenTexts(tokenizer) if req.sampling.logprobs else None
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stops = StopMatcher(req.sampling.stop)
-        for token_id in req.prefix_token_ids:  # continuing a stream: rebuild the exact state
-            self.stops.feed(self.detok.push(token_id))  # (their text was sent already)
-        self.emit = emit
-        self.completion = len(req.prefix_token_ids)
-        self.stopped = False
-        self.last_token: int | None = None
-        self.cached_tokens: int | None = None  # set by an engine that caches prefixes
-
-    def on_token(self, token_id: int, logprobs: Any = None) -> None:
-        """``logprobs``: the sampler's (logprob, [(id, logprob)] best first) for this token."""
-        if self.stopped:
-            return
-        self.completion += 1
-        self.last_token = token_id
-        text, self.stopped = self.stops.feed(self.detok.push(token_id))
-        chunk = self._chunk(text, [token_id], None)
-        if self.tokens is not None and logprobs is not None:
-            chunk.logprobs = [self.tokens.item(token_id, *logprobs)]
-        self.emit(chunk)
-
-    def finish(self, cancelled: bool, eos_ids: set[int], grammar_done: bool = False) -> None:
-        tail = "" if self.stopped else self.stops.feed(self.detok.flush())[0] + self.stops.flush()
-        if cancelled and not self.stopped:
-            reason = FinishReason.CANCELLED
-        elif self.stopped or grammar_done or (self.last_token in eos_ids and not self._ignore_eos):
-            reason = FinishReason.STOP
-        else:
-            reason = FinishReason.LENGTH
-        self.emit(self._chunk(tail, [], reason))
-
-    @property
-    def _ignore_eos(self) -> bool:
-        return self.prepared.request.sampling.ignore_eos
-
-    def _chunk(self, text: str, ids: list[int], reason: FinishReason | None) -> Chunk:
-        return Chunk(
-            text=text,
-            token_ids=ids,
-            finish_reason=reason,
-            prompt_tokens=self.prepared.prompt_tokens - len(self.prepared.request.prefix_token_ids),
-            completion_tokens=self.completion,
-            logprobs=[] if self.tokens is not None else None,
-            index=self.index,
-            cached_tokens=self.cached_tokens,
-        )
-
-
 def _eos_ids(model: Any) -> set[int]:
     eos = model.generation_config.eos_token_id
     if eos is None:
@@ -287,7 +226,7 @@ def run_generation(
 def _generate_one(model: Any, tokenizer: Any, prepared: Prepared, emit: Callable[[Chunk], None],
                   cancel: threading.Event, device: torch.device, index: int) -> None:  # fmt: skip
     req = prepared.request
-    run = _Run(prepared, tokenizer, emit, index)
+    run = OutputTracker(prepared, tokenizer, emit, index)
     guide = None
     if prepared.grammar is not None:
         end = getattr(prepared.parsers, "reasoning_end", None)
@@ -302,7 +241,7 @@ def _generate_one(model: Any, tokenizer: Any, prepared: Prepared, emit: Callable
     run.finish(cancel.is_set(), _eos_ids(model), guide is not None and guide.done)
 
 
-def _generate(model: Any, prepared: Prepared, run: _Run, guide: _Guide | None,
+def _generate(model: Any, prepared: Prepared, run: OutputTracker, guide: _Guide | None,
               cancel: threading.Event, device: torch.device, max_new: int) -> None:  # fmt: skip
     req = prepared.request
     inputs = {  # tensors only (the processor cache adds its keys, a list)
