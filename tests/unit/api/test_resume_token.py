@@ -96,29 +96,25 @@ def test_the_first_event_carries_the_token_as_its_first_field() -> None:
     assert with_token("[DONE]", "t0k") == "[DONE]"
 
 
-def test_access_log_lines_never_show_a_token(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_access_log_lines_never_show_a_token() -> None:
     redact_tokens()
     redact_tokens()  # idempotent
-    access = logging.getLogger("uvicorn.access")
-    # a server run earlier in the session leaves uvicorn's logging config, which stops access
-    # records on their way to the root logger (where caplog listens): as here; listen on the
-    # access logger itself
-    for name in ("uvicorn", "uvicorn.access"):
-        monkeypatch.setattr(logging.getLogger(name), "propagate", False)
-    assert len([f for f in access.filters if type(f).__name__ == "_RedactTokens"]) == 1
     line = '%s - "%s %s HTTP/%s" %d'  # uvicorn's access-log format
-    access.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.INFO, logger="uvicorn.access"):
-            for path in (
-                "/v1/streams/abc?last_event_id=abc%3A3&token=s3cr3t&x=1",
-                "/v1/responses/r?TOKEN=s3cr3t",
-            ):
-                access.info(line, "127.0.0.1:5", "GET", path, "1.1", 200)
-    finally:
-        access.removeHandler(caplog.handler)
-    assert "s3cr3t" not in caplog.text
-    assert "token=***&x=1" in caplog.text and "last_event_id=abc%3A3" in caplog.text
-    assert '"GET /v1/streams/abc?' in caplog.text and '1.1" 200' in caplog.text
+    for name in ("uvicorn.access", "vlmserve.access"):
+        logger = logging.getLogger(name)
+        ours = [f for f in logger.filters if type(f).__name__ == "_RedactTokens"]
+        assert len(ours) == 1, name
+        # the record as the logger hands it to its filters (other libraries in the test
+        # session may add filters of their own: ours alone is judged)
+        shown = []
+        for path in (
+            "/v1/streams/abc?last_event_id=abc%3A3&token=s3cr3t&x=1",
+            "/v1/responses/r?TOKEN=s3cr3t",
+        ):
+            args = ("127.0.0.1:5", "GET", path, "1.1", 200)
+            record = logger.makeRecord(name, logging.INFO, __file__, 1, line, args, None)
+            assert ours[0].filter(record)
+            shown.append(record.getMessage())
+        assert not any("s3cr3t" in s for s in shown), shown
+        assert "token=***&x=1" in shown[0] and "last_event_id=abc%3A3" in shown[0]
+        assert shown[0].startswith('127.0.0.1:5 - "GET /v1/streams/abc?') and '1.1" 200' in shown[0]
