@@ -37,8 +37,7 @@ class Models(Protocol):
     def state(self) -> list[dict[str, Any]]: ...
 
 
-async def register_replica(models: Models, model: str, url: str, instance: str
-                           ) -> dict[str, Any]:  # fmt: skip
+async def register_replica(models: Models, model: str, url: str, instance: str) -> dict[str, Any]:
     """Add (or refresh) a replica of ``model``; it gets traffic once health and preflight
     pass. One instance serves one URL: a worker that moved to another model leaves the old."""
     handle = models.resolve(model)

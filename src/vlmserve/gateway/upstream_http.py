@@ -143,8 +143,13 @@ class UpstreamHTTP:
     its way. No limit on connections: the replica pool's admission bounds how many requests
     are in flight. Redirects are answered, not followed (the entry's key stays with it)."""
 
-    def __init__(self, *, connect_timeout: float, read_timeout: float,
-                 headers: Mapping[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        headers: Mapping[str, str] | None = None,
+    ):
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.headers = dict(headers or {})
@@ -165,17 +170,26 @@ class UpstreamHTTP:
             )
         return client
 
-    async def open(self, method: str, url: str, *, content: bytes | None = None,
-                   headers: Mapping[str, str] | None = None, timeout: float | None = None,
-                   lean: bool = False) -> UpstreamAnswer:  # fmt: skip
+    async def open(
+        self,
+        method: str,
+        url: str,
+        *,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        lean: bool = False,
+    ) -> UpstreamAnswer:
         """Send a request; the answer's status and headers are in, its body not yet read.
         ``lean``: through ``LeanHTTP`` where it can go (``http``, no proxy, no own timeout)."""
         proxy = self._proxy(url)
         if lean and timeout is None and _lean_can(url) and proxy is None:
             if self._lean is None:
-                self._lean = LeanHTTP(connect_timeout=self.connect_timeout,
-                                      read_timeout=self.read_timeout,
-                                      headers=self.headers)  # fmt: skip
+                self._lean = LeanHTTP(
+                    connect_timeout=self.connect_timeout,
+                    read_timeout=self.read_timeout,
+                    headers=self.headers,
+                )
             return await self._lean.open(method, url, content=content, headers=headers)
         client = self._client(proxy)
         own = httpx.USE_CLIENT_DEFAULT if timeout is None else httpx.Timeout(None)  # the total
@@ -191,9 +205,15 @@ class UpstreamHTTP:
             self._proxies[origin] = environment_proxy(parts.scheme, parts.hostname or "")
         return self._proxies[origin]
 
-    async def request(self, method: str, url: str, *, content: bytes | None = None,
-                      headers: Mapping[str, str] | None = None,
-                      timeout: float | None = None) -> tuple[int, bytes]:  # fmt: skip
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> tuple[int, bytes]:
         """Send a request and read its whole answer: ``(status, body)``; ``timeout`` bounds
         both (a total, as a health check or a cancel needs)."""
         whole = self._whole(method, url, content, headers, timeout)

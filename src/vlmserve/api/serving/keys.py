@@ -37,8 +37,9 @@ class KeyPolicy:
 
     @classmethod
     def from_settings(cls, settings: Any) -> KeyPolicy:
-        return cls(bool(settings.api_keys), settings.prefix_cache_scope,
-                   settings.max_concurrent_per_key)  # fmt: skip
+        return cls(
+            bool(settings.api_keys), settings.prefix_cache_scope, settings.max_concurrent_per_key
+        )
 
     def salt(self, owner: str, given: str | None) -> str | None:
         """The engine's ``cache_salt`` for ``owner``'s request (``given``: the request's own)."""
@@ -57,7 +58,7 @@ class KeyPolicy:
                 f"this API key already runs {count} generations, its limit "
                 f"(VLMSERVE_MAX_CONCURRENT_PER_KEY={self.max_concurrent}); retry when one ends",
                 code="key_concurrency_limit",
-            )  # fmt: skip
+            )
         self.running[owner] = count + 1
         released = False
 

@@ -20,8 +20,9 @@ class OutputTracker:
     The batched engine (one per row) and the ``model.generate`` fallback both use it, so a
     request's chunks are the same whichever path serves it."""
 
-    def __init__(self, prepared: Prepared, tokenizer: Any, emit: Callable[[Chunk], None],
-                 index: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, prepared: Prepared, tokenizer: Any, emit: Callable[[Chunk], None], index: int = 0
+    ) -> None:
         req = prepared.request
         self.prepared = prepared
         self.index = index
