@@ -67,6 +67,7 @@ def runner(tiny_dir: str) -> dict[str, object]:
         ids = torch.randint(0, 100, (n,))
         slots = [table[i // size] * size + i % size for i in range(n)]
         rows.append(PrefillRow(embeds=run.embed(ids), positions=None, slots=slots))
+    run.cache.clear(list(range(1, start)))  # as the engine clears fresh blocks (torch.empty)
     with torch.inference_mode():
         run.prefill(rows)
         tokens, positions = [7, 8, 9], list(prompts)
