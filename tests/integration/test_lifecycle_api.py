@@ -103,11 +103,13 @@ async def test_lru_cap_unloads_the_least_recently_used(app_for: Any, tiny_dir: P
 
 
 async def test_keep_alive_unloads_after_the_timeout_not_before(tiny_dir: Path) -> None:
-    models = manager(tiny_dir, keep_alive=0.5)
+    # long enough that loading the second model (seconds on a busy 2-core machine) does not
+    # already expire the first
+    models = manager(tiny_dir, keep_alive=2.0)
     await models.load_all()
     try:
         assert await models.unload_expired() == []
-        time.sleep(0.6)
+        time.sleep(2.1)
         assert sorted(await models.unload_expired()) == ["a", "b"]
         assert all(h.backend.memory_bytes == 0 for h in models.handles)
     finally:

@@ -423,7 +423,9 @@ async def test_a_busy_batch_streams_tokens_in_groups_of_stream_interval(
         assert all(sum(s) == 48 for s in sizes)  # grouping never drops or repeats a token
         means[interval] = sum(map(sum, sizes)) / sum(map(len, sizes))
     assert means[4] >= 2.5 * means[1], means  # fewer, larger events under load
-    assert means[4] >= 3.0, means
+    # (not 4: the rows join over several steps and finish at the same one, and below 4 rows
+    # every step is sent at once)
+    assert means[4] >= 2.5, means
 
 
 async def test_no_token_waits_longer_than_the_group_wait_for_its_group(
