@@ -84,26 +84,41 @@ def batch_file(lines: int, max_tokens: int) -> bytes:
     image = data_url(image_bytes(64, 64, seed=7), "image/png")
     out = []
     for i in range(lines):
-        content = [{"type": "image_url", "image_url": {"url": image}},
-                   {"type": "text", "text": f"Describe picture number {i} in detail."}]  # fmt: skip
-        body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
-                "max_tokens": max_tokens, "ignore_eos": True}  # fmt: skip
-        out.append({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": body})  # fmt: skip
+        content = [
+            {"type": "image_url", "image_url": {"url": image}},
+            {"type": "text", "text": f"Describe picture number {i} in detail."},
+        ]
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        }
+        out.append(
+            {"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        )
     return "".join(json.dumps(o) + "\n" for o in out).encode()
 
 
 async def p50_ttft(url: str, args: argparse.Namespace) -> float:
-    cfg = LoadConfig(base_url=url, model=MODEL, concurrency=1, requests=args.requests,
-                     max_tokens=args.max_tokens, image=(64, 64), prompt_words=16)  # fmt: skip
+    cfg = LoadConfig(
+        base_url=url,
+        model=MODEL,
+        concurrency=1,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        image=(64, 64),
+        prompt_words=16,
+    )
     report = await run_load(cfg)
     if report.failed:
         raise RuntimeError(f"interactive requests failed: {report.errors}")
     return report.ttft_ms.median
 
 
-async def busy_ttft(http: httpx.AsyncClient, url: str, file_id: str,
-                    args: argparse.Namespace) -> tuple[float, int]:  # fmt: skip
+async def busy_ttft(
+    http: httpx.AsyncClient, url: str, file_id: str, args: argparse.Namespace
+) -> tuple[float, int]:
     """p50 TTFT while a batch runs; (ttft, batch lines done meanwhile)."""
     made = await http.post(
         "/v1/batches",
@@ -121,17 +136,25 @@ async def busy_ttft(http: httpx.AsyncClient, url: str, file_id: str,
     after = (await http.get(f"/v1/batches/{batch_id}")).json()
     await http.post(f"/v1/batches/{batch_id}/cancel")
     if after["status"] != "in_progress":
-        console.print(f"[yellow]the batch ended ({after['status']}) during the measurement; "
-                      "use more --batch-lines[/]")  # fmt: skip
+        console.print(
+            f"[yellow]the batch ended ({after['status']}) during the measurement; "
+            "use more --batch-lines[/]"
+        )
     return ttft, after["request_counts"]["completed"] - before
 
 
 async def measure(model_dir: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as data:
         extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
-        settings = Settings(model=model_dir, served_model_name=MODEL, device=args.device,
-                            files_dir=data, batch_max_concurrency=concurrency,
-                            files_max_bytes=60 * 2**20, **extra)  # fmt: skip
+        settings = Settings(
+            model=model_dir,
+            served_model_name=MODEL,
+            device=args.device,
+            files_dir=data,
+            batch_max_concurrency=concurrency,
+            files_max_bytes=60 * 2**20,
+            **extra,
+        )
         with Server(build_app(settings)) as url:
             async with httpx.AsyncClient(base_url=url, timeout=600) as http:
                 upload = await http.post(
@@ -149,9 +172,14 @@ async def measure(model_dir: str, concurrency: int, args: argparse.Namespace) ->
                     ttft, done = await busy_ttft(http, url, file_id, args)
                     busy.append(ttft)
                     lines.append(done)
-    row = {"batch_max_concurrency": concurrency, "idle_p50_ttft_ms": statistics.median(idle),
-           "busy_p50_ttft_ms": statistics.median(busy), "idle_rounds": idle,
-           "busy_rounds": busy, "batch_lines_done_while_measuring": lines}  # fmt: skip
+    row = {
+        "batch_max_concurrency": concurrency,
+        "idle_p50_ttft_ms": statistics.median(idle),
+        "busy_p50_ttft_ms": statistics.median(busy),
+        "idle_rounds": idle,
+        "busy_rounds": busy,
+        "batch_lines_done_while_measuring": lines,
+    }
     row["ratio"] = row["busy_p50_ttft_ms"] / row["idle_p50_ttft_ms"]
     return row
 
@@ -161,9 +189,13 @@ def render(rows: list[dict[str, Any]]) -> Table:
     for name in ("batch concurrency", "idle", "during batch", "ratio", "batch lines done"):
         table.add_column(name, justify="right")
     for r in rows:
-        table.add_row(str(r["batch_max_concurrency"]), f"{r['idle_p50_ttft_ms']:.1f}",
-                      f"{r['busy_p50_ttft_ms']:.1f}", f"{r['ratio']:.2f}",
-                      str(sum(r["batch_lines_done_while_measuring"])))  # fmt: skip
+        table.add_row(
+            str(r["batch_max_concurrency"]),
+            f"{r['idle_p50_ttft_ms']:.1f}",
+            f"{r['busy_p50_ttft_ms']:.1f}",
+            f"{r['ratio']:.2f}",
+            str(sum(r["batch_lines_done_while_measuring"])),
+        )
     return table
 
 
@@ -173,8 +205,13 @@ async def main(argv: list[str] | None = None) -> int:
     rows = [await measure(model_dir, c, args) for c in args.batch_concurrency]
     console.print(render(rows))
     if args.json:
-        args.json.write_text(json.dumps({"config": vars(args) | {"json": str(args.json)},
-                                         "rows": rows}, indent=2, default=str))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {"config": vars(args) | {"json": str(args.json)}, "rows": rows},
+                indent=2,
+                default=str,
+            )
+        )
     return 0
 
 

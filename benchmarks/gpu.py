@@ -373,17 +373,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, Path | None, Path |
         action="store_true",
         help="vlmserve's decode without --cuda-graphs (attention over gathered blocks)",
     )
-    add("--quick", action="store_true",
+    add(
+        "--quick",
+        action="store_true",
         help="contexts short,4k (tiny: short,1k), levels 1,8,64 (tiny: 1,8), fewer requests "
-        "and images: what scripts/gpu_check.sh runs, within its 5 minutes")  # fmt: skip
+        "and images: what scripts/gpu_check.sh runs, within its 5 minutes",
+    )
     add("--json", type=Path, help="also write the results to this JSON file")
     add("--device", help="default: cuda (cpu with --tiny)")
     add("--max-tokens", type=int, help="output tokens per request (default 64; tiny 16)")
-    add("--concurrency", type=_levels,
-        help="comma-separated levels (default 1,8,32,64,128; --quick 1,8,64)")  # fmt: skip
-    add("--contexts", type=_contexts,
+    add(
+        "--concurrency",
+        type=_levels,
+        help="comma-separated levels (default 1,8,32,64,128; --quick 1,8,64)",
+    )
+    add(
+        "--contexts",
+        type=_contexts,
         help="comma-separated prompt lengths per row of short (~100 tokens), 1k, 4k (default "
-        "all; --tiny short,1k; --quick short,4k); short is always measured")  # fmt: skip
+        "all; --tiny short,1k; --quick short,4k); short is always measured",
+    )
     add("--images", type=int, help="images per embedding run (default 64; quick 16; tiny 4)")
     add("--image-size", type=int, help="image width and height (default 448; tiny 112)")
     add("--embed-max-batch", type=int, default=16, help="items per embedding forward pass")

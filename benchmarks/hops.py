@@ -50,15 +50,37 @@ Paths = dict[str, dict[str, list[float]]]  # setup -> "request"/"first token" ->
 def hop_specs(ports: list[int], work: Path) -> list[ServerSpec]:
     """The stamping worker, and the proxies in front of it."""
     up = f"http://127.0.0.1:{ports[0]}"
-    uvicorn = [sys.executable, "-m", "uvicorn", "--app-dir", str(PEERS), "--http", "httptools",
-               "--host", "127.0.0.1", "--log-level", "warning"]  # fmt: skip
+    uvicorn = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(PEERS),
+        "--http",
+        "httptools",
+        "--host",
+        "127.0.0.1",
+        "--log-level",
+        "warning",
+    ]
     registry = work / "registry.toml"
     registry.write_text(
         f'[[models]]\nname = "{SERVED_NAME}"\nbackend = "openai"\nroles = ["chat"]\n'
         f'[models.backend_config]\nbase_urls = ["{up}"]\npreflight = false\n'
     )
-    gateway = [*vlmserve_cmd(), "serve", "--device", "cpu", "--host", "127.0.0.1",
-               "--log-level", "warning", "--registry", str(registry), "--port"]  # fmt: skip
+    gateway = [
+        *vlmserve_cmd(),
+        "serve",
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--log-level",
+        "warning",
+        "--registry",
+        str(registry),
+        "--port",
+    ]
     direct = [*uvicorn, "stamping_worker:app", "--port", str(ports[0])]
     proxy = [*uvicorn, "byteproxy:app", "--port", str(ports[3])]
     off = {"VLMSERVE_GATEWAY_PASSTHROUGH": "false"}
@@ -114,8 +136,9 @@ def table(rounds: list[Paths]) -> Table:
             ours = [statistics.median(r[setup][what]) for r in rounds]
             base = [statistics.median(r["direct"][what]) for r in rounds]
             added = " / ".join(f"{o - b:+.2f}" for o, b in zip(ours, base, strict=True))
-            cells.append(" / ".join(f"{o:.2f}" for o in ours) + ("" if setup == "direct"
-                                                                  else f"  ({added})"))  # fmt: skip
+            cells.append(
+                " / ".join(f"{o:.2f}" for o in ours) + ("" if setup == "direct" else f"  ({added})")
+            )
         out.add_row(setup, *cells)
     return out
 

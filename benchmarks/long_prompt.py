@@ -54,8 +54,10 @@ async def timed(backend: HFChatBackend, req: GenerateRequest) -> tuple[list[floa
 async def scenario(backend: HFChatBackend, ns: argparse.Namespace) -> dict[str, Any]:
     engine = backend.engine
     assert engine is not None
-    streams = [asyncio.ensure_future(timed(backend, ask(f"Stream {i}: count.", ns.tokens)))
-               for i in range(ns.streams)]  # fmt: skip
+    streams = [
+        asyncio.ensure_future(timed(backend, ask(f"Stream {i}: count.", ns.tokens)))
+        for i in range(ns.streams)
+    ]
     while engine.running < ns.streams or engine.steps < 3:
         await asyncio.sleep(0.001)
     long = ask(WORDS * max(1, ns.prompt_words // len(WORDS.split())), 4)
@@ -63,27 +65,38 @@ async def scenario(backend: HFChatBackend, ns: argparse.Namespace) -> dict[str, 
     long_stamps, long_tokens = await timed(backend, long)
     done = await asyncio.gather(*streams)
     gaps = [b - a for stamps, _ in done for a, b in itertools.pairwise(stamps)]
-    return {"stall": max(gaps), "ttft": long_stamps[0] - began,
-            "answers": [t for _, t in done] + [long_tokens]}  # fmt: skip
+    return {
+        "stall": max(gaps),
+        "ttft": long_stamps[0] - began,
+        "answers": [t for _, t in done] + [long_tokens],
+    }
 
 
 async def run(ns: argparse.Namespace, console: Console) -> None:
-    options = LoadOptions(source=str(build_qwen2_vl(SIZES[ns.size]())), device="cpu",
-                          dtype=ns.dtype)  # fmt: skip
+    options = LoadOptions(
+        source=str(build_qwen2_vl(SIZES[ns.size]())), device="cpu", dtype=ns.dtype
+    )
     engines = {"whole": 1 << 20, "chunked": ns.chunk}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
     for rnd in range(ns.rounds):
         for name in engines if rnd % 2 == 0 else reversed(list(engines)):
-            backend = HFChatBackend(name, options, max_model_len=1 << 20, max_num_seqs=16,
-                                    max_num_batched_tokens=engines[name])  # fmt: skip
+            backend = HFChatBackend(
+                name,
+                options,
+                max_model_len=1 << 20,
+                max_num_seqs=16,
+                max_num_batched_tokens=engines[name],
+            )
             backend.load()
             try:
                 results[name].append(await scenario(backend, ns))
             finally:
                 backend.close()
             got = results[name][-1]
-            console.print(f"round {rnd + 1} {name:7} stall {1000 * got['stall']:8.1f} ms  "
-                          f"long TTFT {1000 * got['ttft']:8.1f} ms")  # fmt: skip
+            console.print(
+                f"round {rnd + 1} {name:7} stall {1000 * got['stall']:8.1f} ms  "
+                f"long TTFT {1000 * got['ttft']:8.1f} ms"
+            )
     console.print(table(results, ns))
 
 
@@ -91,15 +104,23 @@ def table(results: dict[str, list[dict[str, Any]]], ns: argparse.Namespace) -> T
     def best(name: str, key: str) -> float:
         return 1000 * min(r[key] for r in results[name])
 
-    same = all(w["answers"] == c["answers"]
-               for w, c in zip(results["whole"], results["chunked"], strict=True))  # fmt: skip
-    t = Table(title=f"a {ns.prompt_words}-word prompt arriving while {ns.streams} streams decode "
-                    f"({ns.size}, chunks of {ns.chunk})")  # fmt: skip
+    same = all(
+        w["answers"] == c["answers"]
+        for w, c in zip(results["whole"], results["chunked"], strict=True)
+    )
+    t = Table(
+        title=f"a {ns.prompt_words}-word prompt arriving while {ns.streams} streams decode "
+        f"({ns.size}, chunks of {ns.chunk})"
+    )
     for column in ("setup", "longest pause of a stream", "long prompt TTFT", "same answers"):
         t.add_column(column, justify="right")
     for name in results:
-        t.add_row(name, f"{best(name, 'stall'):.1f} ms", f"{best(name, 'ttft'):.1f} ms",
-                  "yes" if same else "no")  # fmt: skip
+        t.add_row(
+            name,
+            f"{best(name, 'stall'):.1f} ms",
+            f"{best(name, 'ttft'):.1f} ms",
+            "yes" if same else "no",
+        )
     return t
 
 

@@ -116,16 +116,20 @@ def gateway_registry(path: Path, worker_url: str) -> Path:
 
 def overhead_specs(cfg: BenchConfig, ports: list[int], work: Path) -> list[ServerSpec]:
     proc = not cfg.in_process  # the workers' engines in their own processes (the default)
-    memory = _renamed(vlmserve_spec(cfg.model_dir, ports[0], cfg.dtype, engine_process=proc),
-                      BASE)  # fmt: skip
-    sqlite = _renamed(vlmserve_spec(cfg.model_dir, ports[1], cfg.dtype, engine_process=proc),
-                      SQLITE,
-                      VLMSERVE_PERSIST_SESSIONS="1",
-                      VLMSERVE_SESSIONS_DB_PATH=str(work / "sessions.db"))  # fmt: skip
+    memory = _renamed(vlmserve_spec(cfg.model_dir, ports[0], cfg.dtype, engine_process=proc), BASE)
+    sqlite = _renamed(
+        vlmserve_spec(cfg.model_dir, ports[1], cfg.dtype, engine_process=proc),
+        SQLITE,
+        VLMSERVE_PERSIST_SESSIONS="1",
+        VLMSERVE_SESSIONS_DB_PATH=str(work / "sessions.db"),
+    )
     registry = gateway_registry(work / "registry.toml", memory.url)
     gateway = _renamed(gateway_spec(cfg, ports[2], registry), GATEWAY)
-    own = _renamed(gateway_spec(cfg, ports[4], registry), GATEWAY_SESSIONS,
-                   VLMSERVE_GATEWAY_PASSTHROUGH="false")  # fmt: skip
+    own = _renamed(
+        gateway_spec(cfg, ports[4], registry),
+        GATEWAY_SESSIONS,
+        VLMSERVE_GATEWAY_PASSTHROUGH="false",
+    )
     return [memory, sqlite, gateway, byteproxy_spec(ports[3], memory.url), own]
 
 
@@ -139,11 +143,29 @@ def gateway_spec(cfg: BenchConfig, port: int, registry: Path) -> ServerSpec:
 
 
 def byteproxy_spec(port: int, upstream: str) -> ServerSpec:
-    argv = [sys.executable, "-m", "uvicorn", "byteproxy:app", "--app-dir",
-            str(Path(__file__).resolve().parent / "peers"), "--http", "httptools",
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
-    return ServerSpec(name=BYTEPROXY, argv=argv, port=port, model=SERVED_NAME,
-                      env={"BYTEPROXY_UPSTREAM": upstream})  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "byteproxy:app",
+        "--app-dir",
+        str(Path(__file__).resolve().parent / "peers"),
+        "--http",
+        "httptools",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    return ServerSpec(
+        name=BYTEPROXY,
+        argv=argv,
+        port=port,
+        model=SERVED_NAME,
+        env={"BYTEPROXY_UPSTREAM": upstream},
+    )
 
 
 def _cpu_seconds(server: Server) -> tuple[float, float]:
@@ -214,8 +236,10 @@ def _measure_one(server: Server, cfg: BenchConfig, c: int, rnd: int, console: Co
 def cpu_per_token(samples: list[Sample], own: bool = False) -> float:
     """Median over samples of the server's CPU microseconds per output token (``own``: of
     its own process alone)."""
-    per = [(s.own_cpu_s if own else s.cpu_s) * 1e6 / max(1, int(s.report["total_output_tokens"]))
-           for s in samples]  # fmt: skip
+    per = [
+        (s.own_cpu_s if own else s.cpu_s) * 1e6 / max(1, int(s.report["total_output_tokens"]))
+        for s in samples
+    ]
     return statistics.median(per) if per else 0.0
 
 
@@ -234,15 +258,24 @@ def budgets(
         base, other = by.get((BASE, conc)), by.get((setup, conc))
         if base is None or other is None:
             continue
-        of_medians = _cost(metric, base.output_tps, other.output_tps, base.ttft_p50_ms,
-                           other.ttft_p50_ms)  # fmt: skip
+        of_medians = _cost(
+            metric, base.output_tps, other.output_tps, base.ttft_p50_ms, other.ttft_p50_ms
+        )
         interleaved = added_ms(ttft or {}, setup, BASE) if metric == "ttft_ms" else None
         cost = (paired or {}).get((setup, conc, metric), of_medians)
         cost = cost if interleaved is None else interleaved
         of_medians = of_medians if interleaved is None else None  # judged on other requests
-        out.append({"setup": setup, "concurrency": conc, "metric": metric, "cost": cost,
-                    "cost_of_medians": of_medians, "limit": limit,
-                    "ok": limit is None or cost <= limit})  # fmt: skip
+        out.append(
+            {
+                "setup": setup,
+                "concurrency": conc,
+                "metric": metric,
+                "cost": cost,
+                "cost_of_medians": of_medians,
+                "limit": limit,
+                "ok": limit is None or cost <= limit,
+            }
+        )
     return out
 
 
@@ -266,8 +299,9 @@ def paired_costs(samples: list[Sample]) -> dict[tuple[str, int, str], float]:
             base = by.get((BASE, conc, rnd))
             if server == setup and c == conc and base is not None:
                 tps, ttft = report["output_throughput"], report["ttft_ms"]["median"]
-                costs.append(_cost(metric, base["output_throughput"], tps,
-                                   base["ttft_ms"]["median"], ttft))  # fmt: skip
+                costs.append(
+                    _cost(metric, base["output_throughput"], tps, base["ttft_ms"]["median"], ttft)
+                )
         if costs:
             out[(setup, conc, metric)] = statistics.median(costs)
     return out
@@ -275,16 +309,32 @@ def paired_costs(samples: list[Sample]) -> dict[tuple[str, int, str], float]:
 
 def _table(rows: list[Row], cpu: dict[tuple[str, int], float], title: str) -> Table:
     table = Table(title=title)
-    cols = ("setup", "conc", "out tok/s", "range", "TTFT p50 ms", "TPOT p50 ms",
-            "CPU us/token", "vs memory", "failed")  # fmt: skip
+    cols = (
+        "setup",
+        "conc",
+        "out tok/s",
+        "range",
+        "TTFT p50 ms",
+        "TPOT p50 ms",
+        "CPU us/token",
+        "vs memory",
+        "failed",
+    )
     for col in cols:
         table.add_column(col, justify="right" if col != "setup" else "left")
     for r in rows:
         mine, base = cpu.get((r.server, r.concurrency), 0.0), cpu.get((BASE, r.concurrency), 0.0)
-        table.add_row(r.server, str(r.concurrency), f"{r.output_tps:,.0f}",
-                      f"{r.output_tps_min:,.0f}-{r.output_tps_max:,.0f}",
-                      f"{r.ttft_p50_ms:.1f}", f"{r.tpot_p50_ms:.2f}", f"{mine:,.0f}",
-                      f"{mine / base:.2f}x" if base else "-", str(r.failed))  # fmt: skip
+        table.add_row(
+            r.server,
+            str(r.concurrency),
+            f"{r.output_tps:,.0f}",
+            f"{r.output_tps_min:,.0f}-{r.output_tps_max:,.0f}",
+            f"{r.ttft_p50_ms:.1f}",
+            f"{r.tpot_p50_ms:.2f}",
+            f"{mine:,.0f}",
+            f"{mine / base:.2f}x" if base else "-",
+            str(r.failed),
+        )
     return table
 
 
@@ -297,17 +347,27 @@ def _fmt(metric: str, value: float | None) -> str:
 def _budget_table(runs: list[list[dict[str, Any]]]) -> Table:
     title = "budgets (issue 22): cost against the memory-store worker, per run\n"
     table = Table(title=title + "(the rounds' paired costs' median; the medians' in brackets)")
-    for col in ("setup", "conc", "metric", *(f"run {i + 1}" for i in range(len(runs))),
-                "limit", "holds"):  # fmt: skip
+    for col in (
+        "setup",
+        "conc",
+        "metric",
+        *(f"run {i + 1}" for i in range(len(runs))),
+        "limit",
+        "holds",
+    ):
         table.add_column(col)
     for k, first in enumerate(runs[0]):
         checks = [run[k] for run in runs]
         held = sum(c["ok"] for c in checks)
         verdict = "-" if first["limit"] is None else f"{held}/{len(checks)}"
-        table.add_row(first["setup"], str(first["concurrency"]), first["metric"],
-                      *(_cell(c) for c in checks),
-                      _fmt(first["metric"], first["limit"]),
-                      verdict if held == len(checks) else f"[red]{verdict}")  # fmt: skip
+        table.add_row(
+            first["setup"],
+            str(first["concurrency"]),
+            first["metric"],
+            *(_cell(c) for c in checks),
+            _fmt(first["metric"], first["limit"]),
+            verdict if held == len(checks) else f"[red]{verdict}",
+        )
     return table
 
 
@@ -339,11 +399,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the workers run their engines in their own process (--no-engine-process)",
     )
     p.add_argument(
-        "--ttft-requests", type=int, default=60,
+        "--ttft-requests",
+        type=int,
+        default=60,
         help="after the rounds, this many one-at-a-time requests per setup to the worker and "
         "the proxies in front of it, taking turns request by request: the gateway's c=1 TTFT "
         "budget is judged on them (0: on the rounds' c=1 TTFT p50 instead)",
-    )  # fmt: skip
+    )
     p.add_argument("--json", dest="json_path")
     return p.parse_args(argv)
 
@@ -360,17 +422,29 @@ def one_run(
     keys = dict.fromkeys((s.server, s.concurrency) for s in samples)
     cpu = {k: cpu_per_token([s for s in samples if (s.server, s.concurrency) == k]) for k in keys}
     console.print(_table(rows, cpu, f"run {n}: medians over {cfg.rounds} rounds"))
-    return {"samples": [asdict(s) for s in samples], "summary": [asdict(r) for r in rows],
-            "cpu_us_per_token": {f"{s}@{c}": v for (s, c), v in cpu.items()},
-            "interleaved_ttft_ms": ttft, "budgets": budgets(rows, ttft, paired_costs(samples)),
-            "load_average": os.getloadavg()}  # fmt: skip
+    return {
+        "samples": [asdict(s) for s in samples],
+        "summary": [asdict(r) for r in rows],
+        "cpu_us_per_token": {f"{s}@{c}": v for (s, c), v in cpu.items()},
+        "interleaved_ttft_ms": ttft,
+        "budgets": budgets(rows, ttft, paired_costs(samples)),
+        "load_average": os.getloadavg(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    forwarded = ["--concurrency", *map(str, ns.concurrency), "--rounds", str(ns.rounds),
-                 "--requests", str(ns.requests), "--max-tokens", str(ns.max_tokens),
-                 "--no-sequential"]  # fmt: skip
+    forwarded = [
+        "--concurrency",
+        *map(str, ns.concurrency),
+        "--rounds",
+        str(ns.rounds),
+        "--requests",
+        str(ns.requests),
+        "--max-tokens",
+        str(ns.max_tokens),
+        "--no-sequential",
+    ]
     forwarded += ["--in-process"] if ns.in_process else []
     cfg = build_config(serve_args(forwarded + (["--model", ns.model] if ns.model else [])))
     console = Console(width=None if sys.stdout.isatty() else 140)

@@ -49,8 +49,10 @@ def conversation(i: int, words: int, image: bool) -> GenerateRequest:
     messages = [ChatMessage("system", [TextPart(system)])]
     if image:
         card = ImagePart(gradient_image(224, 224, seed=7))
-        messages += [ChatMessage("user", [card, TextPart("Read the card.")]),
-                     ChatMessage("assistant", [TextPart("It is an identity card.")])]  # fmt: skip
+        messages += [
+            ChatMessage("user", [card, TextPart("Read the card.")]),
+            ChatMessage("assistant", [TextPart("It is an identity card.")]),
+        ]
     messages.append(ChatMessage("user", [TextPart(f"Question {i}: which field is number {i}?")]))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     return GenerateRequest(f"q{i}", messages, params)
@@ -70,9 +72,12 @@ async def one(backend: HFChatBackend, req: GenerateRequest) -> tuple[float, list
 async def run(ns: argparse.Namespace, console: Console) -> None:
     ckpt = build_qwen2_vl(SIZES[ns.size]())
     options = LoadOptions(source=str(ckpt), device="cpu", dtype=ns.dtype)
-    engines = {name: HFChatBackend(name, options, max_model_len=8192, max_num_seqs=8,
-                                   prefix_caching=(name == "cached"))
-               for name in ("whole", "cached")}  # fmt: skip
+    engines = {
+        name: HFChatBackend(
+            name, options, max_model_len=8192, max_num_seqs=8, prefix_caching=(name == "cached")
+        )
+        for name in ("whole", "cached")
+    }
     for backend in engines.values():
         backend.load()
     requests = [conversation(i, ns.system_words, ns.image) for i in range(ns.requests)]
@@ -94,15 +99,25 @@ async def run(ns: argparse.Namespace, console: Console) -> None:
         backend.close()
 
 
-def table(ttft: dict[str, list[float]], queried: int, hits: int,
-          answers: dict[str, list[list[int]]], ns: argparse.Namespace) -> Table:  # fmt: skip
+def table(
+    ttft: dict[str, list[float]],
+    queried: int,
+    hits: int,
+    answers: dict[str, list[list[int]]],
+    ns: argparse.Namespace,
+) -> Table:
     whole, cached = (statistics.median(ttft[k]) for k in ("whole", "cached"))
     differ = sum(a != b for a, b in zip(answers["whole"], answers["cached"], strict=True))
     t = Table(title=f"prefix caching, {ns.size} checkpoint, {ns.dtype}, c=1")
     for column in ("TTFT p50 whole", "TTFT p50 cached", "ratio", "cached tokens", "answers differ"):
         t.add_column(column, justify="right")
-    t.add_row(f"{1000 * whole:.1f} ms", f"{1000 * cached:.1f} ms", f"{whole / cached:.2f}x",
-              f"{hits:,} of {queried:,}", f"{differ} of {len(answers['whole'])}")  # fmt: skip
+    t.add_row(
+        f"{1000 * whole:.1f} ms",
+        f"{1000 * cached:.1f} ms",
+        f"{whole / cached:.2f}x",
+        f"{hits:,} of {queried:,}",
+        f"{differ} of {len(answers['whole'])}",
+    )
     return t
 
 

@@ -45,8 +45,13 @@ async def sse_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         return
     while (await receive()).get("more_body"):
         pass
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream")],
+        }
+    )
     for event in EVENTS:
         await send({"type": "http.response.body", "body": event, "more_body": True})
     await send({"type": "http.response.body", "body": b""})
@@ -54,9 +59,20 @@ async def sse_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 def start_uvicorn(port: int) -> subprocess.Popen[bytes]:
     """uvicorn serving ``sse_app`` in its own process (as Ray's proxy and replicas are)."""
-    argv = [sys.executable, "-m", "uvicorn", "ray_floor:sse_app", "--app-dir",
-            str(Path(__file__).resolve().parent), "--port", str(port), "--http", "httptools",
-            "--log-level", "warning"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "ray_floor:sse_app",
+        "--app-dir",
+        str(Path(__file__).resolve().parent),
+        "--port",
+        str(port),
+        "--http",
+        "httptools",
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(argv)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -142,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(ns.rounds):
             p50 = asyncio.run(ttft(urls, ns.requests))
             rounds.append(p50)
-            added = "  ".join(f"{k} +{v - p50['uvicorn']:.2f} ms" for k, v in p50.items()
-                              if k != "uvicorn")  # fmt: skip
+            added = "  ".join(
+                f"{k} +{v - p50['uvicorn']:.2f} ms" for k, v in p50.items() if k != "uvicorn"
+            )
             print(f"round {r + 1}: uvicorn TTFT p50 {p50['uvicorn']:.2f} ms  {added}", flush=True)
     finally:
         baseline.terminate()

@@ -112,12 +112,14 @@ def fill(runner: Any, tables: list[list[int]], context: int) -> None:
     shape = (context, cache.kv_heads, cache.head_dim)
     for table in tables:
         pos = torch.arange(context)
-        slots = (torch.tensor(table)[pos // cache.block_size] * cache.block_size
-                 + pos % cache.block_size).to(runner.device)  # fmt: skip
+        slots = (
+            torch.tensor(table)[pos // cache.block_size] * cache.block_size + pos % cache.block_size
+        ).to(runner.device)
         for layer in range(cache.layers):
             k, v = (torch.randn(shape, generator=gen).mul_(0.5) for _ in range(2))
-            cache.write(layer, slots, k.to(runner.device, runner.dtype),
-                        v.to(runner.device, runner.dtype))  # fmt: skip
+            cache.write(
+                layer, slots, k.to(runner.device, runner.dtype), v.to(runner.device, runner.dtype)
+            )
 
 
 def run(ns: argparse.Namespace) -> Result:
@@ -154,8 +156,12 @@ def run(ns: argparse.Namespace) -> Result:
     with torch.inference_mode():
         fill(runner, tables, ns.context)
         tokens = torch.randint(0, model.config.get_text_config().vocab_size, (ns.batch,))
-        step = {"tokens": tokens.tolist(), "positions": [ns.context] * ns.batch,
-                "lengths": [ns.context] * ns.batch, "tables": tables}  # fmt: skip
+        step = {
+            "tokens": tokens.tolist(),
+            "positions": [ns.context] * ns.batch,
+            "lengths": [ns.context] * ns.batch,
+            "tables": tables,
+        }
         for _ in range(ns.warmup):
             runner.decode(**step)
         times = []
@@ -170,12 +176,23 @@ def run(ns: argparse.Namespace) -> Result:
     floor = (weights + kv) / bandwidth * 1e3
     ms = statistics.median(times)
     return Result(
-        checkpoint=str(ckpt), mode=mode, device=str(device), dtype=ns.dtype,
+        checkpoint=str(ckpt),
+        mode=mode,
+        device=str(device),
+        dtype=ns.dtype,
         threads=torch.get_num_threads(),
-        batch=ns.batch, context=ns.context, block_size=ns.block_size, steps=ns.steps,
-        ms_per_step=ms, ms_per_step_min=min(times), weight_bytes=weights, kv_bytes=kv,
-        copy_bandwidth_gb_s=bandwidth / 1e9, floor_ms=floor, ratio=ms / floor,
-    )  # fmt: skip
+        batch=ns.batch,
+        context=ns.context,
+        block_size=ns.block_size,
+        steps=ns.steps,
+        ms_per_step=ms,
+        ms_per_step_min=min(times),
+        weight_bytes=weights,
+        kv_bytes=kv,
+        copy_bandwidth_gb_s=bandwidth / 1e9,
+        floor_ms=floor,
+        ratio=ms / floor,
+    )
 
 
 def main(argv: list[str] | None = None) -> Result:

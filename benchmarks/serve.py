@@ -137,57 +137,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint dir (default: the random-weight Qwen2-VL of --size)")
     p.add_argument(
-        "--size", choices=sorted(SIZES), default="tiny",
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
         help="checkpoint built when --model is not given: tiny (hidden 128, 2 layers, float32) or "
         "medium (hidden 1024, 8 layers, ~100M parameters, saved in bfloat16 like real Qwen2-VL)",
-    )  # fmt: skip
+    )
     p.add_argument("--peer", action="append", default=[], choices=sorted(PEERS), dest="peers")
     p.add_argument(
-        "--workload", nargs="+", choices=list(WORKLOADS), default=["short"], dest="workloads",
+        "--workload",
+        nargs="+",
+        choices=list(WORKLOADS),
+        default=["short"],
+        dest="workloads",
         help="request mixes, each measured at every level: short (--prompt-words words + "
         "--image PNG), long (~2,000 tokens of text), photo (1280x960 JPEG + words), video "
         "(16 frames 448x448 at 2 fps + words)",
-    )  # fmt: skip
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level")
     p.add_argument("--requests", type=int, default=0, help="per measurement (0: 2 x conc, >= 8)")
-    p.add_argument("--warmup", type=int, default=8,
-                   help="warm-up requests per workload after each start")  # fmt: skip
+    p.add_argument(
+        "--warmup", type=int, default=8, help="warm-up requests per workload after each start"
+    )
     p.add_argument("--image", type=parse_image, default=(64, 64), help="WxH or none")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens (ignore_eos)")
     p.add_argument("--prompt-words", type=int, default=32)
     p.add_argument(
-        "--long-words", type=int, default=0,
+        "--long-words",
+        type=int,
+        default=0,
         help="words of the long workload; 0: as many as make ~2,000 tokens with the checkpoint's "
         "tokenizer (1,500 with Qwen2-VL's, ~750 with the test checkpoints' small BPE)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
         help="one dtype for every server; default: float32 for --size tiny, and each server's "
         "own default (auto) for --size medium (a bfloat16-saved checkpoint)",
-    )  # fmt: skip
+    )
     p.add_argument("--no-sequential", action="store_true", help="skip vlmserve --max-num-seqs 1")
-    p.add_argument("--in-process", action="store_true",
-                   help="also measure vlmserve --no-engine-process (vlmserve-inproc)")  # fmt: skip
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="also measure vlmserve --no-engine-process (vlmserve-inproc)",
+    )
     p.add_argument("--one-at-a-time", action="store_true", help="stop each server after its turn")
     p.add_argument(
-        "--settle", type=float, default=15.0,
+        "--settle",
+        type=float,
+        default=15.0,
         help="before each measurement wait (at most this many seconds) until the CPUs are idle: "
         "vLLM's CPU build keeps a core busy for ~1 s after its load ends; 0: no wait",
-    )  # fmt: skip
+    )
     p.add_argument("--peers-dir", help="peer venvs (default: $VLMSERVE_PEERS_DIR or ~/.cache/...)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--json", dest="json_path", help="write samples, summary and ratios here")
     p.add_argument("--log-dir", help="server logs (default: a temp dir under the peers dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--cache-image", type=parse_image, default=(448, 448),
+        "--cache-image",
+        type=parse_image,
+        default=(448, 448),
         help="WxH for the repeated-vs-new image TTFT check of vlmserve's media caches, or none",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--cache-max-pixels", type=int, default=1280 * 28 * 28,
+        "--cache-max-pixels",
+        type=int,
+        default=1280 * 28 * 28,
         help="vlmserve --max-pixels for that check (default: Qwen2-VL's documented 1280*28*28)",
-    )  # fmt: skip
+    )
     p.add_argument("--cache-rounds", type=int, default=3, help="cold/warm rounds of that check")
     p.add_argument("--cache-requests", type=int, default=12, help="requests per cold/warm round")
     return p.parse_args(argv)
@@ -259,8 +278,9 @@ def plan_specs(cfg: BenchConfig, ports: list[int]) -> list[ServerSpec]:
     if cfg.sequential:
         specs.append(vlmserve_spec(cfg.model_dir, ports[len(specs)], cfg.dtype, max_num_seqs=1))
     if cfg.in_process:
-        specs.append(vlmserve_spec(cfg.model_dir, ports[len(specs)], cfg.dtype,
-                                   engine_process=False))  # fmt: skip
+        specs.append(
+            vlmserve_spec(cfg.model_dir, ports[len(specs)], cfg.dtype, engine_process=False)
+        )
     for name in cfg.peers:
         specs.append(PEERS[name](cfg.model_dir, ports[len(specs)], cfg.dtype, cfg.peers_dir))
     return specs
@@ -277,10 +297,15 @@ def bodies_for(
     server, and the same for every server measured under it."""
     words = cfg.long_words if WORKLOADS[workload].tokens else cfg.prompt_words
     return build_bodies(
-        WORKLOADS[workload], (cfg.seed, *key), requests=requests, model=spec.model,
-        max_tokens=cfg.max_tokens, prompt_words=words, image=cfg.image,
+        WORKLOADS[workload],
+        (cfg.seed, *key),
+        requests=requests,
+        model=spec.model,
+        max_tokens=cfg.max_tokens,
+        prompt_words=words,
+        image=cfg.image,
         ignore_eos=spec.ignore_eos,
-    )  # fmt: skip
+    )
 
 
 def measure(
@@ -379,9 +404,13 @@ def check_caches(spec: ServerSpec, cfg: BenchConfig, console: Console) -> CacheC
     try:
         server.start(cfg.startup_timeout)
         return run_cache_check(
-            spec.url, spec.model, cfg.cache_image, rounds=cfg.cache_rounds,
-            requests=cfg.cache_requests, log=console.print,
-        )  # fmt: skip
+            spec.url,
+            spec.model,
+            cfg.cache_image,
+            rounds=cfg.cache_rounds,
+            requests=cfg.cache_requests,
+            log=console.print,
+        )
     except Exception as exc:  # reported, and the throughput results still print
         console.print(f"[red]media-cache check failed: {exc}")
         return None

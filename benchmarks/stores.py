@@ -43,9 +43,15 @@ from vlmserve.streaming.store.memory import MemoryStore
 from vlmserve.streaming.store.sqlite import SQLiteStore
 from vlmserve.streaming.store.sqlite_copy import copy_entries
 
-DATA = json.dumps({"id": "chatcmpl-b", "object": "chat.completion.chunk", "created": 1,
-                   "model": "m", "choices": [{"index": 0, "delta": {"content": " tok"},
-                                              "finish_reason": None}]})  # fmt: skip
+DATA = json.dumps(
+    {
+        "id": "chatcmpl-b",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": None}],
+    }
+)
 
 
 async def one_round(store: Any, ns: argparse.Namespace, tag: str) -> dict[str, float]:
@@ -69,8 +75,9 @@ async def one_round(store: Any, ns: argparse.Namespace, tag: str) -> dict[str, f
     wall = time.perf_counter()
     ids = [f"{tag}-{k}" for k in range(ns.sessions)]
     for session_id in ids:
-        await manager.start(session_id, {"body": {}}, producer(), on_cancel=list,
-                            on_error=lambda exc: [])  # fmt: skip
+        await manager.start(
+            session_id, {"body": {}}, producer(), on_cancel=list, on_error=lambda exc: []
+        )
     ticking = asyncio.ensure_future(engine())
     events = sum(await asyncio.gather(*(listen(s) for s in ids)))
     ticking.cancel()
@@ -100,8 +107,9 @@ def start_redis() -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([server, "--port", str(port), "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL
+    )
     time.sleep(0.5)
     return proc, f"redis://127.0.0.1:{port}/0"
 
@@ -147,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                     store = make_store(name, Path(work), redis_url)
                     out = asyncio.run(_measured(store, ns, f"r{r}-{name}"))
                     cost = f"{out['cpu_us_per_event']:6.0f} us CPU/event"
-                    print(f"round {r + 1} {name:<7} {cost}  wall {out['wall_s']:.3f} s"
-                          f"  transactions {out['copies']}")  # fmt: skip
+                    print(
+                        f"round {r + 1} {name:<7} {cost}  wall {out['wall_s']:.3f} s"
+                        f"  transactions {out['copies']}"
+                    )
     finally:
         if redis is not None:
             redis.terminate()
@@ -158,14 +168,19 @@ def main(argv: list[str] | None = None) -> int:
 def gil_check(copies: int = 40, steps: int = 34, sessions: int = 8) -> int:
     """Print the CPU (copying thread) and wall time per event of the two ways to copy, alone
     and beside a thread that runs Python without pause."""
-    rows = [(f"chatcmpl-{s:024x}", i, None, DATA, '{"token_ids":[1]}', 0)
-            for i in range(copies * steps) for s in range(sessions)]  # fmt: skip
+    rows = [
+        (f"chatcmpl-{s:024x}", i, None, DATA, '{"token_ids":[1]}', 0)
+        for i in range(copies * steps)
+        for s in range(sessions)
+    ]
     batch = steps * sessions
     for busy in (False, True):
         for name, copy in (("one INSERT per event", _per_event), ("copy_entries", _copy_all)):
             cpu, wall = _timed_copies(copy, rows, batch, busy)
-            print(f"{'busy thread beside' if busy else 'alone':<18} {name:<21} "
-                  f"{cpu:7.1f} us CPU/event  {wall:8.1f} us wall/event")  # fmt: skip
+            print(
+                f"{'busy thread beside' if busy else 'alone':<18} {name:<21} "
+                f"{cpu:7.1f} us CPU/event  {wall:8.1f} us wall/event"
+            )
     return 0
 
 

@@ -96,8 +96,19 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.skip("redis-server binary not found (apt-get install redis-server)")
     port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
-    args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
+    args = [
+        REDIS_SERVER,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10

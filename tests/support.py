@@ -24,8 +24,12 @@ MODEL = "tiny"
 def make_settings(tiny_dir: Path, **overrides: Any) -> Settings:
     # in process: tests reach into the engine (tests/integration/test_engine_process.py and
     # the real servers of tests/e2e run the default, an engine process)
-    base: dict[str, Any] = {"model": str(tiny_dir), "served_model_name": MODEL, "device": "cpu",
-                            "engine_process": False}  # fmt: skip
+    base: dict[str, Any] = {
+        "model": str(tiny_dir),
+        "served_model_name": MODEL,
+        "device": "cpu",
+        "engine_process": False,
+    }
     return Settings(**{**base, **overrides})
 
 

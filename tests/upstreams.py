@@ -46,8 +46,13 @@ class FakeUpstreams:
     async def add(self, name: str) -> str:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._serve(name))
-        runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                               handler_cancellation=True, shutdown_timeout=1)  # fmt: skip
+        runner = web.AppRunner(
+            app,
+            handle_signals=False,
+            access_log=None,
+            handler_cancellation=True,
+            shutdown_timeout=1,
+        )
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -73,8 +78,12 @@ class FakeUpstreams:
     def _serve(self, name: str) -> Callable[[web.Request], Any]:
         async def serve(request: web.Request) -> web.StreamResponse:
             body = await request.read()
-            asked = httpx.Request(request.method, name + request.path_qs,
-                                  headers=list(request.headers.items()), content=body)  # fmt: skip
+            asked = httpx.Request(
+                request.method,
+                name + request.path_qs,
+                headers=list(request.headers.items()),
+                content=body,
+            )
             try:
                 answer = self.handler(asked)
                 if inspect.isawaitable(answer):

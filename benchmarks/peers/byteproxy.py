@@ -35,8 +35,11 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     headers = [(k.decode(), v.decode()) for k, v in scope["headers"] if k not in _HOP]
     url = os.environ["BYTEPROXY_UPSTREAM"] + scope["path"]
     async with _session.request(scope["method"], url, data=body, headers=headers) as upstream:
-        out = [(k.lower().encode(), v.encode()) for k, v in upstream.headers.items()
-               if k.lower().encode() not in _HOP]  # fmt: skip
+        out = [
+            (k.lower().encode(), v.encode())
+            for k, v in upstream.headers.items()
+            if k.lower().encode() not in _HOP
+        ]
         await send({"type": "http.response.start", "status": upstream.status, "headers": out})
         async for chunk in upstream.content.iter_any():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -51,9 +51,15 @@ def _load(base_url: str, model: str, image: tuple[int, int], requests: int, **kw
     from vlmserve.client.loadtest import LoadConfig
 
     return LoadConfig(
-        base_url=base_url, model=model, concurrency=1, requests=requests, image=image,
-        max_tokens=4, prompt_words=16, **kw,
-    )  # fmt: skip
+        base_url=base_url,
+        model=model,
+        concurrency=1,
+        requests=requests,
+        image=image,
+        max_tokens=4,
+        prompt_words=16,
+        **kw,
+    )
 
 
 def _median_ttft(cfg: Any) -> float:

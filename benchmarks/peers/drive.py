@@ -24,8 +24,9 @@ async def drive(
     """``bodies`` streamed to ``url`` with at most ``concurrency`` in flight (``transport``:
     e.g. ``servers.BodyRewrite``); the load report."""
     slots = asyncio.Semaphore(concurrency)
-    client = open_client(url, api_key=None, timeout=600.0, transport=transport,
-                         connections=concurrency)  # fmt: skip
+    client = open_client(
+        url, api_key=None, timeout=600.0, transport=transport, connections=concurrency
+    )
 
     async def one(body: dict[str, Any]) -> Any:
         async with slots:

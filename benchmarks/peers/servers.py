@@ -148,9 +148,14 @@ def vllm_spec(model_dir: str, port: int, dtype: str, peers_dir: Path) -> ServerS
     argv += ["--dtype", dtype, "--max-model-len", "4096"]
     env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     return ServerSpec(
-        name="vllm", argv=argv, port=port, model=SERVED_NAME, ready_path="/health", env=env,
+        name="vllm",
+        argv=argv,
+        port=port,
+        model=SERVED_NAME,
+        ready_path="/health",
+        env=env,
         missing=missing,
-    )  # fmt: skip
+    )
 
 
 def transformers_serve_spec(model_dir: str, port: int, dtype: str, peers_dir: Path) -> ServerSpec:
@@ -166,9 +171,16 @@ def transformers_serve_spec(model_dir: str, port: int, dtype: str, peers_dir: Pa
     argv += ["--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--continuous-batching"]
     return ServerSpec(
-        name="transformers-serve", argv=argv, port=port, model=model_dir, ready_path="/health",
-        env=dict(OFFLINE), ignore_eos=False, length_field="generation_config", missing=missing,
-    )  # fmt: skip
+        name="transformers-serve",
+        argv=argv,
+        port=port,
+        model=model_dir,
+        ready_path="/health",
+        env=dict(OFFLINE),
+        ignore_eos=False,
+        length_field="generation_config",
+        missing=missing,
+    )
 
 
 class BodyRewrite(httpx.AsyncBaseTransport):

@@ -27,8 +27,13 @@ _STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"x-session-id", b"
 
 def content_chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
     choice = {"index": 0, "delta": delta, "finish_reason": finish}
-    chunk = {"id": "chatcmpl-stamped", "object": "chat.completion.chunk", "created": 1,
-             "model": "tiny", "choices": [choice]}  # fmt: skip
+    chunk = {
+        "id": "chatcmpl-stamped",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "tiny",
+        "choices": [choice],
+    }
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
 
 
@@ -54,17 +59,33 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     while (await receive()).get("more_body"):
         pass
     if scope["path"] != "/v1/chat/completions":
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": HEALTH})
         return
     await send({"type": "http.response.start", "status": 200, "headers": _STREAM_HEADERS})
-    await send({"type": "http.response.body", "more_body": True,
-                "body": content_chunk({"role": "assistant", "content": ""})})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.body",
+            "more_body": True,
+            "body": content_chunk({"role": "assistant", "content": ""}),
+        }
+    )
     await asyncio.sleep(PREFILL_S)
     sent = time.monotonic_ns()
-    await send({"type": "http.response.body", "more_body": True,
-                "body": content_chunk({"content": f"{arrived} {sent}"})})  # fmt: skip
-    await send({"type": "http.response.body", "more_body": True,
-                "body": content_chunk({}, finish="stop")})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.body",
+            "more_body": True,
+            "body": content_chunk({"content": f"{arrived} {sent}"}),
+        }
+    )
+    await send(
+        {"type": "http.response.body", "more_body": True, "body": content_chunk({}, finish="stop")}
+    )
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})

@@ -24,8 +24,13 @@ def _body(model: str) -> dict[str, Any]:
         {"type": "image_url", "image_url": {"url": image}},
         {"type": "text", "text": "What is in this image?"},
     ]
-    return {"model": model, "max_tokens": 4, "ignore_eos": True, "stream": True,
-            "messages": [{"role": "user", "content": content}]}  # fmt: skip
+    return {
+        "model": model,
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+        "messages": [{"role": "user", "content": content}],
+    }
 
 
 async def interleaved_ttft(urls: dict[str, str], n: int, model: str) -> dict[str, list[float]]:

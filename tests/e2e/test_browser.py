@@ -195,17 +195,28 @@ def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[webdriv
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
     for arg in (
-        "--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-        f"--user-data-dir={tmp_path / 'chromium'}", "--no-first-run",
-        "--no-default-browser-check", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--disable-extensions",
-        "--disable-default-apps", "--disable-domain-reliability", "--no-pings",
-        "--disable-client-side-phishing-detection", "--metrics-recording-only",
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+        "--no-first-run",
+        "--no-default-browser-check",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-extensions",
+        "--disable-default-apps",
+        "--disable-domain-reliability",
+        "--no-pings",
+        "--disable-client-side-phishing-detection",
+        "--metrics-recording-only",
         # loopback only: names other than 127.0.0.1 do not resolve, and whatever is not
         # loopback (an IP literal) goes to a proxy on a closed port
         "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-        "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=127.0.0.1",
-    ):  # fmt: skip
+        "--proxy-server=http://127.0.0.1:9",
+        "--proxy-bypass-list=127.0.0.1",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # requested URLs
     driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
@@ -235,15 +246,29 @@ def test_page_on_another_origin_streams_then_replays_with_event_source(
     tiny_dir: Path, page_origin: str, browser: webdriver.Chrome
 ) -> None:
     server = ServerProcess(
-        ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu",
-         "--cors-allow-origins", page_origin],
-    )  # fmt: skip
+        [
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--served-model-name",
+            "tiny",
+            "--device",
+            "cpu",
+            "--cors-allow-origins",
+            page_origin,
+        ],
+    )
     ready_at, result, urls = 0, None, []
     try:
         server.wait_ready(timeout=120)
         ready_at = len(server.output())
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hello."}],
-                "max_tokens": 12, "temperature": 0, "stream": True}  # fmt: skip
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+        }
         query = urlencode({"server": server.url, "body": json.dumps(body)})
         started = time.monotonic()
         browser.get(f"{page_origin}/?{query}")
@@ -279,15 +304,31 @@ def test_event_source_resumes_with_the_resume_token_when_api_keys_are_set(
     tiny_dir: Path, page_origin: str, browser: webdriver.Chrome
 ) -> None:
     server = ServerProcess(
-        ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu",
-         "--cors-allow-origins", page_origin, "--api-key", "page-key"],
-    )  # fmt: skip
+        [
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--served-model-name",
+            "tiny",
+            "--device",
+            "cpu",
+            "--cors-allow-origins",
+            page_origin,
+            "--api-key",
+            "page-key",
+        ],
+    )
     ready_at, result = 0, None
     try:
         server.wait_ready(timeout=120)
         ready_at = len(server.output())
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hello."}],
-                "max_tokens": 12, "temperature": 0, "stream": True}  # fmt: skip
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+        }
         query = urlencode({"server": server.url, "key": "page-key", "body": json.dumps(body)})
         started = time.monotonic()
         browser.get(f"{page_origin}/token?{query}")

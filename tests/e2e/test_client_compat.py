@@ -69,11 +69,16 @@ def test_litellm_hosted_vllm_stream_parses_with_the_servers_text_and_usage(
     expected = greedy(server.url, 12)
     chunks = list(
         litellm.completion(
-            model="hosted_vllm/tiny", api_base=f"{server.url}/v1", api_key="none",
-            messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+            model="hosted_vllm/tiny",
+            api_base=f"{server.url}/v1",
+            api_key="none",
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     assert chunks[0].id.startswith("chatcmpl-") and all(c.id == chunks[0].id for c in chunks)
     assert all(_carries_something(c) for c in chunks)  # no empty chunk made of an `id:` line
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -90,10 +95,14 @@ def test_openai_sdk_stream_has_the_servers_text_and_usage(server: ServerProcess)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     chunks = list(
         client.chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == expected["choices"][0]["message"]["content"]
     usage = chunks[-1].usage
@@ -106,8 +115,15 @@ def test_openai_sdk_stream_has_the_servers_text_and_usage(server: ServerProcess)
 
 async def test_load_client_reads_both_wires(server: ServerProcess) -> None:
     options = {"include_usage": True}
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": options}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": options,
+    }
     records = []
     for headers in ({}, RESUMABLE):
         async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as c:
@@ -136,9 +152,13 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.seen.append({k.lower(): v for k, v in self.headers.items()})
         self.rfile.read(int(self.headers["Content-Length"]))
-        chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
-                 "model": "m", "choices": [{"index": 0, "delta": {"content": "hi"},
-                                            "finish_reason": "stop"}]}  # fmt: skip
+        chunk = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}],
+        }
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -159,8 +179,11 @@ def test_openai_sdk_and_litellm_do_not_ask_for_the_resumable_wire(litellm: Any) 
     try:
         client = openai.OpenAI(base_url=base, api_key="none")
         list(client.chat.completions.create(model="m", messages=MESSAGES, stream=True))
-        list(litellm.completion(model="hosted_vllm/m", api_base=base, api_key="none",
-                                messages=MESSAGES, stream=True))  # fmt: skip
+        list(
+            litellm.completion(
+                model="hosted_vllm/m", api_base=base, api_key="none", messages=MESSAGES, stream=True
+            )
+        )
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -197,9 +220,12 @@ def test_langchain_bind_tools_gets_the_tool_call_back(tools_server: ServerProces
         return f"sunny in {city}"
 
     llm = langchain_openai.ChatOpenAI(
-        model="tiny", base_url=f"{tools_server.url}/v1", api_key="x", temperature=0,
+        model="tiny",
+        base_url=f"{tools_server.url}/v1",
+        api_key="x",
+        temperature=0,
         max_tokens=60,
-    )  # fmt: skip
+    )
     bound = llm.bind_tools([get_weather])
     message = bound.invoke("What is the weather in Paris?")
     assert [(c["name"], c["args"]) for c in message.tool_calls] == [

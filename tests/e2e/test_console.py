@@ -140,10 +140,16 @@ def test_chat_streams_an_image_answer_and_resumes_after_a_dropped_connection(
     screenshot(page, shots / "console-chat.png")
 
     image = {"url": "data:image/png;base64," + base64.b64encode(png).decode()}
-    content = [{"type": "image_url", "image_url": image},
-               {"type": "text", "text": "What is in this image?"}]  # fmt: skip
-    body = {"model": CHAT, "messages": [{"role": "user", "content": content}],
-            "max_tokens": 40, "temperature": 0}  # fmt: skip
+    content = [
+        {"type": "image_url", "image_url": image},
+        {"type": "text", "text": "What is in this image?"},
+    ]
+    body = {
+        "model": CHAT,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 40,
+        "temperature": 0,
+    }
     headers = {"Authorization": f"Bearer {API_KEY}"}
     greedy = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
     expected = greedy.json()["choices"][0]["message"]["content"]

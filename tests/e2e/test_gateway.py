@@ -34,8 +34,14 @@ def registry(path: Path, entry: str) -> str:
 
 
 def gateway_settings(reg: str, **kw: Any) -> Settings:
-    base = {"registry": reg, "device": "cpu", "admin_keys": ["adm"], "upstream_max_failures": 1,
-            "upstream_health_interval": 0.5, "upstream_eject_seconds": 60}  # fmt: skip
+    base = {
+        "registry": reg,
+        "device": "cpu",
+        "admin_keys": ["adm"],
+        "upstream_max_failures": 1,
+        "upstream_health_interval": 0.5,
+        "upstream_eject_seconds": 60,
+    }
     return Settings(**{**base, **kw})
 
 
@@ -60,12 +66,15 @@ def gateway(
 
 
 @contextlib.contextmanager
-def gateway_over(workers: list[ServerProcess], work: Path, entry: str = 'name = "tiny"\n',
-                 **settings: Any) -> Iterator[str]:  # fmt: skip
+def gateway_over(
+    workers: list[ServerProcess], work: Path, entry: str = 'name = "tiny"\n', **settings: Any
+) -> Iterator[str]:
     """A gateway (in process) whose one ``openai`` entry has the workers as replicas."""
     urls = json.dumps([w.url for w in workers])
-    reg = registry(work / "registry.toml", f'[[models]]\n{entry}backend = "openai"\n'
-                   f"[models.backend_config]\nbase_urls = {urls}\n")  # fmt: skip
+    reg = registry(
+        work / "registry.toml",
+        f'[[models]]\n{entry}backend = "openai"\n[models.backend_config]\nbase_urls = {urls}\n',
+    )
     with LiveServer(build_app(gateway_settings(reg, **settings))) as server:
         wait_ready(server.url)
         yield server.url
@@ -79,8 +88,13 @@ def wait_ready(url: str, timeout: float = 60) -> None:
 
 
 def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-            "temperature": 0, **extra}  # fmt: skip
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        **extra,
+    }
 
 
 def data_lines(text: str) -> list[str]:
@@ -117,8 +131,12 @@ def test_stream_resumes_with_last_event_id_after_disconnect(gateway: str) -> Non
         body = chat(stream=True, session_id="gw-resume", max_tokens=40)
         first, r = read_events(client, "POST", f"{gateway}/v1/chat/completions", json=body, limit=3)
         assert r.status_code == 200 and len(first) == 3
-        rest, r = read_events(client, "GET", f"{gateway}/v1/streams/gw-resume",
-                              headers={"Last-Event-ID": first[-1].id})  # fmt: skip
+        rest, r = read_events(
+            client,
+            "GET",
+            f"{gateway}/v1/streams/gw-resume",
+            headers={"Last-Event-ID": first[-1].id},
+        )
     assert r.status_code == 200
     assert [e.index for e in rest] == list(range(3, 3 + len(rest)))
     assert rest[-1].data == "[DONE]"
@@ -176,15 +194,24 @@ def test_passed_requests_take_n_and_logprobs_and_name_the_gateways_entry(
     workers: list[ServerProcess], tmp_path: Path
 ) -> None:
     with gateway_over(workers, tmp_path, 'name = "gw-tiny"\nserved_model_id = "tiny"\n') as gw:
-        body = chat(model="gw-tiny", stream=True, n=2, max_tokens=4, ignore_eos=True,
-                    stream_options={"include_usage": True})  # fmt: skip
+        body = chat(
+            model="gw-tiny",
+            stream=True,
+            n=2,
+            max_tokens=4,
+            ignore_eos=True,
+            stream_options={"include_usage": True},
+        )
         r = httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=60)
         body.update(stream=False, logprobs=True, stream_options=None)
         whole = httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=60)
         scrape = httpx.get(f"{gw}/metrics").text
     assert r.status_code == 200 and whole.status_code == 200, (r.text, whole.text)
-    chunks = [json.loads(m.removeprefix("data: ")) for m in r.text.split("\n\n")
-              if m.startswith("data: {")]  # fmt: skip
+    chunks = [
+        json.loads(m.removeprefix("data: "))
+        for m in r.text.split("\n\n")
+        if m.startswith("data: {")
+    ]
     assert {c["model"] for c in chunks} == {"gw-tiny"}  # the upstream's "tiny" renamed
     assert {ch["index"] for c in chunks for ch in c["choices"]} == {0, 1}
     assert chunks[-1]["usage"]["completion_tokens"] == 8
@@ -199,8 +226,9 @@ def test_cancel_by_completion_id_reaches_the_worker_holding_a_passed_stream(
 ) -> None:
     body = chat(stream=True, max_tokens=20000, ignore_eos=True)
     with httpx.Client(timeout=60) as client:
-        events, r = read_events(client, "POST", f"{gateway}/v1/chat/completions", json=body,
-                                limit=3)  # fmt: skip
+        events, r = read_events(
+            client, "POST", f"{gateway}/v1/chat/completions", json=body, limit=3
+        )
         assert r.status_code == 200 and in_flight(workers) == 1
         completion_id, sid = events[0].json["id"], r.headers["x-session-id"]
         r = client.post(f"{gateway}/v1/chat/completions/{completion_id}/cancel")
@@ -214,8 +242,9 @@ def test_cancel_by_completion_id_reaches_the_worker_holding_a_passed_stream(
 
 
 def test_a_workers_4xx_reaches_the_client_of_a_passed_stream(gateway: str) -> None:
-    r = httpx.post(f"{gateway}/v1/chat/completions", json=chat(stream=True, max_tokens=-5),
-                   timeout=60)  # fmt: skip
+    r = httpx.post(
+        f"{gateway}/v1/chat/completions", json=chat(stream=True, max_tokens=-5), timeout=60
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "max_tokens"
     part = {"type": ["image_url"], "image_url": {"url": "data:"}}  # a list is no part type
@@ -236,15 +265,30 @@ def test_without_passthrough_the_gateway_runs_its_own_session(
 
 
 def test_vllm_backend_runs_and_stops_its_subprocess(tiny_dir: Path, tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "vlmserve.cli.main", "serve", "--model", str(tiny_dir),
-               "--served-model-name", "tiny", "--device", "cpu", "--port", "{port}"]  # fmt: skip
-    reg = registry(tmp_path / "registry.toml",
-                   f'[[models]]\nname = "tiny-vllm"\nserved_model_id = "tiny"\nbackend = "vllm"\n'
-                   f"[models.backend_config]\ncommand = {json.dumps(command)}\n"
-                   f'log_dir = "{tmp_path}"\nhealth_timeout = 120\n')  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vlmserve.cli.main",
+        "serve",
+        "--model",
+        str(tiny_dir),
+        "--served-model-name",
+        "tiny",
+        "--device",
+        "cpu",
+        "--port",
+        "{port}",
+    ]
+    reg = registry(
+        tmp_path / "registry.toml",
+        f'[[models]]\nname = "tiny-vllm"\nserved_model_id = "tiny"\nbackend = "vllm"\n'
+        f"[models.backend_config]\ncommand = {json.dumps(command)}\n"
+        f'log_dir = "{tmp_path}"\nhealth_timeout = 120\n',
+    )
     with LiveServer(build_app(gateway_settings(reg, load_on_startup=False))) as gw:
-        r = httpx.post(f"{gw.url}/admin/activate", json={"model": "tiny-vllm"}, headers=ADMIN,
-                       timeout=150)  # fmt: skip
+        r = httpx.post(
+            f"{gw.url}/admin/activate", json={"model": "tiny-vllm"}, headers=ADMIN, timeout=150
+        )
         assert r.status_code == 200, r.text
         process = r.json()["upstream"]["process"]
         family = [psutil.Process(process["pid"])]
@@ -252,8 +296,9 @@ def test_vllm_backend_runs_and_stops_its_subprocess(tiny_dir: Path, tmp_path: Pa
         body = chat(model="tiny-vllm")
         r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == "tiny-vllm"
-        r = httpx.post(f"{gw.url}/admin/deactivate", json={"model": "tiny-vllm"}, headers=ADMIN,
-                       timeout=60)  # fmt: skip
+        r = httpx.post(
+            f"{gw.url}/admin/deactivate", json={"model": "tiny-vllm"}, headers=ADMIN, timeout=60
+        )
         assert r.json()["state"] == "unloaded"
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family)
     assert (tmp_path / "tiny-vllm.log").stat().st_size > 0

@@ -44,9 +44,13 @@ def counters(url: str) -> dict[tuple[str, str], float]:
 
 
 def chat_requests(samples: dict, status: str) -> float:
-    return sum(v for (name, labels), v in samples.items()
-               if name == "vlmserve_requests_total" and f'route="{CHAT}"' in labels
-               and f'status="{status}"' in labels)  # fmt: skip
+    return sum(
+        v
+        for (name, labels), v in samples.items()
+        if name == "vlmserve_requests_total"
+        and f'route="{CHAT}"' in labels
+        and f'status="{status}"' in labels
+    )
 
 
 def tokens(samples: dict, kind: str) -> float:
@@ -54,16 +58,33 @@ def tokens(samples: dict, kind: str) -> float:
 
 
 def loadtest(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*vlmserve_cmd(), "loadtest", *args], capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [*vlmserve_cmd(), "loadtest", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_report_matches_what_the_worker_counted(worker: ServerProcess, tmp_path: Path) -> None:
     before = counters(worker.url)
     out = tmp_path / "report.json"
-    run = loadtest(worker.url, "--model", "tiny", "--requests", "12", "--concurrency", "4",
-                   "--max-tokens", "6", "--image", "64x64", "--prompt-words", "8",
-                   "--slo-ttft-ms", "60000", "--json", str(out))  # fmt: skip
+    run = loadtest(
+        worker.url,
+        "--model",
+        "tiny",
+        "--requests",
+        "12",
+        "--concurrency",
+        "4",
+        "--max-tokens",
+        "6",
+        "--image",
+        "64x64",
+        "--prompt-words",
+        "8",
+        "--slo-ttft-ms",
+        "60000",
+        "--json",
+        str(out),
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     for label in ("TTFT (ms)", "TPOT (ms)", "ITL (ms)", "E2E latency (ms)", "request throughput"):
         assert label in run.stdout
@@ -93,8 +114,17 @@ async def test_http_errors_are_counted_not_fatal(worker: ServerProcess) -> None:
 
 async def test_video_payloads_stream_through(worker: ServerProcess) -> None:
     seen: list[tuple[int, int]] = []
-    cfg = LoadConfig(worker.url, "tiny", concurrency=2, requests=2, max_tokens=3,
-                     video_frames=4, prompt_words=4, distinct_media=True, rate=50.0)  # fmt: skip
+    cfg = LoadConfig(
+        worker.url,
+        "tiny",
+        concurrency=2,
+        requests=2,
+        max_tokens=3,
+        video_frames=4,
+        prompt_words=4,
+        distinct_media=True,
+        rate=50.0,
+    )
     report = await run_load(cfg, progress=lambda done, total: seen.append((done, total)))
     assert report.completed == 2, report.error_examples
     assert report.total_output_tokens == 6

@@ -149,8 +149,10 @@ def test_mismatched_adapter_fails_start_up_naming_both_bases(
 def test_the_engine_process_ends_with_the_server(tiny_dir: Path, how: str) -> None:
     """By default the real CLI answers through an engine process, which exits when
     the server stops (SIGTERM: the model unloads) or dies (SIGKILL: its connection closes)."""
-    server = ServerProcess(["serve", "--model", str(tiny_dir), "--served-model-name", "tiny",
-                            "--device", "cpu"], engine_process=True)  # fmt: skip
+    server = ServerProcess(
+        ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu"],
+        engine_process=True,
+    )
     try:
         server.wait_ready()
         [engine] = psutil.Process(server.proc.pid).children()

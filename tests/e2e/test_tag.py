@@ -29,8 +29,17 @@ def photos(tmp_path: Path) -> Path:
 
 
 def tag(server: LiveServer, folder: Path, *extra: str) -> tuple[int, str]:
-    args = ["tag", str(folder), "--server", server.url, "--max-tokens", "16",
-            "--concurrency", "8", *extra]  # fmt: skip
+    args = [
+        "tag",
+        str(folder),
+        "--server",
+        server.url,
+        "--max-tokens",
+        "16",
+        "--concurrency",
+        "8",
+        *extra,
+    ]
     result = CliRunner().invoke(app, args)
     return result.exit_code, result.output + (result.stderr or "")
 

@@ -28,9 +28,17 @@ CUDA = torch.device("cuda")
 @pytest.fixture(scope="module")
 def backend(tiny_dir: Path) -> Iterator[HFChatBackend]:
     options = LoadOptions(source=str(tiny_dir), device="cuda", dtype="bfloat16")
-    b = HFChatBackend("tiny", options, max_model_len=4096, max_queued=64, max_num_seqs=8,
-                      max_num_batched_tokens=2048, vision_cache_bytes=0,
-                      processor_cache_bytes=0, cuda_graphs=True)  # fmt: skip
+    b = HFChatBackend(
+        "tiny",
+        options,
+        max_model_len=4096,
+        max_queued=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        vision_cache_bytes=0,
+        processor_cache_bytes=0,
+        cuda_graphs=True,
+    )
     b.load()
     assert b.engine is not None, "the tiny Qwen2-VL must run on the batching engine on CUDA"
     yield b
@@ -81,9 +89,11 @@ async def test_a_real_cuda_out_of_memory_fails_one_request_with_a_503(
 
     engine._decode_forward = greedy_for_memory  # type: ignore[method-assign]
     try:
-        got = await asyncio.gather(tokens(backend, request("HUGE")),
-                                   tokens(backend, request("companion")),
-                                   return_exceptions=True)  # fmt: skip
+        got = await asyncio.gather(
+            tokens(backend, request("HUGE")),
+            tokens(backend, request("companion")),
+            return_exceptions=True,
+        )
     finally:
         engine._decode_forward = decode  # type: ignore[method-assign]
     assert isinstance(got[0], OutOfMemory) and got[0].status_code == 503

@@ -38,8 +38,12 @@ async def client(llava_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
 
 def chat(part: dict[str, Any]) -> dict[str, Any]:
     content = [part, {"type": "text", "text": "What is this?"}]
-    return {"model": "llava", "messages": [{"role": "user", "content": content}],
-            "max_tokens": 3, "temperature": 0}  # fmt: skip
+    return {
+        "model": "llava",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
 
 
 def data_url(mime: str, data: bytes) -> str:

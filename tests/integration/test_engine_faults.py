@@ -237,9 +237,14 @@ async def test_degenerate_sampling_values_answer_200_or_4xx_never_5xx(
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("temperature", -1e-300),
-     ("top_p", 0.0), ("temperature", 1e308)],
-)  # fmt: skip
+    [
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("temperature", -1e-300),
+        ("top_p", 0.0),
+        ("temperature", 1e308),
+    ],
+)
 async def test_out_of_range_sampling_values_are_a_400_naming_the_field(
     app_client: tuple[httpx.AsyncClient, ModelManager], field: str, value: float
 ) -> None:

@@ -35,25 +35,37 @@ ADMIN = {"Authorization": "Bearer admin-secret"}
 
 
 def chat(content: Any, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}],
-            "temperature": 0, "max_tokens": 16, **extra}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 16,
+        **extra,
+    }
 
 
 def asks() -> list[dict[str, Any]]:
     """Requests whose answers must not depend on where the engine runs."""
     url = "data:image/png;base64," + base64.b64encode(image_bytes(64, 48)).decode()
-    image = [{"type": "image_url", "image_url": {"url": url}},
-             {"type": "text", "text": "What is shown?"}]  # fmt: skip
-    schema = {"type": "object", "properties": {"name": {"type": "string"}},
-              "required": ["name"]}  # fmt: skip
+    image = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "What is shown?"},
+    ]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     return [
         chat("hello"),
         chat(image),
         chat("two", n=2, temperature=1.0, seed=7),
-        chat("json", max_tokens=40, response_format={
-            "type": "json_schema", "json_schema": {"name": "card", "schema": schema}}),
+        chat(
+            "json",
+            max_tokens=40,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "card", "schema": schema},
+            },
+        ),
         chat("stop", stop=["e"], max_tokens=40),
-    ]  # fmt: skip
+    ]
 
 
 Served = tuple[httpx.AsyncClient, ModelManager]

@@ -27,8 +27,9 @@ IMAGE = data_url(image_bytes(32, 32), "image/png")
 
 
 @contextlib.asynccontextmanager
-async def serving(tiny_dir: Path, models: ModelManager, **settings: Any
-                  ) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:  # fmt: skip
+async def serving(
+    tiny_dir: Path, models: ModelManager, **settings: Any
+) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     """The app in-process (its lifespan running) and an httpx client on it."""
     app = build_app(make_settings(tiny_dir, **settings), models=models)
     async with app.router.lifespan_context(app):
@@ -38,38 +39,55 @@ async def serving(tiny_dir: Path, models: ModelManager, **settings: Any
 
 
 def client(http: httpx.AsyncClient, key: str = "unused") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url="http://t/v1", api_key=key, http_client=http,
-                              max_retries=0)  # fmt: skip
+    return openai.AsyncOpenAI(base_url="http://t/v1", api_key=key, http_client=http, max_retries=0)
 
 
 def chat_line(custom_id: str, image: bool = False, **body: Any) -> dict[str, Any]:
     content: Any = f"Say {custom_id}."
     if image:
-        content = [{"type": "image_url", "image_url": {"url": IMAGE}},
-                   {"type": "text", "text": content}]  # fmt: skip
-    request = {"model": MODEL, "messages": [{"role": "user", "content": content}],
-               "max_tokens": 4, "temperature": 0, **body}  # fmt: skip
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": request}  # fmt: skip
+        content = [
+            {"type": "image_url", "image_url": {"url": IMAGE}},
+            {"type": "text", "text": content},
+        ]
+    request = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+        "temperature": 0,
+        **body,
+    }
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": request,
+    }
 
 
 def jsonl(lines: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
-async def run_batch(api: openai.AsyncOpenAI, data: bytes, endpoint: str = "/v1/chat/completions"
-                    ) -> Any:  # fmt: skip
+async def run_batch(
+    api: openai.AsyncOpenAI, data: bytes, endpoint: str = "/v1/chat/completions"
+) -> Any:
     source = await api.files.create(file=("in.jsonl", data), purpose="batch")
-    batch = await api.batches.create(input_file_id=source.id, endpoint=endpoint,  # type: ignore[arg-type]
-                                     completion_window="24h")  # fmt: skip
+    batch = await api.batches.create(
+        input_file_id=source.id,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        completion_window="24h",
+    )
     return await finished(api, batch.id)
 
 
 async def finished(api: openai.AsyncOpenAI, batch_id: str, timeout: float = 300) -> Any:
     deadline = asyncio.get_running_loop().time() + timeout
     while (batch := await api.batches.retrieve(batch_id)).status not in (
-        "completed", "failed", "cancelled", "expired",
-    ):  # fmt: skip
+        "completed",
+        "failed",
+        "cancelled",
+        "expired",
+    ):
         assert asyncio.get_running_loop().time() < deadline, f"batch stuck in {batch.status}"
         await asyncio.sleep(0.05)
     return batch
@@ -116,8 +134,10 @@ async def test_a_bad_purpose_is_a_400_and_nothing_is_kept(
 async def test_a_file_over_the_size_limit_is_a_413_before_it_is_stored(
     tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
 ) -> None:
-    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path),
-                       files_max_bytes=100_000) as (_, http):  # fmt: skip
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path), files_max_bytes=100_000) as (
+        _,
+        http,
+    ):
         api = client(http)
         with pytest.raises(openai.APIStatusError, match="VLMSERVE_FILES_MAX_BYTES") as caught:
             await api.files.create(file=("big.bin", b"x" * 200_000), purpose="batch")
@@ -140,8 +160,13 @@ async def test_a_file_over_the_size_limit_is_a_413_before_it_is_stored(
 async def test_the_quota_of_a_key_is_a_413_naming_the_setting(
     tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
 ) -> None:
-    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path), api_keys=["k1", "k2"],
-                       files_quota_bytes=3000) as (_, http):  # fmt: skip
+    async with serving(
+        tiny_dir,
+        chat_models,
+        files_dir=str(tmp_path),
+        api_keys=["k1", "k2"],
+        files_quota_bytes=3000,
+    ) as (_, http):
         one, two = client(http, "k1"), client(http, "k2")
         await one.files.create(file=("a", b"a" * 2000), purpose="vision")
         with pytest.raises(openai.APIStatusError, match="VLMSERVE_FILES_QUOTA_BYTES") as caught:
@@ -154,12 +179,15 @@ async def test_the_quota_of_a_key_is_a_413_naming_the_setting(
 async def test_files_and_batches_belong_to_the_key_that_made_them(
     tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
 ) -> None:
-    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path),
-                       api_keys=["k1", "k2"]) as (_, http):  # fmt: skip
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path), api_keys=["k1", "k2"]) as (
+        _,
+        http,
+    ):
         one, two = client(http, "k1"), client(http, "k2")
         made = await one.files.create(file=("in.jsonl", jsonl([chat_line("a")])), purpose="batch")
-        batch = await one.batches.create(input_file_id=made.id, endpoint="/v1/chat/completions",
-                                         completion_window="24h")  # fmt: skip
+        batch = await one.batches.create(
+            input_file_id=made.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         for call in (two.files.retrieve, two.files.content, two.files.delete):
             with pytest.raises(openai.NotFoundError):
                 await call(made.id)
@@ -168,8 +196,9 @@ async def test_files_and_batches_belong_to_the_key_that_made_them(
         with pytest.raises(openai.NotFoundError):
             await two.batches.cancel(batch.id)
         with pytest.raises(openai.NotFoundError):  # another key's file as a batch's input
-            await two.batches.create(input_file_id=made.id, endpoint="/v1/chat/completions",
-                                     completion_window="24h")  # fmt: skip
+            await two.batches.create(
+                input_file_id=made.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
         assert (await two.files.list()).data == [] and (await two.batches.list()).data == []
         assert [b.id for b in (await one.batches.list()).data] == [batch.id]
         assert (await finished(one, batch.id)).status == "completed"
@@ -178,8 +207,10 @@ async def test_files_and_batches_belong_to_the_key_that_made_them(
 async def test_files_expire_after_the_retention_time(
     tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
 ) -> None:
-    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path),
-                       files_ttl_seconds=1) as (_, http):  # fmt: skip
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path), files_ttl_seconds=1) as (
+        _,
+        http,
+    ):
         api = client(http)
         made = await api.files.create(file=("a", b"a"), purpose="user_data")
         assert made.expires_at is not None and made.expires_at <= made.created_at + 1
@@ -199,8 +230,10 @@ async def test_a_batch_of_50_chat_lines_gives_48_results_and_2_errors(
     lines = [chat_line(f"req-{i}", image=i % 5 == 0) for i in range(50)]
     lines[7]["body"]["messages"] = []  # invalid: no messages
     lines[31]["body"]["temperature"] = "hot"  # invalid: not a number
-    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path),
-                       batch_max_concurrency=4) as (_, http):  # fmt: skip
+    async with serving(tiny_dir, chat_models, files_dir=str(tmp_path), batch_max_concurrency=4) as (
+        _,
+        http,
+    ):
         api = client(http)
         batch = await run_batch(api, jsonl(lines))
         assert batch.status == "completed", batch.errors
@@ -214,8 +247,10 @@ async def test_a_batch_of_50_chat_lines_gives_48_results_and_2_errors(
         assert out["error"] is None and out["response"]["status_code"] == 200
         body = out["response"]["body"]
         assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] <= 4
-    assert outputs[0]["response"]["body"]["usage"]["prompt_tokens"] > outputs[1]["response"][
-        "body"]["usage"]["prompt_tokens"]  # req-0 has the image  # fmt: skip
+    assert (
+        outputs[0]["response"]["body"]["usage"]["prompt_tokens"]
+        > outputs[1]["response"]["body"]["usage"]["prompt_tokens"]
+    )  # req-0 has the image
     assert [e["custom_id"] for e in errors] == ["req-7", "req-31"]
     for err in errors:
         assert err["response"]["status_code"] == 400
@@ -247,8 +282,9 @@ async def test_cancel_stops_a_batch_and_keeps_the_results_so_far(
         done: list[str] = []
         app.state.services.batches.on_line = lambda _, custom_id: done.append(custom_id)
         source = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-        batch = await api.batches.create(input_file_id=source.id, completion_window="24h",
-                                         endpoint="/v1/chat/completions")  # fmt: skip
+        batch = await api.batches.create(
+            input_file_id=source.id, completion_window="24h", endpoint="/v1/chat/completions"
+        )
         while len(done) < 2:
             await asyncio.sleep(0.02)
         cancelling = await api.batches.cancel(batch.id)
@@ -270,8 +306,9 @@ async def test_a_batch_resumes_after_a_restart_without_redoing_finished_lines(
         app.state.services.batches.on_line = lambda _, custom_id: first.append(custom_id)
         api = client(http)
         source = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-        batch = await api.batches.create(input_file_id=source.id, completion_window="24h",
-                                         endpoint="/v1/chat/completions")  # fmt: skip
+        batch = await api.batches.create(
+            input_file_id=source.id, completion_window="24h", endpoint="/v1/chat/completions"
+        )
         while len(first) < 4:
             await asyncio.sleep(0.01)
     # the server stopped mid-way (its runner cancelled); a new one on the same data directory
@@ -300,8 +337,9 @@ async def test_a_batch_past_its_completion_window_expires_with_the_rest_as_error
         app.state.services.batches.window_seconds["24h"] = 2
         api = client(http)
         with pytest.raises(openai.BadRequestError, match="completion_window"):
-            await api.batches.create(input_file_id="file-x", endpoint="/v1/chat/completions",
-                                     completion_window="48h")  # type: ignore[arg-type]  # fmt: skip
+            await api.batches.create(
+                input_file_id="file-x", endpoint="/v1/chat/completions", completion_window="48h"
+            )  # type: ignore[arg-type]
         batch = await run_batch(api, jsonl(lines))
         outputs = await lines_of(api, batch.output_file_id)
         errors = await lines_of(api, batch.error_file_id)
@@ -326,8 +364,9 @@ async def test_a_batch_whose_window_ended_while_the_server_was_down_expires_on_s
         app.state.services.batches.on_line = lambda _, custom_id: first.append(custom_id)
         api = client(http)
         source = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-        batch = await api.batches.create(input_file_id=source.id, completion_window="24h",
-                                         endpoint="/v1/chat/completions")  # fmt: skip
+        batch = await api.batches.create(
+            input_file_id=source.id, completion_window="24h", endpoint="/v1/chat/completions"
+        )
         while not first:
             await asyncio.sleep(0.01)
     await asyncio.sleep(3.2)  # the window ends while no server runs
@@ -348,8 +387,12 @@ async def test_a_batch_whose_window_ended_while_the_server_was_down_expires_on_s
 
 @pytest.fixture(scope="module")
 def with_embedder(tiny_dir: Path, chat_models: ModelManager) -> Iterator[ModelManager]:
-    cfg = ModelConfig(name=EMBED, source=str(tiny_dir), roles=["embedding"],
-                      adapter=str(build_lora_adapter(tiny_dir)))  # fmt: skip
+    cfg = ModelConfig(
+        name=EMBED,
+        source=str(tiny_dir),
+        roles=["embedding"],
+        adapter=str(build_lora_adapter(tiny_dir)),
+    )
     embedder = hf_handle(cfg, Settings(device="cpu"))
     embedder.backend.load()
     yield ModelManager([*chat_models.handles, embedder])
@@ -359,9 +402,15 @@ def with_embedder(tiny_dir: Path, chat_models: ModelManager) -> Iterator[ModelMa
 async def test_an_embeddings_batch_returns_the_vectors_of_each_line(
     tiny_dir: Path, with_embedder: ModelManager, tmp_path: Path
 ) -> None:
-    lines = [{"custom_id": f"e-{i}", "method": "POST", "url": "/v1/embeddings",
-              "body": {"model": EMBED, "input": [f"text {i}", "another"]}}
-             for i in range(3)]  # fmt: skip
+    lines = [
+        {
+            "custom_id": f"e-{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": EMBED, "input": [f"text {i}", "another"]},
+        }
+        for i in range(3)
+    ]
     lines.append({**lines[0], "custom_id": "bad", "body": {"model": EMBED}})
     async with serving(tiny_dir, with_embedder, files_dir=str(tmp_path)) as (_, http):
         api = client(http)
@@ -379,8 +428,12 @@ async def test_an_embeddings_batch_returns_the_vectors_of_each_line(
 async def test_a_responses_batch_runs_through_the_responses_api(
     tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
 ) -> None:
-    line = {"custom_id": "r", "method": "POST", "url": "/v1/responses",
-            "body": {"model": MODEL, "input": "Hello", "max_output_tokens": 4}}  # fmt: skip
+    line = {
+        "custom_id": "r",
+        "method": "POST",
+        "url": "/v1/responses",
+        "body": {"model": MODEL, "input": "Hello", "max_output_tokens": 4},
+    }
     async with serving(tiny_dir, chat_models, files_dir=str(tmp_path)) as (_, http):
         api = client(http)
         batch = await run_batch(api, jsonl([line]), endpoint="/v1/responses")

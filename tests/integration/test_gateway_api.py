@@ -29,8 +29,12 @@ EMBED = "tiny-embed"
 
 @pytest.fixture(scope="module")
 def worker_models(tiny_dir: Path, chat_models: ModelManager) -> Iterator[ModelManager]:
-    cfg = ModelConfig(name=EMBED, source=str(tiny_dir), adapter=str(build_lora_adapter(tiny_dir)),
-                      roles=["embedding"])  # fmt: skip
+    cfg = ModelConfig(
+        name=EMBED,
+        source=str(tiny_dir),
+        adapter=str(build_lora_adapter(tiny_dir)),
+        roles=["embedding"],
+    )
     embedder = hf_handle(cfg, Settings(device="cpu"))
     embedder.backend.load()
     yield ModelManager([*chat_models.handles, embedder])
@@ -38,10 +42,16 @@ def worker_models(tiny_dir: Path, chat_models: ModelManager) -> Iterator[ModelMa
 
 
 def upstream(name: str, urls: list[str], **kw: Any) -> ModelHandle:
-    config = UpstreamConfig(model=kw.pop("model", MODEL), base_urls=urls, health_interval=0,
-                            policy=PoolPolicy(max_failures=1), **kw)  # fmt: skip
-    return ModelHandle(name, ["embedding"] if config.embedding else ["chat"],
-                       UpstreamBackend(name, config))  # fmt: skip
+    config = UpstreamConfig(
+        model=kw.pop("model", MODEL),
+        base_urls=urls,
+        health_interval=0,
+        policy=PoolPolicy(max_failures=1),
+        **kw,
+    )
+    return ModelHandle(
+        name, ["embedding"] if config.embedding else ["chat"], UpstreamBackend(name, config)
+    )
 
 
 @pytest.fixture
@@ -63,16 +73,19 @@ async def worker_client(worker_url: str) -> AsyncIterator[httpx.AsyncClient]:
 async def gateway(worker_url: str) -> AsyncIterator[httpx.AsyncClient]:
     async with contextlib.AsyncExitStack() as stack:
         bad = await stack.enter_async_context(fake_upstreams(alive_but_broken, "http://bad"))
-        models = ModelManager([
-            upstream("gw-tiny", [worker_url]),
-            upstream("gw-embed", [worker_url], model=EMBED, embedding=True),
-            upstream("gw-empty", []),
-            upstream("gw-bad", bad.real("http://bad")),
-        ])  # fmt: skip
+        models = ModelManager(
+            [
+                upstream("gw-tiny", [worker_url]),
+                upstream("gw-embed", [worker_url], model=EMBED, embedding=True),
+                upstream("gw-empty", []),
+                upstream("gw-bad", bad.real("http://bad")),
+            ]
+        )
         app = build_app(Settings(device="cpu", admin_keys=["adm"]), models=models)
         await stack.enter_async_context(app.router.lifespan_context(app))
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                   timeout=60)  # fmt: skip
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=60
+        )
         yield await stack.enter_async_context(client)
         await models.aclose()
 
@@ -84,8 +97,13 @@ def alive_but_broken(request: httpx.Request) -> httpx.Response:
 
 
 def chat(model: str = "gw-tiny", **extra: Any) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "hello"}],
-            "max_tokens": 5, "temperature": 0, **extra}  # fmt: skip
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        **extra,
+    }
 
 
 async def test_chat_completion_is_proxied_with_upstream_usage(gateway: httpx.AsyncClient) -> None:
@@ -98,8 +116,9 @@ async def test_chat_completion_is_proxied_with_upstream_usage(gateway: httpx.Asy
 
 
 async def test_stream_through_gateway_has_its_own_session_ids(gateway: httpx.AsyncClient) -> None:
-    body = chat(stream=True, session_id="gw-s1",
-                stream_options={"include_usage": True, "resumable": True})  # fmt: skip
+    body = chat(
+        stream=True, session_id="gw-s1", stream_options={"include_usage": True, "resumable": True}
+    )
     r = await gateway.post("/v1/chat/completions", json=body)
     assert r.status_code == 200
     ids = [line[4:] for line in r.text.splitlines() if line.startswith("id: ")]
@@ -165,8 +184,9 @@ async def test_register_and_deregister_a_replica(
     assert r.json()["healthy"] is True
     assert (await gateway.post("/v1/chat/completions", json=chat("gw-empty"))).status_code == 200
     # the idle watchdog's body (HttpDeregisterHook) is accepted as is
-    r = await gateway.post("/v1/gateway/deregister", json={"instance": "w-1", "reason": "idle"},
-                           headers=ADMIN)  # fmt: skip
+    r = await gateway.post(
+        "/v1/gateway/deregister", json={"instance": "w-1", "reason": "idle"}, headers=ADMIN
+    )
     assert r.json()["deregistered"] == ["gw-empty"]
     assert (await gateway.post("/v1/chat/completions", json=chat("gw-empty"))).status_code == 503
 
@@ -174,8 +194,11 @@ async def test_register_and_deregister_a_replica(
 async def test_register_refuses_non_upstream_models_and_bad_urls(
     gateway: httpx.AsyncClient, worker_url: str
 ) -> None:
-    r = await gateway.post("/v1/gateway/register", headers=ADMIN,
-                           json={"model": "nope", "url": worker_url, "instance": "x"})  # fmt: skip
+    r = await gateway.post(
+        "/v1/gateway/register",
+        headers=ADMIN,
+        json={"model": "nope", "url": worker_url, "instance": "x"},
+    )
     assert r.status_code == 404
     body = {"model": "gw-empty", "url": "ftp://x", "instance": "x"}
     r = await gateway.post("/v1/gateway/register", headers=ADMIN, json=body)
@@ -198,13 +221,25 @@ async def test_worker_registration_client_adds_itself(
     from vlmserve.gateway.registration_worker import Registration
 
     transport = gateway._transport  # the in-process gateway
-    reg = Registration("http://gw/v1/gateway/register", worker_url + "/", instance="w-9",
-                       api_key="adm", transport=transport, attempts=1)  # fmt: skip
+    reg = Registration(
+        "http://gw/v1/gateway/register",
+        worker_url + "/",
+        instance="w-9",
+        api_key="adm",
+        transport=transport,
+        attempts=1,
+    )
     assert await reg.register(["gw-empty"])
     assert (await gateway.post("/v1/chat/completions", json=chat("gw-empty"))).status_code == 200
     assert await reg.deregister()
-    refused = Registration("http://gw/v1/gateway/register", worker_url, instance="w-9",
-                           transport=transport, attempts=3, backoff=0)  # fmt: skip
+    refused = Registration(
+        "http://gw/v1/gateway/register",
+        worker_url,
+        instance="w-9",
+        transport=transport,
+        attempts=3,
+        backoff=0,
+    )
     assert not await refused.register(["gw-empty"])  # 401 without the admin key: no retry loop
 
 

@@ -24,8 +24,12 @@ from vlmserve.registry.manager import ModelHandle, ModelManager
 pytestmark = pytest.mark.timeout(60)
 
 HEALTH = {"ok": True, "modelReady": True, "resumableStreams": True}
-EVENT = {"id": "chatcmpl-up1", "object": "chat.completion.chunk", "model": "up",
-         "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}  # fmt: skip
+EVENT = {
+    "id": "chatcmpl-up1",
+    "object": "chat.completion.chunk",
+    "model": "up",
+    "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}],
+}
 seen: list[httpx.Request] = []
 health = dict(HEALTH)  # what the fake replica's /health says
 KEY = "client-key"
@@ -48,14 +52,32 @@ def worker_like(request: httpx.Request) -> httpx.Response:
         return later
     body = json.loads(request.content)
     if not body.get("stream"):
-        answer = {"id": "chatcmpl-up2", "object": "chat.completion", "model": "up",
-                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
-                               "finish_reason": "stop"}]}  # fmt: skip
-        return httpx.Response(200, content=json.dumps(answer, separators=(",", ":")),
-                              headers={"content-type": "application/json"})  # fmt: skip
+        answer = {
+            "id": "chatcmpl-up2",
+            "object": "chat.completion",
+            "model": "up",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "Hi"},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+        return httpx.Response(
+            200,
+            content=json.dumps(answer, separators=(",", ":")),
+            headers={"content-type": "application/json"},
+        )
     if body.get("max_tokens") == -1:
-        error = {"error": {"message": "max_tokens must be positive", "param": "max_tokens",
-                           "type": "invalid_request_error", "code": None}}  # fmt: skip
+        error = {
+            "error": {
+                "message": "max_tokens must be positive",
+                "param": "max_tokens",
+                "type": "invalid_request_error",
+                "code": None,
+            }
+        }
         return httpx.Response(400, json=error)
     headers = {"content-type": "text/event-stream", "x-session-id": "s-up"}
     return httpx.Response(200, headers=headers, content=_cut_after_one_event())
@@ -82,14 +104,23 @@ async def gateway_app(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     seen.clear()
     async with contextlib.AsyncExitStack() as stack:
         up = await stack.enter_async_context(fake_upstreams(worker_like, "http://w"))
-        config = UpstreamConfig(model="up", base_urls=up.real("http://w"), health_interval=0,
-                                preflight=False, policy=PoolPolicy(max_failures=5))  # fmt: skip
+        config = UpstreamConfig(
+            model="up",
+            base_urls=up.real("http://w"),
+            health_interval=0,
+            preflight=False,
+            policy=PoolPolicy(max_failures=5),
+        )
         models = ModelManager([ModelHandle("gw", ["chat"], UpstreamBackend("gw", config))])
         base = {"device": "cpu", "max_body_bytes": 4096, "max_n": 2, "api_keys": [KEY]}
         app = build_app(Settings(**{**base, **settings}), models=models)
         await stack.enter_async_context(app.router.lifespan_context(app))
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://gw",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=30,
+        )
         yield await stack.enter_async_context(client)
         await models.aclose()
 
@@ -101,8 +132,7 @@ async def gateway() -> AsyncIterator[httpx.AsyncClient]:
 
 
 def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": "gw", "stream": True, "messages": [{"role": "user", "content": "hi"}],
-            **extra}  # fmt: skip
+    return {"model": "gw", "stream": True, "messages": [{"role": "user", "content": "hi"}], **extra}
 
 
 async def test_a_replica_that_breaks_off_ends_the_passed_stream_with_an_error_event(
@@ -164,14 +194,16 @@ async def test_the_gateways_limits_hold_before_anything_is_passed(
 async def test_a_passed_streams_later_requests_reach_its_replica_without_the_clients_key(
     gateway: httpx.AsyncClient,
 ) -> None:
-    started = await gateway.post("/v1/chat/completions", json=chat(),
-                                 headers={"Accept": "text/event-stream"})  # fmt: skip
+    started = await gateway.post(
+        "/v1/chat/completions", json=chat(), headers={"Accept": "text/event-stream"}
+    )
     assert started.status_code == 200
     resumed = await gateway.get("/v1/streams/s-up", headers={"Last-Event-ID": "s-up:0"})
     assert resumed.status_code == 200 and '"model":"gw"' in resumed.text  # renamed
     by_query = await gateway.get("/v1/streams/s-up", params={"last_event_id": "s-up:0"})
-    reposted = await gateway.post("/v1/chat/completions", json=chat(),
-                                  headers={"Last-Event-ID": "s-up:0"})  # fmt: skip
+    reposted = await gateway.post(
+        "/v1/chat/completions", json=chat(), headers={"Last-Event-ID": "s-up:0"}
+    )
     cancelled = await gateway.post("/v1/cancel/s-up")
     by_completion = await gateway.post("/v1/chat/completions/chatcmpl-up1/cancel")
     unknown = await gateway.get("/v1/streams/nope")
@@ -194,8 +226,7 @@ async def test_a_passed_streams_later_requests_reach_its_replica_without_the_cli
     assert json.loads(seen[3].content) == chat()
 
 
-@pytest.mark.parametrize("settings", [{"gateway_passthrough": False},
-                                      {"persist_sessions": True}])  # fmt: skip
+@pytest.mark.parametrize("settings", [{"gateway_passthrough": False}, {"persist_sessions": True}])
 async def test_off_or_with_a_durable_store_the_gateway_runs_its_own_sessions(
     settings: dict[str, Any], tmp_path: Any
 ) -> None:
@@ -256,20 +287,23 @@ async def test_a_passed_stream_is_its_keys_alone_through_the_gateway() -> None:
         for answer in (
             await gateway.get("/v1/streams/s-up", headers=other),
             await gateway.get("/v1/streams/s-up", headers={**other, "Last-Event-ID": "s-up:0"}),
-            await gateway.post("/v1/chat/completions", json=chat(),
-                               headers={**other, "Last-Event-ID": "s-up:0"}),
+            await gateway.post(
+                "/v1/chat/completions", json=chat(), headers={**other, "Last-Event-ID": "s-up:0"}
+            ),
             await gateway.post("/v1/cancel/s-up", headers=other),
             await gateway.post("/v1/chat/completions/chatcmpl-up1/cancel", headers=other),
-            await gateway.send(keyless(gateway.build_request("GET", "/v1/streams/s-up",
-                                                             params={"token": "guess"}))),
-        ):  # fmt: skip
+            await gateway.send(
+                keyless(gateway.build_request("GET", "/v1/streams/s-up", params={"token": "guess"}))
+            ),
+        ):
             assert answer.status_code == 404, answer.text
         assert unknown.status_code == 404
         assert len(seen) == 1  # none of them reached the replica
         assert (await gateway.get("/v1/streams/s-up")).status_code == 200  # the owner's
         for key in ({}, other):  # each key's own "mine": the gateway runs both sessions
-            mine = await gateway.post("/v1/chat/completions", json=chat(session_id="mine"),
-                                      headers=key)  # fmt: skip
+            mine = await gateway.post(
+                "/v1/chat/completions", json=chat(session_id="mine"), headers=key
+            )
             assert mine.status_code == 200 and mine.headers["x-session-id"] == "mine"
         chats = [json.loads(r.content) for r in seen[2:] if r.url.path == "/v1/chat/completions"]
         assert [body.get("session_id") for body in chats] == [None, None]

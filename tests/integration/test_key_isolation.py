@@ -30,8 +30,14 @@ KEYS = {"api_keys": ["k1", "k2"]}
 
 
 def chat(max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}],
-            "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, **extra}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def data_of(raw: bytes) -> list[str]:
@@ -51,8 +57,14 @@ async def running(http: httpx.AsyncClient, count: int = 1) -> None:
     raise AssertionError("the stream did not start")
 
 
-async def as_unknown(http: httpx.AsyncClient, method: str, path: str, name: str,
-                     headers: dict[str, str] | None = None, body: Any = None) -> None:  # fmt: skip
+async def as_unknown(
+    http: httpx.AsyncClient,
+    method: str,
+    path: str,
+    name: str,
+    headers: dict[str, str] | None = None,
+    body: Any = None,
+) -> None:
     """B's answer for ``name`` in ``path`` is the answer for a name no one has."""
     answers = []
     for asked in (name, "x" * len(name)):
@@ -67,10 +79,13 @@ async def test_another_key_gets_an_unknown_ids_404_on_every_stream_route(
     make_client: Callable[..., Any],
 ) -> None:
     http = await make_client(**KEYS)
-    stream = asyncio.ensure_future(http.post(
-        "/v1/chat/completions", json=chat(3000, stream=True, session_id="mine"),
-        headers={**A, **RESUMABLE},
-    ))  # fmt: skip
+    stream = asyncio.ensure_future(
+        http.post(
+            "/v1/chat/completions",
+            json=chat(3000, stream=True, session_id="mine"),
+            headers={**A, **RESUMABLE},
+        )
+    )
     await running(http)
     held = services(http).sessions.sessions  # stored names: "<A's key digest>/mine"
     session = next(s for name, s in held.items() if name.endswith("/mine"))
@@ -79,10 +94,17 @@ async def test_another_key_gets_an_unknown_ids_404_on_every_stream_route(
         await as_unknown(http, "POST", "/v1/cancel/{}", name)
         await as_unknown(http, "POST", "/v1/chat/completions/{}/cancel", name)
         await as_unknown(http, "GET", "/v1/streams/{}", name)
-        await as_unknown(http, "GET", "/v1/streams/{}", name,
-                         headers={"Last-Event-ID": f"{name}:0"})  # fmt: skip
-        await as_unknown(http, "POST", "/v1/chat/completions", name,
-                         headers={"Last-Event-ID": f"{name}:0"}, body=chat())  # fmt: skip
+        await as_unknown(
+            http, "GET", "/v1/streams/{}", name, headers={"Last-Event-ID": f"{name}:0"}
+        )
+        await as_unknown(
+            http,
+            "POST",
+            "/v1/chat/completions",
+            name,
+            headers={"Last-Event-ID": f"{name}:0"},
+            body=chat(),
+        )
     assert not stream.done() and session.running  # B touched nothing
     cancelled = await http.post(f"/v1/chat/completions/{alias}/cancel", headers=A)
     assert cancelled.status_code == 200
@@ -100,13 +122,15 @@ async def test_two_keys_use_the_same_session_id_independently(
     http = await make_client(**KEYS)
     made = {}
     for key, tokens in ((A, 3), (B, 9)):
-        r = await http.post("/v1/chat/completions", headers=key,
-                            json=chat(tokens, stream=True, session_id="same"))  # fmt: skip
+        r = await http.post(
+            "/v1/chat/completions", headers=key, json=chat(tokens, stream=True, session_id="same")
+        )
         assert r.status_code == 200, r.text  # never a 400 session_exists for B
         assert r.headers["x-session-id"] == "same"
         made[key["Authorization"]] = r
-    again = await http.post("/v1/chat/completions", headers=A,
-                            json=chat(stream=True, session_id="same"))  # fmt: skip
+    again = await http.post(
+        "/v1/chat/completions", headers=A, json=chat(stream=True, session_id="same")
+    )
     assert again.status_code == 400 and again.json()["error"]["code"] == "session_exists"
     for key in (A, B):
         replay = await http.get("/v1/streams/same", headers=key)
@@ -123,8 +147,11 @@ async def test_another_keys_deleted_session_name_leaves_a_response_alone(
     http = await make_client(**KEYS)
     body = {"model": MODEL, "input": "Hi", "max_output_tokens": 4, "temperature": 0}
     made = (await http.post("/v1/responses", json=body, headers=A)).json()
-    trick = await http.post("/v1/chat/completions", headers=B, json=chat(
-        2, stream=True, session_id=f"{made['id']}.deleted"))  # fmt: skip
+    trick = await http.post(
+        "/v1/chat/completions",
+        headers=B,
+        json=chat(2, stream=True, session_id=f"{made['id']}.deleted"),
+    )
     assert trick.status_code == 200
     kept = await http.get(f"/v1/responses/{made['id']}", headers=A)
     assert kept.status_code == 200 and kept.json()["output"] == made["output"]
@@ -173,9 +200,12 @@ async def serving(tiny_dir: Path, **overrides: Any) -> AsyncIterator[httpx.Async
 
 
 async def cached_tokens(http: httpx.AsyncClient, key: dict[str, str], question: str) -> int:
-    body = {"model": MODEL, "max_tokens": 2, "temperature": 0,
-            "messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": question}]}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    }
     r = await http.post("/v1/chat/completions", json=body, headers=key)
     assert r.status_code == 200, r.text
     return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
@@ -197,17 +227,34 @@ async def test_prefix_cache_blocks_are_shared_only_within_a_key_unless_global(
 
 async def batch_cached_tokens(http: httpx.AsyncClient, key: dict[str, str], question: str) -> int:
     """``cached_tokens`` of one chat line run as a batch of ``key``'s."""
-    line = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions", "body": {
-        "model": MODEL, "max_tokens": 2, "temperature": 0,
-        "messages": [{"role": "system", "content": SYSTEM},
-                     {"role": "user", "content": question}]}}  # fmt: skip
+    line = {
+        "custom_id": "q",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "max_tokens": 2,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": question},
+            ],
+        },
+    }
     data = (json.dumps(line) + "\n").encode()
-    up = await http.post("/v1/files", files={"file": ("in.jsonl", data)},
-                         data={"purpose": "batch"}, headers=key)  # fmt: skip
+    up = await http.post(
+        "/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"}, headers=key
+    )
     assert up.status_code == 200, up.text
-    made = await http.post("/v1/batches", headers=key, json={
-        "input_file_id": up.json()["id"], "endpoint": "/v1/chat/completions",
-        "completion_window": "24h"})  # fmt: skip
+    made = await http.post(
+        "/v1/batches",
+        headers=key,
+        json={
+            "input_file_id": up.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    )
     assert made.status_code == 200, made.text
     for _ in range(3000):
         batch = (await http.get(f"/v1/batches/{made.json()['id']}", headers=key)).json()

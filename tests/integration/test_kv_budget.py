@@ -128,8 +128,9 @@ async def test_32_image_streams_in_a_budget_of_4_all_finish_as_alone(
     assert engine.preemptions > 0
     assert engine.kv_usage == 0.0
     metrics = (await small.get("/metrics")).text
-    counted = [line for line in metrics.splitlines()
-               if line.startswith("vlmserve_num_preemptions_total{")]  # fmt: skip
+    counted = [
+        line for line in metrics.splitlines() if line.startswith("vlmserve_num_preemptions_total{")
+    ]
     assert counted and float(counted[0].split()[-1]) == engine.preemptions
 
 

@@ -55,8 +55,12 @@ async def app_for(tiny_dir: Path) -> AsyncIterator[Callable[..., Any]]:
 
 
 def chat(model: str, max_tokens: int = 4) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
 
 
 async def state_of(client: httpx.AsyncClient, name: str) -> dict[str, Any]:
@@ -149,9 +153,11 @@ def test_deactivate_drains_a_stream_in_flight_first(tiny_dir: Path) -> None:
 
                 def deactivate() -> None:
                     result["r"] = httpx.post(
-                        f"{server.url}/admin/deactivate", json={"model": "a"}, headers=ADMIN,
+                        f"{server.url}/admin/deactivate",
+                        json={"model": "a"},
+                        headers=ADMIN,
                         timeout=60,
-                    )  # fmt: skip
+                    )
 
                 worker = threading.Thread(target=deactivate)
                 worker.start()

@@ -140,11 +140,16 @@ async def test_step_time_by_phase_and_memory_are_exported(
         body = {
             "model": MODEL,
             "max_tokens": 8,
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": url}},
-                {"type": "text", "text": "what is it?"},
-            ]}],
-        }  # fmt: skip
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "what is it?"},
+                    ],
+                }
+            ],
+        }
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
         after = (await client.get("/metrics")).text
 

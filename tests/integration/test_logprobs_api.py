@@ -15,8 +15,14 @@ from support import MODEL
 
 
 def chat(**kw: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Say something"}],
-            "max_tokens": 8, "temperature": 0, "ignore_eos": True, **kw}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say something"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        **kw,
+    }
 
 
 async def stream_items(client: httpx.AsyncClient, body: dict[str, Any]) -> list[Any]:
@@ -67,9 +73,11 @@ async def test_without_logprobs_the_field_is_null(client: httpx.AsyncClient) -> 
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-     ({"top_logprobs": 3}, "top_logprobs")],
-)  # fmt: skip
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+    ],
+)
 async def test_top_logprobs_over_20_or_without_logprobs_is_a_400(
     client: httpx.AsyncClient, extra: dict[str, Any], param: str
 ) -> None:

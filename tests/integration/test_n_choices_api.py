@@ -16,8 +16,15 @@ from support import MODEL
 
 
 def chat(**kw: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story"}],
-            "max_tokens": 10, "temperature": 1.0, "seed": 40, "ignore_eos": True, **kw}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell a story"}],
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "seed": 40,
+        "ignore_eos": True,
+        **kw,
+    }
 
 
 async def text_of(client: httpx.AsyncClient, body: dict[str, Any]) -> str:

@@ -21,8 +21,12 @@ ADMIN = {"Authorization": "Bearer admin-key"}
 
 
 def chat() -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "temperature": 0}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
 
 
 async def raw_get(client: httpx.AsyncClient, raw_path: str, headers: dict[str, str]) -> int:
@@ -33,10 +37,22 @@ async def raw_get(client: httpx.AsyncClient, raw_path: str, headers: dict[str, s
 
 @pytest.mark.parametrize(
     "path",
-    ["/v1/models", "//v1/models", "/V1/models", "/v1/models/", "/%761/models", "/./v1/models",
-     "/admin/state", "//admin/state", "/ADMIN/state", "/admin/state/", "/v1/../admin/state",
-     "/v1/%2e%2e/admin/state", "/%61dmin/state"],
-)  # fmt: skip
+    [
+        "/v1/models",
+        "//v1/models",
+        "/V1/models",
+        "/v1/models/",
+        "/%761/models",
+        "/./v1/models",
+        "/admin/state",
+        "//admin/state",
+        "/ADMIN/state",
+        "/admin/state/",
+        "/v1/../admin/state",
+        "/v1/%2e%2e/admin/state",
+        "/%61dmin/state",
+    ],
+)
 async def test_every_protected_route_is_401_without_a_key(make_client: Any, path: str) -> None:
     client = await make_client(**KEYS)
     assert await raw_get(client, path, {}) == 401
@@ -84,8 +100,12 @@ async def test_metrics_move_when_requests_are_served(make_client: Any) -> None:
     tokens = [k for k in after if k[0] == "vlmserve_output_tokens_total"]
     assert tokens and after[tokens[0]] >= before.get(tokens[0], 0) + 1
     names = {k[0] for k in after}
-    for series in ("vlmserve_time_to_first_token_seconds_count", "vlmserve_model_state",
-                   "vlmserve_model_load_seconds", "vlmserve_requests_in_flight"):  # fmt: skip
+    for series in (
+        "vlmserve_time_to_first_token_seconds_count",
+        "vlmserve_model_state",
+        "vlmserve_model_load_seconds",
+        "vlmserve_requests_in_flight",
+    ):
         assert series in names, series
     media = [k for k in after if k[0] == "vlmserve_media_bytes_total" and ("kind", "image") in k[1]]
     assert media and after[media[0]] - before.get(media[0], 0) == len(png)
@@ -104,11 +124,12 @@ async def test_idle_command_runs_once_after_idle_and_deregisters_first(
         "p.write_text(p.read_text() + sys.argv[1] + '\\n' if p.exists() else sys.argv[1] + '\\n')\n"
     )
     client = await make_client(
-        idle_seconds=0.4, idle_check_interval=0.05,
+        idle_seconds=0.4,
+        idle_check_interval=0.05,
         idle_command=[sys.executable, str(script), "shutdown"],
         deregister_command=[sys.executable, str(script), "deregister"],
         activity_file=str(tmp_path / "activity"),
-    )  # fmt: skip
+    )
     assert (await client.post("/v1/chat/completions", json=chat())).status_code == 200
     await asyncio.sleep(0.2)
     assert not order.exists()  # not idle long enough yet
@@ -126,9 +147,10 @@ def test_idle_command_waits_for_a_stream_that_outlives_its_request(
 ) -> None:
     marker = tmp_path / "shutdown"
     server = live_server(
-        idle_seconds=0.3, idle_check_interval=0.05,
+        idle_seconds=0.3,
+        idle_check_interval=0.05,
         idle_command=[sys.executable, "-c", f"open({str(marker)!r}, 'a').write('x')"],
-    )  # fmt: skip
+    )
     body = {**chat(), "max_tokens": 3500, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as response:

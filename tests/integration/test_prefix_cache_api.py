@@ -88,16 +88,23 @@ async def test_a_stream_and_a_response_report_the_cached_tokens(tiny_dir: Path) 
             lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
         usage = json.loads(lines[-1].removeprefix("data: "))["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 5 * 16
-        response = await cached.post("/v1/responses", json={
-            "model": MODEL, "instructions": SYSTEM, "input": "Date?", "max_output_tokens": 8,
-        })  # fmt: skip
+        response = await cached.post(
+            "/v1/responses",
+            json={
+                "model": MODEL,
+                "instructions": SYSTEM,
+                "input": "Date?",
+                "max_output_tokens": 8,
+            },
+        )
         details = response.json()["usage"]["input_tokens_details"]
         assert details["cached_tokens"] >= 5 * 16, response.json()["usage"]
 
 
 async def test_a_models_table_sets_its_own_budget_and_prefix_caching(tiny_dir: Path) -> None:
-    table = ModelConfig(name=MODEL, source=str(tiny_dir), kv_cache_memory="3MiB",
-                        enable_prefix_caching=True)  # fmt: skip
+    table = ModelConfig(
+        name=MODEL, source=str(tiny_dir), kv_cache_memory="3MiB", enable_prefix_caching=True
+    )
     settings = make_settings(tiny_dir, model=None, served_model_name=None, models=[table])
     async with serving(settings) as (cached, models):
         engine = models.resolve(MODEL).backend.engine  # type: ignore[attr-defined]
@@ -139,18 +146,21 @@ async def test_the_gateway_passes_an_upstreams_cached_tokens_on(tiny_dir: Path) 
         worker = build_app(worker_settings, models=worker_models)
         async with serve_asgi(worker) as url:
             config = UpstreamConfig(model=MODEL, base_urls=[url], health_interval=0)
-            gateway_models = ModelManager([
-                ModelHandle("gw", ["chat"], UpstreamBackend("gw", config))
-            ])  # fmt: skip
+            gateway_models = ModelManager(
+                [ModelHandle("gw", ["chat"], UpstreamBackend("gw", config))]
+            )
             gateway = build_app(Settings(device="cpu"), models=gateway_models)
             async with gateway.router.lifespan_context(gateway):
                 transport = httpx.ASGITransport(app=gateway)
-                async with httpx.AsyncClient(transport=transport, base_url="http://gw",
-                                             timeout=60) as client:  # fmt: skip
-                    first = await client.post("/v1/chat/completions",
-                                              json={**chat("Name?"), "model": "gw"})  # fmt: skip
-                    again = await client.post("/v1/chat/completions",
-                                              json={**chat("Date?"), "model": "gw"})  # fmt: skip
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://gw", timeout=60
+                ) as client:
+                    first = await client.post(
+                        "/v1/chat/completions", json={**chat("Name?"), "model": "gw"}
+                    )
+                    again = await client.post(
+                        "/v1/chat/completions", json={**chat("Date?"), "model": "gw"}
+                    )
             await gateway_models.aclose()
     assert first.status_code == again.status_code == 200, again.text
     assert first.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

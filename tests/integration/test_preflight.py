@@ -86,8 +86,12 @@ async def test_an_unlisted_model_fails_the_models_check_and_names_what_is_listed
 
 
 async def test_an_embedding_model_gets_the_embeddings_check(tiny_dir: Path) -> None:
-    entry = {"name": "tiny-vlm2vec", "source": str(tiny_dir),
-             "adapter": str(build_lora_adapter(tiny_dir)), "roles": ["embedding"]}  # fmt: skip
+    entry = {
+        "name": "tiny-vlm2vec",
+        "source": str(tiny_dir),
+        "adapter": str(build_lora_adapter(tiny_dir)),
+        "roles": ["embedding"],
+    }
     settings = Settings(models=[entry], device="cpu")
     models = ModelManager.from_settings(settings)
     try:

@@ -19,8 +19,12 @@ from vlmserve.api.app import build_app
 from vlmserve.registry.manager import ModelManager
 from vlmserve.testing.scripted import THINKING_CHAT_TEMPLATE, build_scripted
 
-SCHEMA = {"type": "object", "properties": {"answer": {"enum": [42]}},
-          "required": ["answer"], "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": [42]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
 ASK = [{"role": "user", "content": "What is six times seven?"}]
 
@@ -37,8 +41,9 @@ async def serve() -> AsyncIterator[Any]:
         ctx = app.router.lifespan_context(app)
         await ctx.__aenter__()
         await models.load_all()
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                 timeout=60)  # fmt: skip
+        http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60
+        )
         stack.append((ctx, http, models))
         return http
 
@@ -50,8 +55,14 @@ async def serve() -> AsyncIterator[Any]:
 
 
 def body(**kw: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": ASK, "max_tokens": 40, "temperature": 0,
-            "response_format": FORMAT, **kw}  # fmt: skip
+    return {
+        "model": "tiny",
+        "messages": ASK,
+        "max_tokens": 40,
+        "temperature": 0,
+        "response_format": FORMAT,
+        **kw,
+    }
 
 
 async def streamed(client: httpx.AsyncClient, **kw: Any) -> tuple[str, str, str | None]:
@@ -74,8 +85,9 @@ async def test_the_grammar_starts_after_the_reasoning_in_json_and_stream(
 ) -> None:
     """The model reasons freely, then answers; its own answer is JSON (it passes the
     grammar untouched) or prose (the grammar turns it into the schema's JSON)."""
-    client = await serve(build_scripted("The quick brown</think>" + answer,
-                                        template=THINKING_CHAT_TEMPLATE))  # fmt: skip
+    client = await serve(
+        build_scripted("The quick brown</think>" + answer, template=THINKING_CHAT_TEMPLATE)
+    )
     r = await client.post("/v1/chat/completions", json=body())
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -90,33 +102,53 @@ async def test_the_grammar_starts_after_the_reasoning_in_json_and_stream(
 async def test_with_thinking_disabled_the_grammar_applies_from_the_first_token(
     serve: Any,
 ) -> None:
-    client = await serve(build_scripted("The quick brown</think>{\"answer\":42}",
-                                        template=THINKING_CHAT_TEMPLATE))  # fmt: skip
-    r = await client.post("/v1/chat/completions",
-                          json=body(chat_template_kwargs={"enable_thinking": False}))  # fmt: skip
+    client = await serve(
+        build_scripted('The quick brown</think>{"answer":42}', template=THINKING_CHAT_TEMPLATE)
+    )
+    r = await client.post(
+        "/v1/chat/completions", json=body(chat_template_kwargs={"enable_thinking": False})
+    )
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert not message.get("reasoning")
     assert json.loads(message["content"]) == {"answer": 42}
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]},
-}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 async def test_a_named_tool_choice_lets_the_model_reason_before_its_call(serve: Any) -> None:
     """tool_choice names a function: its grammar (bare JSON call) starts after ``</think>``
     too, and the call is read from the answer, not from the reasoning."""
     call = '{"name":"get_weather","arguments":{"city":"Paris"}}'
-    client = await serve(build_scripted("The quick brown</think>" + call,
-                                        template=THINKING_CHAT_TEMPLATE))  # fmt: skip
+    client = await serve(
+        build_scripted("The quick brown</think>" + call, template=THINKING_CHAT_TEMPLATE)
+    )
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = await client.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": ASK, "max_tokens": 60, "temperature": 0, "tools": TOOLS,
-        "tool_choice": named})  # fmt: skip
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": ASK,
+            "max_tokens": 60,
+            "temperature": 0,
+            "tools": TOOLS,
+            "tool_choice": named,
+        },
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["message"]["reasoning"] == "The quick brown"
@@ -138,14 +170,18 @@ async def test_a_resumed_generation_replays_only_the_answer_into_the_grammar(cut
 
     script = 'The quick brown</think>{"answer":42}'
     model = build_scripted(script, template=THINKING_CHAT_TEMPLATE)
-    backend = HFChatBackend("tiny", LoadOptions(source=str(model), device="cpu", dtype="float32"),
-                            max_model_len=4096)  # fmt: skip
+    backend = HFChatBackend(
+        "tiny", LoadOptions(source=str(model), device="cpu", dtype="float32"), max_model_len=4096
+    )
     backend.load()
     try:
         tokenizer = backend._require().processor.tokenizer
-        req = GenerateRequest("r", [ChatMessage("user", [TextPart(ASK[0]["content"])])],
-                              SamplingParams(max_tokens=40, temperature=0),
-                              response_format=FORMAT)  # fmt: skip
+        req = GenerateRequest(
+            "r",
+            [ChatMessage("user", [TextPart(ASK[0]["content"])])],
+            SamplingParams(max_tokens=40, temperature=0),
+            response_format=FORMAT,
+        )
         req.prefix_token_ids = tokenizer.encode(cut, add_special_tokens=False)
         text = ""
         async for chunk in backend.generate(await backend.prepare(req)):

@@ -22,11 +22,20 @@ from vlmserve.testing.scripted import THINKING_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLAT
 
 THINKING = "The quick brown</think> The answer is 42."
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]},
-}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -113,10 +122,14 @@ async def test_a_tool_call_is_parsed_in_json_and_stream_and_the_result_goes_back
     stream = await streamed(client, **kw)
     assert stream["finish"] == "tool_calls"
     assert stream["calls"] == {0: {"name": "get_weather", "arguments": call.function.arguments}}
-    follow = [*ASK, choice.message.model_dump(exclude_none=True),
-              {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]  # fmt: skip
-    again = await client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS,
-                                                 max_tokens=60, temperature=0)  # fmt: skip
+    follow = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    again = await client.chat.completions.create(
+        model="tiny", messages=follow, tools=TOOLS, max_tokens=60, temperature=0
+    )
     assert again.usage.prompt_tokens > answer.usage.prompt_tokens  # the result is in the prompt
 
 
@@ -125,9 +138,14 @@ async def test_tool_choice_required_always_yields_a_call(serve: Any, tiny_dir: P
     calls = 0
     for seed in range(3):
         answer = await client.chat.completions.create(
-            model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80,
-            temperature=1.0, seed=seed,
-        )  # fmt: skip
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=80,
+            temperature=1.0,
+            seed=seed,
+        )
         choice = answer.choices[0]
         if choice.finish_reason == "length":
             continue  # cut off mid-JSON by max_tokens: no call to read
@@ -144,9 +162,11 @@ async def test_bad_tool_requests_are_clear_4xx(serve: Any, tiny_dir: Path) -> No
         await client.chat.completions.create(model="tiny", messages=ASK, tool_choice="required")
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(
-            model="tiny", messages=ASK, tools=TOOLS,
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": "nope"}},
-        )  # fmt: skip
+        )
 
 
 @pytest.mark.parametrize(

@@ -40,8 +40,9 @@ video = false
 
 @pytest.fixture
 async def client(tmp_path: Path, tiny_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
-    settings = Settings(registry=str(registry_file(tmp_path, tiny_dir)), device="cpu",
-                        engine_process=False)  # fmt: skip
+    settings = Settings(
+        registry=str(registry_file(tmp_path, tiny_dir)), device="cpu", engine_process=False
+    )
     models = ModelManager.from_settings(settings)
     app = build_app(settings, models=models)
     async with app.router.lifespan_context(app):
@@ -53,15 +54,24 @@ async def client(tmp_path: Path, tiny_dir: Path) -> AsyncIterator[httpx.AsyncCli
 
 
 def chat(model: str, content: Any = "hi") -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": content}],
-            "max_tokens": 3, "temperature": 0}  # fmt: skip
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
 
 
 @pytest.mark.parametrize(
     ("asked", "served"),
-    [("alias-a", "tiny-chat"), ("tiny-chat", "tiny-chat"), ("chat-a", "tiny-chat"),
-     ("role:chat", "tiny-chat"), ("old", "old")],
-)  # fmt: skip
+    [
+        ("alias-a", "tiny-chat"),
+        ("tiny-chat", "tiny-chat"),
+        ("chat-a", "tiny-chat"),
+        ("role:chat", "tiny-chat"),
+        ("old", "old"),
+    ],
+)
 async def test_resolution_by_alias_served_id_role_and_deprecated_name(
     client: httpx.AsyncClient, asked: str, served: str
 ) -> None:

@@ -227,8 +227,9 @@ async def test_cancel_stops_a_background_response_within_a_step(
     while not (await api.responses.retrieve(started.id)).output_text:
         await asyncio.sleep(0.02)  # generating
     # past what it has produced so far: waits for those events; the cancel ends it first
-    ahead = asyncio.ensure_future(api.responses.retrieve(started.id, stream=True,
-                                                         starting_after=10**6))  # fmt: skip
+    ahead = asyncio.ensure_future(
+        api.responses.retrieve(started.id, stream=True, starting_after=10**6)
+    )
     await asyncio.sleep(0.2)
     assert not ahead.done()
     cancelled = await api.responses.cancel(started.id)

@@ -21,8 +21,12 @@ from vlmserve.testing.scripted import THINKING_CHAT_TEMPLATE, build_scripted
 
 THINKING = "The quick brown</think> The answer is 42."
 THOUGHT, ANSWER = "The quick brown", " The answer is 42."
-ASK: dict[str, Any] = {"model": "tiny", "input": "What is six times seven?", "temperature": 0,
-                       "max_output_tokens": 40}  # fmt: skip
+ASK: dict[str, Any] = {
+    "model": "tiny",
+    "input": "What is six times seven?",
+    "temperature": 0,
+    "max_output_tokens": 40,
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +46,9 @@ async def api(thinking_models: Any) -> AsyncIterator[openai.AsyncOpenAI]:
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, timeout=60) as http:
-            yield openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http,
-                                     max_retries=0)  # fmt: skip
+            yield openai.AsyncOpenAI(
+                base_url="http://t/v1", api_key="x", http_client=http, max_retries=0
+            )
 
 
 def items(response: Any) -> list[tuple[str, str]]:
@@ -78,9 +83,11 @@ async def test_the_stream_sends_reasoning_events_then_the_message_at_output_1(
     thinking = kinds[3 : kinds.index("response.reasoning_text.done")]
     assert set(thinking) == {"response.reasoning_text.delta"}
     assert kinds[3 + len(thinking) : first_text] == [
-        "response.reasoning_text.done", "response.output_item.done",
-        "response.output_item.added", "response.content_part.added",
-    ]  # fmt: skip
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert kinds[-1] == "response.completed"
     reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")

@@ -21,13 +21,18 @@ PNG = image_bytes(48, 48)
 
 
 def client(http: httpx.AsyncClient, key: str = "unused") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url="http://vlmserve.test/v1", api_key=key, http_client=http,
-                              max_retries=0)  # fmt: skip
+    return openai.AsyncOpenAI(
+        base_url="http://vlmserve.test/v1", api_key=key, http_client=http, max_retries=0
+    )
 
 
 def ask(image: dict[str, Any], text: str = "What is this?") -> list[dict[str, Any]]:
-    return [{"role": "user", "content": [{"type": "input_text", "text": text},
-                                         {"type": "input_image", **image}]}]  # fmt: skip
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": text}, {"type": "input_image", **image}],
+        }
+    ]
 
 
 async def test_another_keys_response_is_a_404_for_every_call(
@@ -47,13 +52,15 @@ async def test_another_keys_response_is_a_404_for_every_call(
     with pytest.raises(openai.NotFoundError):
         await two.responses.input_items.list(made.id)
     with pytest.raises(openai.NotFoundError) as caught:
-        await two.responses.create(model=MODEL, input="And?", previous_response_id=made.id,
-                                   **GREEDY)  # fmt: skip
+        await two.responses.create(
+            model=MODEL, input="And?", previous_response_id=made.id, **GREEDY
+        )
     assert caught.value.body["param"] == "previous_response_id"  # type: ignore[index]
     # the owner still has it all: nothing above touched it
     assert (await one.responses.retrieve(made.id)).output_text == made.output_text
-    follow = await one.responses.create(model=MODEL, input="And?", previous_response_id=made.id,
-                                        **GREEDY)  # fmt: skip
+    follow = await one.responses.create(
+        model=MODEL, input="And?", previous_response_id=made.id, **GREEDY
+    )
     assert follow.status in ("completed", "incomplete")
 
 
@@ -67,8 +74,9 @@ async def test_a_response_is_a_404_once_its_retention_has_passed(
     with pytest.raises(openai.NotFoundError, match="VLMSERVE_SESSIONS_TTL_SECONDS"):
         await api.responses.retrieve(made.id)
     with pytest.raises(openai.NotFoundError):
-        await api.responses.create(model=MODEL, input="And?", previous_response_id=made.id,
-                                   **GREEDY)  # fmt: skip
+        await api.responses.create(
+            model=MODEL, input="And?", previous_response_id=made.id, **GREEDY
+        )
 
 
 async def test_an_uploaded_image_answers_as_the_same_image_sent_as_a_data_url(
@@ -76,16 +84,19 @@ async def test_an_uploaded_image_answers_as_the_same_image_sent_as_a_data_url(
 ) -> None:
     api = client(await make_client(files_dir=str(tmp_path)))
     upload = await api.files.create(file=("photo.png", PNG), purpose="vision")
-    by_file = await api.responses.create(model=MODEL, input=ask({"file_id": upload.id}),
-                                         **GREEDY)  # fmt: skip
+    by_file = await api.responses.create(model=MODEL, input=ask({"file_id": upload.id}), **GREEDY)
     by_url = await api.responses.create(
         model=MODEL, input=ask({"image_url": data_url(PNG, "image/png")}), **GREEDY
     )
     assert by_file.usage is not None and by_url.usage is not None
     assert by_file.usage.input_tokens == by_url.usage.input_tokens > 16  # the image's tokens
     assert by_file.output_text == by_url.output_text
-    streamed = [e async for e in await api.responses.create(
-        model=MODEL, input=ask({"file_id": upload.id}), stream=True, **GREEDY)]  # fmt: skip
+    streamed = [
+        e
+        async for e in await api.responses.create(
+            model=MODEL, input=ask({"file_id": upload.id}), stream=True, **GREEDY
+        )
+    ]
     assert streamed[-1].response.output_text == by_file.output_text  # type: ignore[union-attr]
 
 
@@ -95,8 +106,9 @@ async def test_file_images_are_the_callers_own_of_an_image_purpose(
     http = await make_client(api_keys=["k1", "k2"], files_dir=str(tmp_path))
     one, two = client(http, "k1"), client(http, "k2")
     mine = await one.files.create(file=("p.png", PNG), purpose="user_data")
-    assert (await one.responses.create(model=MODEL, input=ask({"file_id": mine.id}),
-                                       **GREEDY)).usage is not None  # fmt: skip
+    assert (
+        await one.responses.create(model=MODEL, input=ask({"file_id": mine.id}), **GREEDY)
+    ).usage is not None
     with pytest.raises(openai.NotFoundError) as caught:
         await two.responses.create(model=MODEL, input=ask({"file_id": mine.id}), **GREEDY)
     assert caught.value.body["param"] == "input[0].content[1]"  # type: ignore[index]
@@ -113,10 +125,12 @@ async def test_input_items_list_the_conversation_newest_first_with_file_ids(
 ) -> None:
     api = client(await make_client(files_dir=str(tmp_path)))
     upload = await api.files.create(file=("photo.png", PNG), purpose="vision")
-    first = await api.responses.create(model=MODEL, input=ask({"file_id": upload.id}),
-                                       instructions="Be brief.", **GREEDY)  # fmt: skip
-    second = await api.responses.create(model=MODEL, input="Why?", previous_response_id=first.id,
-                                        **GREEDY)  # fmt: skip
+    first = await api.responses.create(
+        model=MODEL, input=ask({"file_id": upload.id}), instructions="Be brief.", **GREEDY
+    )
+    second = await api.responses.create(
+        model=MODEL, input="Why?", previous_response_id=first.id, **GREEDY
+    )
     page = await api.responses.input_items.list(
         second.id, include=["message.input_image.image_url"]
     )
@@ -142,10 +156,15 @@ async def test_the_new_routes_are_in_the_openapi_document(make_client: Callable[
     spec = (await (await make_client()).get("/openapi.json")).json()
     paths = spec["paths"]
     assert "get" in paths["/v1/responses/{response_id}/input_items"]
-    for path, method in (("/v1/responses", "post"), ("/v1/responses/{response_id}", "delete"),
-                         ("/v1/responses/{response_id}/cancel", "post"), ("/v1/files", "post"),
-                         ("/v1/files/{file_id}/content", "get"), ("/v1/batches", "post"),
-                         ("/v1/batches/{batch_id}/cancel", "post")):  # fmt: skip
+    for path, method in (
+        ("/v1/responses", "post"),
+        ("/v1/responses/{response_id}", "delete"),
+        ("/v1/responses/{response_id}/cancel", "post"),
+        ("/v1/files", "post"),
+        ("/v1/files/{file_id}/content", "get"),
+        ("/v1/batches", "post"),
+        ("/v1/batches/{batch_id}/cancel", "post"),
+    ):
         assert method in paths[path], path
 
 
@@ -155,8 +174,10 @@ async def test_the_key_blind_stream_routes_do_not_open_a_response(
     http = await make_client(api_keys=["k1", "k2"])
     made = await client(http, "k1").responses.create(model=MODEL, input="Hi", **GREEDY)
     own, other = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
-    for call in (http.get(f"/v1/streams/{made.id}", headers=own),
-                 http.post(f"/v1/cancel/{made.id}", headers=own)):  # fmt: skip
+    for call in (
+        http.get(f"/v1/streams/{made.id}", headers=own),
+        http.post(f"/v1/cancel/{made.id}", headers=own),
+    ):
         r = await call
         assert r.status_code == 404 and "GET /v1/responses/" in r.json()["error"]["message"]
     unknown = "resp_" + "0" * 32

@@ -24,9 +24,15 @@ KEYS = {"api_keys": ["k1", "k2"]}
 
 
 def chat(max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}],
-            "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            **extra}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
 
 
 def messages(raw: bytes) -> list[dict[str, str]]:
@@ -52,8 +58,9 @@ async def test_a_resume_token_opens_its_own_stream_and_nothing_else(
     events = messages(whole.content)
     assert [e["id"] for e in events] == [f"{sid}:{i}" for i in range(len(events))]
     assert "resume_token" not in events[0]["data"] and events[-1]["data"] == "[DONE]"
-    later = await http.get(f"/v1/streams/{sid}", params={"token": token},
-                           headers={"Last-Event-ID": f"{sid}:2"})  # fmt: skip
+    later = await http.get(
+        f"/v1/streams/{sid}", params={"token": token}, headers={"Last-Event-ID": f"{sid}:2"}
+    )
     assert messages(later.content)[0]["id"] == f"{sid}:3"
     by_alias = await http.get(f"/v1/streams/{alias}", params={"token": token})
     assert [e["data"] for e in messages(by_alias.content)] == [e["data"] for e in events]
@@ -71,15 +78,20 @@ async def test_a_resume_token_opens_its_own_stream_and_nothing_else(
     wrong = await http.get(f"/v1/streams/{sid}", params={"token": token[:-1] + other_last})
     assert wrong.status_code == 404
     # a key decides whose namespace a request reads; the token adds nothing to it
-    assert (await http.get(f"/v1/streams/{sid}", params={"token": token}, headers=B)
-            ).status_code == 404  # fmt: skip
+    assert (
+        await http.get(f"/v1/streams/{sid}", params={"token": token}, headers=B)
+    ).status_code == 404
     # no other route takes a token
     for method, path in (
-        ("POST", f"/v1/cancel/{sid}"), ("POST", "/v1/chat/completions"), ("GET", "/v1/files"),
-        ("GET", "/v1/models"), ("GET", f"/v1/responses/{sid}"),
-        ("DELETE", f"/v1/responses/{sid}"), ("GET", f"/v1/streams/{sid}/x"),
+        ("POST", f"/v1/cancel/{sid}"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/files"),
+        ("GET", "/v1/models"),
+        ("GET", f"/v1/responses/{sid}"),
+        ("DELETE", f"/v1/responses/{sid}"),
+        ("GET", f"/v1/streams/{sid}/x"),
         ("GET", f"/v1/streams/..%2F{sid}"),
-    ):  # fmt: skip
+    ):
         refused = await http.request(method, path, params={"token": token})
         assert refused.status_code == 401, (method, path)
     # a chat stream's token on the responses route is an unknown response
@@ -93,15 +105,20 @@ async def test_a_response_token_opens_its_events_only(make_client: Callable[...,
     made = await http.post("/v1/responses", json={**body, "background": True}, headers=A)
     rid, token = made.json()["id"], made.headers["x-resume-token"]
     while (await http.get(f"/v1/responses/{rid}", headers=A)).json()["status"] not in (
-        "completed", "incomplete"):  # fmt: skip
+        "completed",
+        "incomplete",
+    ):
         await asyncio.sleep(0.05)
     events = await http.get(f"/v1/responses/{rid}", params={"token": token, "stream": "true"})
     assert events.status_code == 200
     kinds = [e["event"] for e in messages(events.content)]
-    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed",
-                                                           "response.incomplete")  # fmt: skip
-    after = await http.get(f"/v1/responses/{rid}",
-                           params={"token": token, "stream": "true", "starting_after": 1})
+    assert kinds[0] == "response.created" and kinds[-1] in (
+        "response.completed",
+        "response.incomplete",
+    )
+    after = await http.get(
+        f"/v1/responses/{rid}", params={"token": token, "stream": "true", "starting_after": 1}
+    )
     numbers = [json.loads(e["data"])["sequence_number"] for e in messages(after.content)]
     assert numbers[0] == 2
     assert (await http.get(f"/v1/responses/{rid}", params={"token": token})).status_code == 401
@@ -118,11 +135,13 @@ async def test_the_readmes_background_example_resumes_ahead_of_its_producer(
     """``retrieve(id, stream=True, starting_after=3)`` at once after ``create(background=True)``:
     the response may have made fewer events yet; the stream waits for them (20 of 20)."""
     http = await make_client()
-    api = openai.AsyncOpenAI(base_url="http://vlmserve.test/v1", api_key="unused",
-                             http_client=http, max_retries=0)  # fmt: skip
+    api = openai.AsyncOpenAI(
+        base_url="http://vlmserve.test/v1", api_key="unused", http_client=http, max_retries=0
+    )
     for _ in range(20):
-        started = await api.responses.create(model=MODEL, input="Tell me a story",
-                                              background=True, max_output_tokens=8)  # fmt: skip
+        started = await api.responses.create(
+            model=MODEL, input="Tell me a story", background=True, max_output_tokens=8
+        )
         stream = await api.responses.retrieve(started.id, stream=True, starting_after=3)
         events = [event async for event in stream]
         assert [e.sequence_number for e in events] == list(range(4, 4 + len(events)))
@@ -130,8 +149,9 @@ async def test_the_readmes_background_example_resumes_ahead_of_its_producer(
 
 
 @contextlib.asynccontextmanager
-async def app_on(tiny_dir: Path, models: ModelManager, **overrides: Any
-                 ) -> AsyncIterator[httpx.AsyncClient]:  # fmt: skip
+async def app_on(
+    tiny_dir: Path, models: ModelManager, **overrides: Any
+) -> AsyncIterator[httpx.AsyncClient]:
     """One server's app (a replica, or one run of a restarted server); its store is closed
     when it stops, as the process's end would leave it."""
     app = build_app(make_settings(tiny_dir, **KEYS, **overrides), models=models)
@@ -153,7 +173,8 @@ async def check_owned(http: httpx.AsyncClient, sid: str, token: str, sent: bytes
     assert started.status_code == 200  # B's own "sid", not a 400 session_exists
     by_token = await http.get(f"/v1/streams/{sid}", params={"token": token})
     assert [e["data"] for e in messages(by_token.content)] == [
-        e["data"] for e in messages(mine.content)]  # fmt: skip
+        e["data"] for e in messages(mine.content)
+    ]
 
 
 async def test_ownership_and_tokens_survive_a_restart(

@@ -88,9 +88,10 @@ def wait_for_terminal(conn: sqlite3.Connection, sid: str) -> None:
 def finish_index(events: list[SSEEvent], index: int) -> int:
     """Where choice ``index`` ended in ``events``."""
     return next(
-        i for i, e in enumerate(events)
+        i
+        for i, e in enumerate(events)
         if any(c["index"] == index and c.get("finish_reason") for c in _chunk_choices(e))
-    )  # fmt: skip
+    )
 
 
 def stop_for_choice_0(c: httpx.Client) -> str:
@@ -138,12 +139,16 @@ def test_sent_by_choice_reads_each_choices_tokens_and_ends() -> None:
         return json.dumps({"choices": [{"index": index, "delta": {}, "finish_reason": reason}]})
 
     events = [
-        Event(0, chunk(0)), Event(1, chunk(1)),
-        Event(2, chunk(0), meta={"token_ids": [5, 6]}), Event(3, chunk(1), meta={"token_ids": [7]}),
+        Event(0, chunk(0)),
+        Event(1, chunk(1)),
+        Event(2, chunk(0), meta={"token_ids": [5, 6]}),
+        Event(3, chunk(1), meta={"token_ids": [7]}),
         Event(4, chunk(1, "stop"), meta={"prompt_tokens": 9, "completion_tokens": 3}),
-        Event(5, chunk(0), meta={"token_ids": [8]}), Event(6, chunk(0, "length")),
-        Event(7, json.dumps({"error": {"message": "x"}}), "error"), Event(8, "[DONE]"),
-    ]  # fmt: skip
+        Event(5, chunk(0), meta={"token_ids": [8]}),
+        Event(6, chunk(0, "length")),
+        Event(7, json.dumps({"error": {"message": "x"}}), "error"),
+        Event(8, "[DONE]"),
+    ]
     sent = sent_by_choice(events)
     assert sent.tokens == {0: [5, 6, 8], 1: [7]}
     assert sent.completion == {1: 3, 0: 3}  # from the meta; else the tokens sent
@@ -187,17 +192,24 @@ def test_a_response_cut_in_its_closing_events_ends_them_without_generating(
     the rest follow once, each as the uninterrupted stream had it, and no text is added."""
     db = tmp_path / "streams.db"
     server = live_server(persist_sessions=True, sessions_db_path=str(db))
-    create = {"model": MODEL, "input": "Tell a story.", "max_output_tokens": 12, "stream": True,
-              "ignore_eos": True}  # fmt: skip  # sampled: without it, an early EOS may end it
+    create = {
+        "model": MODEL,
+        "input": "Tell a story.",
+        "max_output_tokens": 12,
+        "stream": True,
+        "ignore_eos": True,
+    }  # sampled: without it, an early EOS may end it
     with httpx.Client(base_url=server.url, timeout=60) as c:
         reference, _ = read_events(c, "POST", "/v1/responses", json=create)
         rid = reference[0].json["response"]["id"]
         kinds = [e.event for e in reference]
         first_closing = kinds.index("response.output_text.done")
         assert kinds[first_closing:] == [
-            "response.output_text.done", "response.content_part.done",
-            "response.output_item.done", "response.incomplete",
-        ]  # fmt: skip
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
         cut = first_closing + closing
         name = crashed_copy(db, rid, cut, f"resp_crashed{closing}")
         rest, answer = read_events(

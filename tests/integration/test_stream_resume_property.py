@@ -80,9 +80,16 @@ def parse(raw: bytes) -> list[Message]:
 
 
 def chat(max_tokens: int, usage: bool, sid: str) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}],
-            "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "session_id": sid, "stream_options": {"include_usage": usage}}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "session_id": sid,
+        "stream_options": {"include_usage": usage},
+    }
 
 
 async def make_session(app: AppLoop, max_tokens: int, usage: bool, cancel_at: int | None) -> str:

@@ -37,14 +37,18 @@ async def test_non_finite_numbers_are_refused_on_task_routes(client) -> None:
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        ("/v1/chat/completions", {"model": MODEL,
-                                  "messages": [{"role": "user", "content": "\ud800"}]}),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                  "stop": ["\udfff"]}),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]},
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "stop": ["\udfff"]},
+        ),
         ("/encode-text", {"text": "x\ud83d"}),
         ("/v1/extract/entities", {"text": "\udc00"}),
     ],
-)  # fmt: skip
+)
 async def test_lone_surrogates_are_refused_naming_the_field(client, path: str, body: dict) -> None:
     raw = json.dumps(body)  # ASCII: the surrogate travels as a \\uXXXX escape, as clients send it
     r = await client.post(path, content=raw, headers={"Content-Type": "application/json"})
@@ -53,7 +57,12 @@ async def test_lone_surrogates_are_refused_naming_the_field(client, path: str, b
 
 
 async def test_paired_surrogates_and_large_integers_still_work(client) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "smile \U0001f600"}],
-            "max_tokens": 2, "temperature": 0, "seed": 2**40}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "smile \U0001f600"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "seed": 2**40,
+    }
     r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text

@@ -21,12 +21,22 @@ from vlmserve.tasks.id_card import ADDRESS_FIELDS, FIELDS
 from vlmserve.testing.media import data_url, image_bytes
 
 CARD_LINES = [
-    "PROVINSI DKI JAKARTA", "JAKARTA PUSAT", "NIK : 3171232308900001", "Nama : BUDI SANTOSO",
-    "Tempat/Tgl Lahir : JAKARTA, 23-08-1990", "Jenis Kelamin : LAKI-LAKI",
-    "Alamat : JL. MERDEKA NO. 10", "RT/RW : 001/002", "Kel/Desa : GAMBIR",
-    "Kecamatan : GAMBIR", "Agama : ISLAM", "Status Perkawinan : BELUM KAWIN",
-    "Pekerjaan : KARYAWAN SWASTA", "Kewarganegaraan : WNI", "Berlaku Hingga : SEUMUR HIDUP",
-]  # fmt: skip
+    "PROVINSI DKI JAKARTA",
+    "JAKARTA PUSAT",
+    "NIK : 3171232308900001",
+    "Nama : BUDI SANTOSO",
+    "Tempat/Tgl Lahir : JAKARTA, 23-08-1990",
+    "Jenis Kelamin : LAKI-LAKI",
+    "Alamat : JL. MERDEKA NO. 10",
+    "RT/RW : 001/002",
+    "Kel/Desa : GAMBIR",
+    "Kecamatan : GAMBIR",
+    "Agama : ISLAM",
+    "Status Perkawinan : BELUM KAWIN",
+    "Pekerjaan : KARYAWAN SWASTA",
+    "Kewarganegaraan : WNI",
+    "Berlaku Hingga : SEUMUR HIDUP",
+]
 
 
 def ktp_jpeg() -> bytes:
@@ -67,10 +77,14 @@ def assert_ktp_shape(body: dict[str, Any]) -> None:
 
 
 async def test_entities_from_text_have_text_and_a_requested_type(client: httpx.AsyncClient) -> None:
-    response = await client.post("/v1/extract/entities", json={
-        "text": "Marie Curie was born in Warsaw in 1867.",
-        "entity_types": ["PERSON", "PLACE"], "max_items": 2,
-    })  # fmt: skip
+    response = await client.post(
+        "/v1/extract/entities",
+        json={
+            "text": "Marie Curie was born in Warsaw in 1867.",
+            "entity_types": ["PERSON", "PLACE"],
+            "max_items": 2,
+        },
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert set(body) == {"entities", "model", "usage"}
@@ -133,8 +147,12 @@ async def test_ktp_ocr_upload_returns_every_seed_field_with_validation(
 async def test_id_card_json_endpoint_takes_a_data_url_and_a_caller_schema(
     client: httpx.AsyncClient,
 ) -> None:
-    schema = {"type": "object", "properties": {"nik": {"type": "string", "maxLength": 16}},
-              "required": ["nik"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"nik": {"type": "string", "maxLength": 16}},
+        "required": ["nik"],
+        "additionalProperties": False,
+    }
     image = data_url(ktp_jpeg(), "image/jpeg")
     response = await client.post("/v1/extract/id-card", json={"image": image, "schema": schema})
     assert response.status_code == 200, response.text
@@ -142,8 +160,13 @@ async def test_id_card_json_endpoint_takes_a_data_url_and_a_caller_schema(
 
 
 async def test_validate_flags_a_nik_that_is_not_16_digits(client: httpx.AsyncClient) -> None:
-    fields = {"nik": "31712323089000", "nama": "BUDI", "tgl_lahir": "23-08-1990",
-              "jenis_kelamin": "L", "berlaku_hingga": "seumur hidup"}  # fmt: skip
+    fields = {
+        "nik": "31712323089000",
+        "nama": "BUDI",
+        "tgl_lahir": "23-08-1990",
+        "jenis_kelamin": "L",
+        "berlaku_hingga": "seumur hidup",
+    }
     response = await client.post("/v1/extract/id-card/validate", json={"fields": fields})
     assert response.status_code == 200, response.text
     body = response.json()

@@ -32,8 +32,9 @@ async def test_the_count_equals_the_chat_requests_prompt_tokens(
     body = r.json()
     assert set(body) == {"count", "max_model_len", "tokens", "token_strs"}
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] > body["count"]
-    chat = await client.post("/v1/chat/completions",
-                             json={"model": MODEL, "messages": messages, "max_tokens": 1})
+    chat = await client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1}
+    )
     assert chat.status_code == 200, chat.text
     assert body["count"] == chat.json()["usage"]["prompt_tokens"]
     back = await client.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
@@ -59,12 +60,22 @@ async def test_a_prompt_is_tokenized_alone_and_detokenized_back(
         ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
         ({}, None),
         ({"prompt": "a", "return_token_strs": True}, "return_token_strs"),
-        ({"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False},
-         "add_generation_prompt"),
+        (
+            {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False},
+            "add_generation_prompt",
+        ),
         ({"prompt": "a", "mm_processor_kwargs": {"max_pixels": 100}}, "mm_processor_kwargs"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url",
-                                                      "image_url": {"url": "data:,"}}]}]},
-         "messages[0].content[0]"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:,"}}],
+                    }
+                ]
+            },
+            "messages[0].content[0]",
+        ),
     ],
 )
 async def test_bad_tokenize_requests_are_400s(

@@ -20,16 +20,22 @@ def on_disk(folder: Path) -> bytes:
 async def test_a_streamed_unstored_response_writes_nothing_to_the_sessions_db(
     tiny_dir: Path, chat_models: ModelManager, tmp_path: Path
 ) -> None:
-    settings = make_settings(tiny_dir, persist_sessions=True,
-                             sessions_db_path=str(tmp_path / "sessions.db"))  # fmt: skip
+    settings = make_settings(
+        tiny_dir, persist_sessions=True, sessions_db_path=str(tmp_path / "sessions.db")
+    )
     app = build_app(settings, models=chat_models)
     marks = {store: f"mark-{uuid.uuid4().hex}" for store in (False, True)}
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
             for store, mark in marks.items():
-                body = {"model": MODEL, "input": f"Repeat {mark}", "max_output_tokens": 3,
-                        "stream": True, "store": store}  # fmt: skip
+                body = {
+                    "model": MODEL,
+                    "input": f"Repeat {mark}",
+                    "max_output_tokens": 3,
+                    "stream": True,
+                    "store": store,
+                }
                 r = await http.post("/v1/responses", json=body)
                 assert r.status_code == 200 and b"event: response.incomplete" in r.content
                 rid = r.headers["x-session-id"]

@@ -26,8 +26,12 @@ EMBED = "tiny-vlm2vec"
 
 
 def embed_handle(tiny_dir: Path) -> ModelHandle:
-    cfg = ModelConfig(name=EMBED, source=str(tiny_dir), adapter=str(build_lora_adapter(tiny_dir)),
-                      roles=["embedding"])  # fmt: skip
+    cfg = ModelConfig(
+        name=EMBED,
+        source=str(tiny_dir),
+        adapter=str(build_lora_adapter(tiny_dir)),
+        roles=["embedding"],
+    )
     return hf_handle(cfg, Settings(device="cpu"))
 
 
@@ -95,9 +99,13 @@ async def test_multimodal_embedding_via_messages(client: httpx.AsyncClient) -> N
 
 @pytest.mark.parametrize(
     ("path", "payload"),
-    [("/encode-video", {"frames": []}), ("/encode-text", {"text": ""}),
-     ("/caption", {"frames": []}), ("/encode-text", {"text": "   "})],
-)  # fmt: skip
+    [
+        ("/encode-video", {"frames": []}),
+        ("/encode-text", {"text": ""}),
+        ("/caption", {"frames": []}),
+        ("/encode-text", {"text": "   "}),
+    ],
+)
 async def test_empty_input_is_400(client: httpx.AsyncClient, path: str, payload: dict) -> None:
     r = await client.post(path, json=payload)
     assert r.status_code == 400, r.text

@@ -129,9 +129,11 @@ def test_vlmserve_imports_and_says_what_to_install_without_ray(tmp_path: Path) -
     ],
 )
 def test_a_new_local_cluster_defaults_to_the_throughput_optimized_mode(
-    monkeypatch: pytest.MonkeyPatch, address: str | None, env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    address: str | None,
+    env: dict[str, str],
     expected: str | None,
-) -> None:  # fmt: skip
+) -> None:
     from vlmserve.cli.ray import _default_fast_path
 
     for name in ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_ADDRESS"):
@@ -152,9 +154,13 @@ def test_a_new_local_cluster_defaults_to_the_throughput_optimized_mode(
     ],
 )
 def test_direct_ingress_is_set_for_a_new_local_cluster_and_explained_for_a_joined_one(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], address: str | None,
-    env: dict[str, str], expected: str | None, note: bool,
-) -> None:  # fmt: skip
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    address: str | None,
+    env: dict[str, str],
+    expected: str | None,
+    note: bool,
+) -> None:
     from vlmserve.cli.ray import _direct_ingress
 
     for name in ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_ADDRESS"):
@@ -192,8 +198,10 @@ preflight = false
 def test_registry_entries_deploy_under_ray(tmp_path: Path) -> None:
     registry = tmp_path / "registry.toml"
     registry.write_text(REGISTRY)
-    path = write(tmp_path, f'registry = "{registry}"\n' + MODELS
-                 + "[ray.models.reg-embed]\nnum_replicas = 2\n")  # fmt: skip
+    path = write(
+        tmp_path,
+        f'registry = "{registry}"\n' + MODELS + "[ray.models.reg-embed]\nnum_replicas = 2\n",
+    )
     setup = load_ray_setup(path)
     configs = {m.served_name: m for m in setup.settings.model_configs()}
     assert list(configs) == ["tiny", "reg-embed"]  # the hf entry is a deployment
@@ -216,11 +224,14 @@ def test_registry_entries_deploy_under_ray(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("entry", "says"),
     [
-        ('name = "local-vllm"\nbackend = "vllm"\n[models.backend_config]\n'
-         'command = "vllm serve x --port {port}"\n', "local-vllm"),
+        (
+            'name = "local-vllm"\nbackend = "vllm"\n[models.backend_config]\n'
+            'command = "vllm serve x --port {port}"\n',
+            "local-vllm",
+        ),
         ('name = "tiny"\nsource = "/models/other"\n', "have the names of [[models]]"),
     ],
-)  # fmt: skip
+)
 def test_registry_entries_ray_cannot_deploy_are_refused(
     tmp_path: Path, entry: str, says: str
 ) -> None:

@@ -91,7 +91,7 @@ def test_a_stream_started_on_one_replicas_port_resumes_on_the_others(
         httpx.Client(base_url=first_url, timeout=120) as c,
         c.stream(
             "POST", "/v1/chat/completions", json=body(), headers={"Accept": "text/event-stream"}
-        ) as started,  # fmt: skip
+        ) as started,
     ):
         origin, sid = started.headers[REPLICA_HEADER], started.headers["x-session-id"]
         events = iter_events(started)

@@ -50,10 +50,22 @@ class Scale:
 @pytest.fixture(scope="session")
 def scale(request: pytest.FixtureRequest) -> Scale:
     if request.config.getoption("--long", default=False):
-        return Scale(True, fuzz_examples=60, property_examples=600, disconnects=100,
-                     load_seconds=60.0, fault_runs=3)  # fmt: skip
-    return Scale(False, fuzz_examples=8, property_examples=60, disconnects=20,
-                 load_seconds=10.0, fault_runs=1)  # fmt: skip
+        return Scale(
+            True,
+            fuzz_examples=60,
+            property_examples=600,
+            disconnects=100,
+            load_seconds=60.0,
+            fault_runs=3,
+        )
+    return Scale(
+        False,
+        fuzz_examples=8,
+        property_examples=60,
+        disconnects=20,
+        load_seconds=10.0,
+        fault_runs=1,
+    )
 
 
 # -- sentinel listener --------------------------------------------------------------------

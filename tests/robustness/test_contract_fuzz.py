@@ -34,8 +34,13 @@ from vlmserve.config import Settings
 pytestmark = pytest.mark.robustness
 
 ADMIN = {"Authorization": "Bearer fuzz-admin"}
-CHEAP = {"max_tokens": 8, "max_model_len": 64, "admin_keys": ["fuzz-admin"],
-         "api_keys": ["fuzz-user"], "media_fetch_timeout": 2.0}  # fmt: skip
+CHEAP = {
+    "max_tokens": 8,
+    "max_model_len": 64,
+    "admin_keys": ["fuzz-admin"],
+    "api_keys": ["fuzz-user"],
+    "media_fetch_timeout": 2.0,
+}
 CALL_TIMEOUT = 10.0
 
 
@@ -76,15 +81,21 @@ def _fuzz(op: Any, mode: GenerationMode, base: str, n: int, found: dict, stats: 
     session = requests.Session()
 
     @given(case=op.as_strategy(generation_mode=mode))
-    @settings(max_examples=n, deadline=None, database=None, derandomize=True,
-              phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     def run(case: Any) -> None:
         _guard(case)
         started = time.monotonic()
         try:
-            response = case.call(base_url=base, session=session, headers=ADMIN,
-                                 timeout=CALL_TIMEOUT)  # fmt: skip
+            response = case.call(
+                base_url=base, session=session, headers=ADMIN, timeout=CALL_TIMEOUT
+            )
         except requests.Timeout:
             found["hang"].append(f"{case.method} {case.formatted_path}")
             return
@@ -105,8 +116,9 @@ def test_operation_never_5xx_never_violates_its_schema(
     op: Any, live_server: Any, scale: Scale, record_property: Any
 ) -> None:
     server = live_server(**CHEAP)
-    found: dict[str, list[str]] = {k: [] for k in ("5xx", "schema", "hang", "leak",
-                                                   "undocumented_status")}  # fmt: skip
+    found: dict[str, list[str]] = {
+        k: [] for k in ("5xx", "schema", "hang", "leak", "undocumented_status")
+    }
     stats: Counter = Counter()
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
         _fuzz(op, mode, server.url, scale.fuzz_examples, found, stats)

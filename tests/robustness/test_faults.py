@@ -31,15 +31,23 @@ from support import MODEL, ServerProcess
 
 pytestmark = pytest.mark.robustness
 
-LONG_STREAM = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
-               "max_tokens": 400, "ignore_eos": True, "temperature": 0}  # fmt: skip
+LONG_STREAM = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "max_tokens": 400,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 def _open_stream(port: int, body: dict[str, Any]) -> socket.socket:
     payload = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)  # fmt: skip
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+    )
     return s
 
 
@@ -119,8 +127,10 @@ def test_random_disconnects_leave_no_residue(live_server: Any, scale: Scale, pol
     tokens = app.state.services.models.handles[0].backend.tokens_generated - tokens0
     time.sleep(0.3)  # let closed sockets and finished tasks be collected
     fds, tasks = open_fds(), _tasks(server)
-    print(f"\n{policy}: {runs} disconnects, settled in {settle:.1f}s, tokens {tokens} "
-          f"(cap {runs * 400}), fds {fds0}->{fds}, tasks {tasks0}->{tasks}, {state}")  # fmt: skip
+    print(
+        f"\n{policy}: {runs} disconnects, settled in {settle:.1f}s, tokens {tokens} "
+        f"(cap {runs * 400}), fds {fds0}->{fds}, tasks {tasks0}->{tasks}, {state}"
+    )
     assert not any(state.values()), state
     assert fds <= fds0 + 2 and tasks <= tasks0 + 2
     if policy == "cancel":
@@ -151,13 +161,15 @@ def test_sigterm_drains_streams_refuses_new_work_and_exits_clean(
     tiny_dir: Path, scale: Scale
 ) -> None:
     for run in range(scale.fault_runs):
-        proc = ServerProcess(["serve", "--model", str(tiny_dir), "--served-model-name", MODEL,
-                              "--device", "cpu"])  # fmt: skip
+        proc = ServerProcess(
+            ["serve", "--model", str(tiny_dir), "--served-model-name", MODEL, "--device", "cpu"]
+        )
         try:
             proc.wait_ready()
             results: list[Any] = []
-            threads = [threading.Thread(target=_stream_to_end, args=(proc.url, results))
-                       for _ in range(6)]  # fmt: skip
+            threads = [
+                threading.Thread(target=_stream_to_end, args=(proc.url, results)) for _ in range(6)
+            ]
             for t in threads:
                 t.start()
             time.sleep(1.0)  # streams are producing
@@ -181,8 +193,10 @@ def test_sigterm_drains_streams_refuses_new_work_and_exits_clean(
                 proc.proc.kill()
                 proc.proc.wait()
         orphans = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-        print(f"\nSIGTERM run {run}: streams {results}, new request -> {late}, exit {code} "
-              f"after {took:.1f}s, orphans {len(orphans)}")  # fmt: skip
+        print(
+            f"\nSIGTERM run {run}: streams {results}, new request -> {late}, exit {code} "
+            f"after {took:.1f}s, orphans {len(orphans)}"
+        )
         assert late in (503, "refused")
         assert results and all(r == (200, True) for r in results), results
         # uvicorn re-raises the SIGTERM it handled once shutdown is complete, so a clean drain

@@ -32,17 +32,30 @@ CHUNK = 64 * 1024
 
 
 def _chat(**extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            **extra}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        **extra,
+    }
 
 
 async def _call_asgi(app: Any, headers: list[tuple[bytes, bytes]], total: int) -> tuple[int, int]:
     """POST ``total`` body bytes in CHUNKs; returns (status, body bytes the app pulled)."""
     pulled, sent, status = 0, 0, 0
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "headers": headers, "server": ("t", 80),
-             "client": ("c", 1)}  # fmt: skip
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": headers,
+        "server": ("t", 80),
+        "client": ("c", 1),
+    }
 
     async def receive() -> dict[str, Any]:
         nonlocal pulled, sent
@@ -76,8 +89,10 @@ async def test_oversized_body_is_413_before_parsing_and_not_read_past_the_limit(
 def test_declared_oversize_gets_413_without_sending_the_body(live_server: Any) -> None:
     server = live_server(max_body_bytes=LIMIT)
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                  b"\r\nContent-Length: 1000000000\r\n\r\n")  # fmt: skip
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: 1000000000\r\n\r\n"
+        )
         started = time.perf_counter()
         head = s.recv(4096)
     assert head.startswith(b"HTTP/1.1 413"), head[:200]
@@ -87,15 +102,35 @@ def test_declared_oversize_gets_413_without_sending_the_body(live_server: Any) -
 @pytest.mark.parametrize(
     ("body", "status"),
     [
-        (_chat(n=10**6), 400), (_chat(n=9), 400), (_chat(max_tokens=10**18), 400),
-        (_chat(max_tokens=2**63), 400), (_chat(max_completion_tokens=10**9), 400),
-        (_chat(top_k=10**12), 400), (_chat(seed=10**40), 400), (_chat(stop=["x"] * 1000), 400),
-        ({**_chat(), "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://198.51.100.7/never-fetched.png"}}
-        ] * 500}]}, 400),
+        (_chat(n=10**6), 400),
+        (_chat(n=9), 400),
+        (_chat(max_tokens=10**18), 400),
+        (_chat(max_tokens=2**63), 400),
+        (_chat(max_completion_tokens=10**9), 400),
+        (_chat(top_k=10**12), 400),
+        (_chat(seed=10**40), 400),
+        (_chat(stop=["x"] * 1000), 400),
+        (
+            {
+                **_chat(),
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "http://198.51.100.7/never-fetched.png"},
+                            }
+                        ]
+                        * 500,
+                    }
+                ],
+            },
+            400,
+        ),
         ({**_chat(), "messages": [{"role": "user", "content": "hi"}] * 5000}, 400),
     ],
-)  # fmt: skip
+)
 async def test_absurd_requests_are_refused_in_under_50ms(
     make_client: Any, body: dict, status: int
 ) -> None:
@@ -115,20 +150,44 @@ async def test_absurd_requests_are_refused_in_under_50ms(
 
 KEYS = {"api_keys": ["user-key"], "admin_keys": ["admin-key"]}
 VARIANTS = [
-    "//v1/models", "/v1/./models", "/V1/models", "/v1/models/", "/%2Fv1/models", "/%2fv1%2fmodels",
-    "/v1%2Fmodels", "/./v1/models", "/v1//models", "/v1/models?x=/health", "/health/../v1/models",
-    "/health/%2e%2e/v1/models", "/%68ealth/../v1/models", "/v1/models;/health",
+    "//v1/models",
+    "/v1/./models",
+    "/V1/models",
+    "/v1/models/",
+    "/%2Fv1/models",
+    "/%2fv1%2fmodels",
+    "/v1%2Fmodels",
+    "/./v1/models",
+    "/v1//models",
+    "/v1/models?x=/health",
+    "/health/../v1/models",
+    "/health/%2e%2e/v1/models",
+    "/%68ealth/../v1/models",
+    "/v1/models;/health",
     "/v1/models#/health",
-    "/admin/../admin/state", "/admin/./state", "//admin//state", "/Admin/State", "/admin%2fstate",
-    "/%2561dmin/state", "/v1/..%2fadmin/state", "/ready/../admin/state", "/admin/state%00",
-    "/admin\\state", "/metrics/../admin/state",
-]  # fmt: skip
+    "/admin/../admin/state",
+    "/admin/./state",
+    "//admin//state",
+    "/Admin/State",
+    "/admin%2fstate",
+    "/%2561dmin/state",
+    "/v1/..%2fadmin/state",
+    "/ready/../admin/state",
+    "/admin/state%00",
+    "/admin\\state",
+    "/metrics/../admin/state",
+]
 
 
 def _raw_get(port: int, path: str, extra: bytes = b"") -> int:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(b"GET " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + extra +
-                  b"Connection: close\r\n\r\n")  # fmt: skip
+        s.sendall(
+            b"GET "
+            + path.encode()
+            + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + extra
+            + b"Connection: close\r\n\r\n"
+        )
         head = s.recv(64)
     return int(head.split()[1]) if head.startswith(b"HTTP/1.1 ") else 0
 
@@ -150,11 +209,18 @@ def test_every_route_and_path_variant_needs_a_key(live_server: Any) -> None:
     for method, path in _route_paths(app):
         if path in public:
             continue
-        for auth in (b"", b"Authorization: Bearer wrong\r\n", b"x-api-key: \r\n",
-                     b"Authorization: Basic dXNlci1rZXk6\r\n"):  # fmt: skip
+        for auth in (
+            b"",
+            b"Authorization: Bearer wrong\r\n",
+            b"x-api-key: \r\n",
+            b"Authorization: Basic dXNlci1rZXk6\r\n",
+        ):
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-                s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n".encode() + auth +
-                          b"Content-Length: 0\r\nConnection: close\r\n\r\n")  # fmt: skip
+                s.sendall(
+                    f"{method} {path} HTTP/1.1\r\nHost: x\r\n".encode()
+                    + auth
+                    + b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+                )
                 status = int(s.recv(64).split()[1])
             assert status in (401, 403), (method, path, auth, status)
             checked += 1

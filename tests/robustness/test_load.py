@@ -26,14 +26,31 @@ from support import MODEL, ServerProcess
 pytestmark = pytest.mark.robustness
 
 QUEUE = 8
-BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
-        "max_tokens": 16, "ignore_eos": True, "temperature": 0}  # fmt: skip
+BODY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "max_tokens": 16,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(["serve", "--model", str(tiny_dir), "--served-model-name", MODEL,
-                          "--device", "cpu", "--max-queued-requests", str(QUEUE)])  # fmt: skip
+    proc = ServerProcess(
+        [
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--served-model-name",
+            MODEL,
+            "--device",
+            "cpu",
+            "--max-queued-requests",
+            str(QUEUE),
+        ]
+    )
     try:
         proc.wait_ready()
         yield proc
@@ -77,8 +94,9 @@ async def _client(url: str, until: float, seen: Counter) -> None:
                 async with client.stream("POST", "/v1/chat/completions", json=BODY) as r:
                     text = "".join([t async for t in r.aiter_text()])
                 overloaded = '"code":"overloaded"' in text.replace(" ", "")
-                seen["200_sse_overloaded" if r.status_code == 200 and overloaded
-                     else r.status_code] += 1  # fmt: skip
+                seen[
+                    "200_sse_overloaded" if r.status_code == 200 and overloaded else r.status_code
+                ] += 1
             except httpx.TransportError as exc:
                 seen[type(exc).__name__] += 1
 
@@ -96,14 +114,18 @@ async def test_64_streams_get_only_200_429_503_and_rss_stays_flat(
     seen: Counter = Counter()
     rss: list[int] = []
     until = time.monotonic() + scale.load_seconds
-    await asyncio.gather(_sample_rss(server.proc.pid, until, rss),
-                         *(_client(server.url, until, seen) for _ in range(64)))  # fmt: skip
+    await asyncio.gather(
+        _sample_rss(server.proc.pid, until, rss),
+        *(_client(server.url, until, seen) for _ in range(64)),
+    )
     quarter = max(1, len(rss) // 4)
     first, last = statistics.mean(rss[:quarter]), statistics.mean(rss[-quarter:])
     drift = (last - first) / first
     total = sum(seen.values())
-    print(f"\nload {scale.load_seconds:.0f}s x 64 streams: {dict(seen)} ({total} requests), "
-          f"RSS {first / 2**20:.0f} -> {last / 2**20:.0f} MiB ({drift:+.1%})")  # fmt: skip
+    print(
+        f"\nload {scale.load_seconds:.0f}s x 64 streams: {dict(seen)} ({total} requests), "
+        f"RSS {first / 2**20:.0f} -> {last / 2**20:.0f} MiB ({drift:+.1%})"
+    )
     assert set(seen) <= {200, 429, 503, "200_sse_overloaded"}, seen
     assert seen[429] > 0, "the queue bound never showed as a 429"
     assert seen["200_sse_overloaded"] == 0, "a refused stream must be a 429, not a 200"

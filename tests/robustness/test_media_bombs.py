@@ -36,8 +36,12 @@ IMAGE_CASES: list[tuple[str, Callable[[], str], int]] = [
 
 def _chat(part: dict[str, Any]) -> dict[str, Any]:
     content = [part, {"type": "text", "text": "describe"}]
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2,
-            "temperature": 0}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
 
 
 def _vm_hwm_reset() -> bool:
@@ -82,8 +86,10 @@ async def test_image_bombs_are_refused_fast_with_bounded_memory(make_client: Any
         assert seconds < (1.0 if status >= 400 else 5.0), (name, seconds)
         assert not leaks(text), text
     growth, peak = rss_bytes() - rss0, _vm_hwm() - hwm0
-    print("\n" + "\n".join(report) + f"\nRSS growth {growth / MiB:.1f} MiB, "
-          f"peak +{peak / MiB:.1f} MiB (VmHWM reset: {reset})")  # fmt: skip
+    print(
+        "\n" + "\n".join(report) + f"\nRSS growth {growth / MiB:.1f} MiB, "
+        f"peak +{peak / MiB:.1f} MiB (VmHWM reset: {reset})"
+    )
     assert growth < 100 * MiB
     if reset:
         assert peak < 200 * MiB
@@ -112,7 +118,7 @@ async def _frames_kept(client: Any) -> float:
         ("mkv_3000_frames", "video/x-matroska", {}, 200),
         ("mjpeg_3000_frames", "video/jpeg", {}, 400),
     ],
-)  # fmt: skip
+)
 async def test_video_bombs_decode_at_most_the_configured_frames(
     make_client: Any, videos: dict[str, bytes], name: str, mime: str, settings: dict, expected: int
 ) -> None:
@@ -122,8 +128,10 @@ async def test_video_bombs_decode_at_most_the_configured_frames(
     rss0 = rss_bytes()
     status, seconds, text = await _post(client, part)
     kept = await _frames_kept(client) - before
-    print(f"\n{name} {settings}: {status} in {seconds * 1000:.0f} ms, frames kept {kept:.0f}, "
-          f"RSS +{(rss_bytes() - rss0) / MiB:.1f} MiB")  # fmt: skip
+    print(
+        f"\n{name} {settings}: {status} in {seconds * 1000:.0f} ms, frames kept {kept:.0f}, "
+        f"RSS +{(rss_bytes() - rss0) / MiB:.1f} MiB"
+    )
     assert status == expected, text[:300]
     assert kept <= 4
     assert seconds < (1.0 if status >= 400 else 10.0)

@@ -51,9 +51,19 @@ sources = st.one_of(
     b64_junk.map(lambda s: "data:image/png;base64," + s),
     b64_junk,
     text,
-    st.sampled_from(["http://127.0.0.1:1/x.png", "file:///etc/passwd", "/etc/passwd",
-                     "gopher://x", "data:,", "data:image/png;base64,====", "//x", "https://"]),
-)  # fmt: skip
+    st.sampled_from(
+        [
+            "http://127.0.0.1:1/x.png",
+            "file:///etc/passwd",
+            "/etc/passwd",
+            "gopher://x",
+            "data:,",
+            "data:image/png;base64,====",
+            "//x",
+            "https://",
+        ]
+    ),
+)
 
 
 def _ref(src: st.SearchStrategy) -> st.SearchStrategy:
@@ -69,12 +79,15 @@ parts = st.one_of(
     st.dictionaries(st.text(max_size=8), NUMBERS | text, max_size=3),
 )
 messages = st.lists(
-    st.fixed_dictionaries({
-        "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", ""]),
-        "content": text | st.lists(parts, max_size=3) | st.none() | NUMBERS,
-    }),
-    min_size=0, max_size=3,
-)  # fmt: skip
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", ""]),
+            "content": text | st.lists(parts, max_size=3) | st.none() | NUMBERS,
+        }
+    ),
+    min_size=0,
+    max_size=3,
+)
 shaped_parts = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": text}),
     st.fixed_dictionaries({"type": st.just("image_url"), "image_url": _ref(sources)}),
@@ -82,24 +95,41 @@ shaped_parts = st.one_of(
     st.fixed_dictionaries({"type": st.just("input_image"), "b64_json": sources}),
 )
 shaped_messages = st.lists(
-    st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(shaped_parts, min_size=1,
-                                                                        max_size=3)}),
-    min_size=1, max_size=2,
-)  # fmt: skip
+    st.fixed_dictionaries(
+        {"role": st.just("user"), "content": st.lists(shaped_parts, min_size=1, max_size=3)}
+    ),
+    min_size=1,
+    max_size=2,
+)
 sampling = st.fixed_dictionaries(
     {"max_tokens": st.integers(1, 3) | st.integers(1, 3) | NUMBERS},
-    optional={k: NUMBERS for k in ("temperature", "top_p", "top_k", "n", "seed",
-                                   "min_tokens", "repetition_penalty", "max_completion_tokens")}
+    optional={
+        k: NUMBERS
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "n",
+            "seed",
+            "min_tokens",
+            "repetition_penalty",
+            "max_completion_tokens",
+        )
+    }
     | {"stop": st.lists(text, max_size=3) | NUMBERS, "stream": st.booleans()},
-)  # fmt: skip
+)
 
 
 plain_sampling = st.fixed_dictionaries(
     {"max_tokens": st.integers(1, 3)},
-    optional={"temperature": st.floats(0, 2), "seed": st.integers(0, 2**31),
-              "top_k": st.integers(-1, 50),
-              "stream": st.booleans(), "stop": st.lists(text, max_size=2)},
-)  # fmt: skip
+    optional={
+        "temperature": st.floats(0, 2),
+        "seed": st.integers(0, 2**31),
+        "top_k": st.integers(-1, 50),
+        "stream": st.booleans(),
+        "stop": st.lists(text, max_size=2),
+    },
+)
 
 
 def _encode(body: dict[str, Any]) -> bytes:
@@ -116,8 +146,11 @@ def app_client(
     app = build_app(make_settings(tiny_dir, max_model_len=256, max_tokens=3), models=chat_models)
     lifespan = app.router.lifespan_context(app)
     runner.run(lifespan.__aenter__())
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://t",
-                               timeout=30)  # fmt: skip
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+        base_url="http://t",
+        timeout=30,
+    )
     yield runner, client
     runner.run(client.aclose())
     runner.run(lifespan.__aexit__(None, None, None))
@@ -143,8 +176,12 @@ def test_random_chat_bodies_get_200_or_a_clean_4xx(app_client: Any, scale: Scale
     seen: Counter = Counter()
 
     @given(msgs=messages | shaped_messages | shaped_messages, params=plain_sampling | sampling)
-    @settings(max_examples=scale.property_examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=scale.property_examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     def run(msgs: list[dict[str, Any]], params: dict[str, Any]) -> None:
         body = {"model": MODEL, "messages": msgs, **params}
         response = runner.run(_post(client, _encode(body)))
@@ -157,9 +194,14 @@ def test_random_chat_bodies_get_200_or_a_clean_4xx(app_client: Any, scale: Scale
 
 
 NASTY = [
-    b"\xff\xfe\x00", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xc3\x28"}]}',
-    b"[" * 10000, b'{"a":' * 5000, b"1e999999", b'"\\ud800"', b"{" + b" " * 100000 + b"}",
-]  # fmt: skip
+    b"\xff\xfe\x00",
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "\xc3\x28"}]}',
+    b"[" * 10000,
+    b'{"a":' * 5000,
+    b"1e999999",
+    b'"\\ud800"',
+    b"{" + b" " * 100000 + b"}",
+]
 
 
 def test_raw_bytes_and_broken_utf8_bodies_are_4xx_never_5xx(app_client: Any) -> None:
@@ -172,8 +214,9 @@ def test_raw_bytes_and_broken_utf8_bodies_are_4xx_never_5xx(app_client: Any) -> 
         _assert_clean(response)
 
     @given(raw=st.binary(max_size=300))
-    @settings(max_examples=30, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     def run(raw: bytes) -> None:
         send(b'{"model": "tiny", "messages": [{"role": "user", "content": "' + raw + b'"}]}')
 

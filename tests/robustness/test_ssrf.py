@@ -26,27 +26,71 @@ from vlmserve.media.netguard import ip_literal
 pytestmark = pytest.mark.robustness
 
 BLOCKED_HOSTS = [
-    "127.0.0.1", "localhost", "localhost.", "LOCALHOST", "sub.localhost", "[::1]", "0.0.0.0",
-    "2130706433", "0x7f000001", "0x7f.1", "0177.0.0.1", "127.1", "127.0.1", "[::ffff:127.0.0.1]",
-    "[0:0:0:0:0:ffff:7f00:1]", "[::]", "[::127.0.0.1]", "[64:ff9b::7f00:1]", "[2002:7f00:1::]",
-    "169.254.169.254", "[::ffff:169.254.169.254]", "[fd00:ec2::254]", "100.100.100.200",
-    "10.0.0.1", "172.16.0.1", "192.168.1.1", "100.64.0.1", "[fc00::1]", "[fd12:3456::1]",
-    "[fe80::1]", "[fec0::1]", "224.0.0.1", "255.255.255.255", "198.18.0.1", "192.0.0.1",
-    "ip6-localhost", "ip6-loopback",
-]  # fmt: skip
+    "127.0.0.1",
+    "localhost",
+    "localhost.",
+    "LOCALHOST",
+    "sub.localhost",
+    "[::1]",
+    "0.0.0.0",
+    "2130706433",
+    "0x7f000001",
+    "0x7f.1",
+    "0177.0.0.1",
+    "127.1",
+    "127.0.1",
+    "[::ffff:127.0.0.1]",
+    "[0:0:0:0:0:ffff:7f00:1]",
+    "[::]",
+    "[::127.0.0.1]",
+    "[64:ff9b::7f00:1]",
+    "[2002:7f00:1::]",
+    "169.254.169.254",
+    "[::ffff:169.254.169.254]",
+    "[fd00:ec2::254]",
+    "100.100.100.200",
+    "10.0.0.1",
+    "172.16.0.1",
+    "192.168.1.1",
+    "100.64.0.1",
+    "[fc00::1]",
+    "[fd12:3456::1]",
+    "[fe80::1]",
+    "[fec0::1]",
+    "224.0.0.1",
+    "255.255.255.255",
+    "198.18.0.1",
+    "192.0.0.1",
+    "ip6-localhost",
+    "ip6-loopback",
+]
 TRICKS = [
-    "http://ok.test\\@127.0.0.1:{P}/a.png", "http://127.0.0.1:{P}#@ok.test/a.png",
-    "http://ok.test@127.0.0.1:{P}/a.png", "http://user:pw@127.0.0.1:{P}/a.png",
-    "http://127.0.0.1:{P}\t/a.png", "http://127.0.0.1:{P}%2f@ok.test/a.png",
-    "http:/127.0.0.1:{P}/a.png", "http:\\\\127.0.0.1:{P}/a.png", "HTTP://127.0.0.1:{P}/a.png",
-    "file:///etc/passwd", "file://localhost/etc/passwd", "file:///proc/self/environ",
-    "/etc/passwd", "gopher://127.0.0.1:{P}/_GET", "ftp://127.0.0.1:{P}/a.png",
-    "dict://127.0.0.1:{P}/", "ldap://127.0.0.1:{P}/", "jar:http://127.0.0.1:{P}/a!/b",
-    "data:text/html;base64,PGgxPmhpPC9oMT4=", "data:application/octet-stream,abc",
-]  # fmt: skip
-URLS = [f"http://{h}:{{P}}/a.png" for h in BLOCKED_HOSTS] + [
-    f"https://{h}:{{P}}/a.png" for h in ("127.0.0.1", "[::1]", "169.254.169.254")
-] + TRICKS  # fmt: skip
+    "http://ok.test\\@127.0.0.1:{P}/a.png",
+    "http://127.0.0.1:{P}#@ok.test/a.png",
+    "http://ok.test@127.0.0.1:{P}/a.png",
+    "http://user:pw@127.0.0.1:{P}/a.png",
+    "http://127.0.0.1:{P}\t/a.png",
+    "http://127.0.0.1:{P}%2f@ok.test/a.png",
+    "http:/127.0.0.1:{P}/a.png",
+    "http:\\\\127.0.0.1:{P}/a.png",
+    "HTTP://127.0.0.1:{P}/a.png",
+    "file:///etc/passwd",
+    "file://localhost/etc/passwd",
+    "file:///proc/self/environ",
+    "/etc/passwd",
+    "gopher://127.0.0.1:{P}/_GET",
+    "ftp://127.0.0.1:{P}/a.png",
+    "dict://127.0.0.1:{P}/",
+    "ldap://127.0.0.1:{P}/",
+    "jar:http://127.0.0.1:{P}/a!/b",
+    "data:text/html;base64,PGgxPmhpPC9oMT4=",
+    "data:application/octet-stream,abc",
+]
+URLS = (
+    [f"http://{h}:{{P}}/a.png" for h in BLOCKED_HOSTS]
+    + [f"https://{h}:{{P}}/a.png" for h in ("127.0.0.1", "[::1]", "169.254.169.254")]
+    + TRICKS
+)
 _IP_IN_TEXT = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}\b")
 
 
@@ -132,11 +176,18 @@ async def test_redirects_to_internal_addresses_are_refused_at_every_hop(
     client = await make_client()
     p = sentinel.port
     targets = [
-        f"http://127.0.0.1:{p}/", f"http://[::1]:{p}/", f"http://localhost:{p}/",
-        "http://169.254.169.254/latest/meta-data/", "http://[::ffff:169.254.169.254]/",
-        f"http://2130706433:{p}/", "http://inside.example/", f"http://rebind.example:{p}/",
-        "file:///etc/passwd", f"gopher://127.0.0.1:{p}/", f"http://ok\\@127.0.0.1:{p}/",
-    ]  # fmt: skip
+        f"http://127.0.0.1:{p}/",
+        f"http://[::1]:{p}/",
+        f"http://localhost:{p}/",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://[::ffff:169.254.169.254]/",
+        f"http://2130706433:{p}/",
+        "http://inside.example/",
+        f"http://rebind.example:{p}/",
+        "file:///etc/passwd",
+        f"gopher://127.0.0.1:{p}/",
+        f"http://ok\\@127.0.0.1:{p}/",
+    ]
     for target in targets:
         url = str(httpx.URL("http://media.example/r", params={"to": target}))
         response = await client.post("/v1/chat/completions", json=_chat(url))
@@ -144,8 +195,10 @@ async def test_redirects_to_internal_addresses_are_refused_at_every_hop(
         assert "redirect" in response.json()["error"]["message"], response.text
     rebind = await client.post("/v1/chat/completions", json=_chat(f"http://rebind.example:{p}/"))
     assert rebind.status_code == 400 and "blocked" in rebind.json()["error"]["message"]
-    print(f"\n{len(targets)} redirect targets: the public hop was asked {len(public_redirector)} "
-          f"times, sentinel hits {len(sentinel.hits)}, connects {len(connect_log)}")  # fmt: skip
+    print(
+        f"\n{len(targets)} redirect targets: the public hop was asked {len(public_redirector)} "
+        f"times, sentinel hits {len(sentinel.hits)}, connects {len(connect_log)}"
+    )
     assert all(line.startswith(PUBLIC_IP) for line in public_redirector)
     assert len(public_redirector) == len(targets)  # exactly one request each: the public hop
     assert sentinel.hits == [] and connect_log == []

@@ -64,10 +64,16 @@ def test_tiny_quick_run_exits_0_and_writes_every_metric(tmp_path: Path) -> None:
     assert grown == pytest.approx(gap / bandwidth * 1e3)
     embed = result["embed_images_per_s"]
     assert embed["hf_one_per_forward"] > 0 and embed["vlmserve"] > 0
-    ratios = {"hf_tpot_over_floor", "vlmserve_tpot_over_floor", "vlmserve_tpot_over_hf",
-              "vlmserve_embed_over_hf", "vlmserve_tokens_c1_over_hf",
-              "vlmserve_tokens_c8_over_hf", "vlmserve_tpot_short_over_floor",
-              "vlmserve_tpot_1k_over_floor"}  # fmt: skip
+    ratios = {
+        "hf_tpot_over_floor",
+        "vlmserve_tpot_over_floor",
+        "vlmserve_tpot_over_hf",
+        "vlmserve_embed_over_hf",
+        "vlmserve_tokens_c1_over_hf",
+        "vlmserve_tokens_c8_over_hf",
+        "vlmserve_tpot_short_over_floor",
+        "vlmserve_tpot_1k_over_floor",
+    }
     assert set(result["ratios"]) == ratios
     phases = result["phases_s"]
     assert {"checkpoint", "HF baselines", "vlmserve context 1k", "vlmserve embed"} <= set(phases)
@@ -99,8 +105,18 @@ def test_help_says_what_is_measured(gpu: ModuleType, capsys: pytest.CaptureFixtu
         gpu.parse_args(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for phrase in ("TPOT", "copy bandwidth", "tokens/s", "images/s", "448x448", "--tiny",
-                   "--quick", "4k", "128", "5 minutes"):  # fmt: skip
+    for phrase in (
+        "TPOT",
+        "copy bandwidth",
+        "tokens/s",
+        "images/s",
+        "448x448",
+        "--tiny",
+        "--quick",
+        "4k",
+        "128",
+        "5 minutes",
+    ):
         assert phrase in text
 
 

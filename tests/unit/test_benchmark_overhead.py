@@ -49,7 +49,10 @@ async def test_byteproxy_forwards_bytes_status_and_stream(monkeypatch: pytest.Mo
         if proxy._session is not None:
             await proxy._session.close()
     assert (ok.status_code, ok.content, ok.headers["content-type"]) == (
-        200, sse, "text/event-stream")  # fmt: skip
+        200,
+        sse,
+        "text/event-stream",
+    )
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "nope"
 
 
@@ -86,8 +89,10 @@ def _count(conn: Any) -> int:
 async def test_interleaved_ttft_times_each_setup_in_turn_at_its_first_token() -> None:
     ttft = load("bench_ttft", BENCH / "peers" / "ttft.py")
     seen: list[str] = []
-    sse = (b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
-           b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n')  # fmt: skip
+    sse = (
+        b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+        b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+    )
 
     def upstream(request: httpx.Request) -> httpx.Response:
         body = request.read()
@@ -172,9 +177,14 @@ def test_sqlite_budgets_are_judged_round_by_round_against_the_neighbouring_basel
     samples = []
     for name in tps:
         for rnd in range(3):
-            report = {"output_throughput": tps[name][rnd], "ttft_ms": {"median": ttft[name][rnd]},
-                      "requests": 1, "failed": 0, "tpot_ms": {"median": 1.0},
-                      "e2e_ms": {"median": 1.0}}  # fmt: skip
+            report = {
+                "output_throughput": tps[name][rnd],
+                "ttft_ms": {"median": ttft[name][rnd]},
+                "requests": 1,
+                "failed": 0,
+                "tpot_ms": {"median": 1.0},
+                "e2e_ms": {"median": 1.0},
+            }
             samples.append(overhead.Sample(name, 8, rnd, report, 1.0))
     paired = overhead.paired_costs(samples)
     assert paired[("sqlite", 8, "tok/s")] == pytest.approx(0.05)  # of 0.02, 0.05, 0.20

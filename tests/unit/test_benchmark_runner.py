@@ -38,8 +38,24 @@ def test_a_tiny_run_times_the_step_and_divides_by_the_floor(
     runner: ModuleType, tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "runner.json"
-    argv = ["--model", str(tiny_dir), "--dtype", "float32", "--batch", "3", "--context", "40",
-            "--steps", "3", "--warmup", "1", "--copy-mib", "8", "--json", str(out)]  # fmt: skip
+    argv = [
+        "--model",
+        str(tiny_dir),
+        "--dtype",
+        "float32",
+        "--batch",
+        "3",
+        "--context",
+        "40",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--copy-mib",
+        "8",
+        "--json",
+        str(out),
+    ]
     result = runner.main(argv)
     saved = json.loads(out.read_text())
     assert saved["ms_per_step"] == result.ms_per_step > 0
@@ -57,8 +73,18 @@ def test_a_tiny_run_times_the_step_and_divides_by_the_floor(
 def test_a_context_past_the_checkpoints_positions_is_refused(
     runner: ModuleType, tiny_dir: Path
 ) -> None:
-    argv = ["--model", str(tiny_dir), "--dtype", "float32", "--batch", "1", "--context", "4096",
-            "--copy-mib", "1"]  # fmt: skip
+    argv = [
+        "--model",
+        str(tiny_dir),
+        "--dtype",
+        "float32",
+        "--batch",
+        "1",
+        "--context",
+        "4096",
+        "--copy-mib",
+        "1",
+    ]
     with pytest.raises(SystemExit, match="4096 positions"):
         runner.main(argv)
 

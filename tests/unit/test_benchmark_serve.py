@@ -44,12 +44,22 @@ def report(
     """A real LoadReport's dict: the shape serve.py reads must match the load tester's."""
     lat = Summary(mean=ttft, median=ttft, p90=ttft * 2, p99=ttft * 3)
     return LoadReport(
-        requests=requests, completed=requests - failed, failed=failed, errors={},
-        duration_s=1.0, request_throughput=1.0, output_throughput=tps,
-        total_token_throughput=tps, total_input_tokens=100, total_output_tokens=int(tps),
-        ttft_ms=lat, tpot_ms=Summary(5, 5, 6, 7), itl_ms=Summary(itl, itl, 2 * itl, 10 * itl),
-        e2e_ms=Summary(300, 300, 400, 500), goodput=None,
-    ).to_dict()  # fmt: skip
+        requests=requests,
+        completed=requests - failed,
+        failed=failed,
+        errors={},
+        duration_s=1.0,
+        request_throughput=1.0,
+        output_throughput=tps,
+        total_token_throughput=tps,
+        total_input_tokens=100,
+        total_output_tokens=int(tps),
+        ttft_ms=lat,
+        tpot_ms=Summary(5, 5, 6, 7),
+        itl_ms=Summary(itl, itl, 2 * itl, 10 * itl),
+        e2e_ms=Summary(300, 300, 400, 500),
+        goodput=None,
+    ).to_dict()
 
 
 def config(tmp_path: Path, *extra: str):
@@ -306,8 +316,11 @@ def test_summary_and_ratios_are_per_workload_with_itl_p50_and_p99():
     ]
     rows = tables.summarize(samples)
     assert [(r.workload, r.server) for r in rows] == [
-        ("long", "vlmserve"), ("long", "vllm"), ("short", "vlmserve"), ("short", "vllm"),
-    ]  # fmt: skip
+        ("long", "vlmserve"),
+        ("long", "vllm"),
+        ("short", "vlmserve"),
+        ("short", "vllm"),
+    ]
     assert (rows[0].itl_p50_ms, rows[0].itl_p99_ms, rows[0].input_tokens) == (20.0, 200.0, 6.25)
     ratios = {r["workload"]: r for r in tables.ratio_rows(rows, "vlmserve", ["vllm"])}
     assert ratios["long"]["output_tps_ratio"] == pytest.approx(0.5)
@@ -323,9 +336,25 @@ def test_summary_and_ratios_are_per_workload_with_itl_p50_and_p99():
 def test_rounds_send_new_requests_per_workload_level_and_round_the_same_to_every_server(
     tmp_path, monkeypatch
 ):
-    cfg = config(tmp_path, "--peer", "vllm", "--peer", "transformers-serve", "--rounds", "2",
-                 "--concurrency", "1", "2", "--workload", "short", "long", "--warmup", "2",
-                 "--settle", "0")  # fmt: skip
+    cfg = config(
+        tmp_path,
+        "--peer",
+        "vllm",
+        "--peer",
+        "transformers-serve",
+        "--rounds",
+        "2",
+        "--concurrency",
+        "1",
+        "2",
+        "--workload",
+        "short",
+        "long",
+        "--warmup",
+        "2",
+        "--settle",
+        "0",
+    )
     cfg.long_words = 40
     specs = serve.plan_specs(cfg, [1, 2, 3, 4])
     sent: list[tuple[str, int, list[dict]]] = []
@@ -385,9 +414,15 @@ def test_drive_streams_the_bodies_and_reports_itl(live_server):
 
     server = live_server()
     bodies = build_bodies(
-        WORKLOADS["short"], (0, "measure", 2, 0), requests=3, model=MODEL, max_tokens=5,
-        prompt_words=8, image=(32, 32), ignore_eos=True,
-    )  # fmt: skip
+        WORKLOADS["short"],
+        (0, "measure", 2, 0),
+        requests=3,
+        model=MODEL,
+        max_tokens=5,
+        prompt_words=8,
+        image=(32, 32),
+        ignore_eos=True,
+    )
     got = asyncio.run(drive(server.url, bodies, 2)).to_dict()
     assert (got["completed"], got["failed"]) == (3, 0)
     assert got["total_output_tokens"] == 15
@@ -395,8 +430,20 @@ def test_drive_streams_the_bodies_and_reports_itl(live_server):
 
 
 def test_one_at_a_time_warms_each_fresh_server_for_its_own_workload_only(tmp_path, monkeypatch):
-    cfg = config(tmp_path, "--no-sequential", "--concurrency", "1", "--rounds", "1",
-                 "--workload", "short", "photo", "--one-at-a-time", "--settle", "0")  # fmt: skip
+    cfg = config(
+        tmp_path,
+        "--no-sequential",
+        "--concurrency",
+        "1",
+        "--rounds",
+        "1",
+        "--workload",
+        "short",
+        "photo",
+        "--one-at-a-time",
+        "--settle",
+        "0",
+    )
     warmed: list[list[str] | None] = []
 
     class Running:

@@ -27,9 +27,15 @@ sys.path.remove(str(BENCH))
 
 def bodies(name: str, key: tuple[object, ...], n: int = 3, words: int = 8) -> list[dict]:
     return build_bodies(
-        WORKLOADS[name], key, requests=n, model="m", max_tokens=4, prompt_words=words,
-        image=(32, 32), ignore_eos=True,
-    )  # fmt: skip
+        WORKLOADS[name],
+        key,
+        requests=n,
+        model="m",
+        max_tokens=4,
+        prompt_words=words,
+        image=(32, 32),
+        ignore_eos=True,
+    )
 
 
 def parts(body: dict, kind: str) -> list[dict]:
@@ -48,8 +54,13 @@ def text(body: dict) -> str:
 
 
 def test_every_request_differs_across_warmup_levels_rounds_and_indices() -> None:
-    keys = [(0, "warmup", "vlmserve"), (0, "measure", 1, 0), (0, "measure", 8, 0),
-            (0, "measure", 1, 1), (1, "measure", 1, 0)]  # fmt: skip
+    keys = [
+        (0, "warmup", "vlmserve"),
+        (0, "measure", 1, 0),
+        (0, "measure", 8, 0),
+        (0, "measure", 1, 1),
+        (1, "measure", 1, 0),
+    ]
     texts, images = [], []
     for key in keys:
         for body in bodies("short", key):

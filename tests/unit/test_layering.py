@@ -6,6 +6,7 @@
   backend class, so no ``isinstance``/``type()`` on one can exist anywhere else;
 - ``engine`` never imports ``api``; ``media``, ``streaming``, ``engine/types.py`` and
   ``engine/protocol.py`` import without torch;
+- code is laid out by ``ruff format`` (CI checks it): no ``# fmt: skip``/``# fmt: off`` markers;
 - files stay under 400 lines and functions under 60 (``cli/serve.py``'s ``command`` is the
   flag declarations generated from ``Settings``, one line per flag, and is left out);
 - the gateway is one room: only its modules import the upstream HTTP clients (the rule and its
@@ -26,8 +27,14 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).parents[2] / "src" / "vlmserve"
-BACKEND_CLASSES = {"HFChatBackend", "HFEmbedBackend", "HFModel", "UpstreamBackend", "VllmBackend",
-                   "EngineProcClient"}  # fmt: skip
+BACKEND_CLASSES = {
+    "HFChatBackend",
+    "HFEmbedBackend",
+    "HFModel",
+    "UpstreamBackend",
+    "VllmBackend",
+    "EngineProcClient",
+}
 LONG_FUNCTIONS_ALLOWED = {
     ("cli/serve.py", "command"),
     ("engine/models/paged_attention.py", "_partial_kernel"),  # a Triton kernel is one function
@@ -52,9 +59,11 @@ def _imports(path: Path) -> set[str]:
 
 def _names(path: Path) -> set[str]:
     return {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)} | {
-        a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
+        a.name
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.ImportFrom)
         for a in n.names
-    }  # fmt: skip
+    }
 
 
 def _rel(path: Path) -> str:
@@ -83,8 +92,11 @@ def test_only_the_build_module_names_a_backend_class() -> None:
 
 
 def test_the_engine_never_imports_the_api() -> None:
-    offenders = [_rel(p) for p in _modules("engine") if any(
-        m.startswith("vlmserve.api") for m in _imports(p))]  # fmt: skip
+    offenders = [
+        _rel(p)
+        for p in _modules("engine")
+        if any(m.startswith("vlmserve.api") for m in _imports(p))
+    ]
     assert offenders == []
 
 
@@ -101,8 +113,7 @@ def test_the_engine_never_imports_the_api() -> None:
 )
 def test_pure_layers_import_without_torch(module: str) -> None:
     code = f"import sys; sys.modules['torch'] = None; import {module}; print('ok')"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
 
@@ -111,6 +122,17 @@ def test_files_stay_under_500_lines() -> None:
     """Files are split by concept near 400 lines; past 500 one holds more than one."""
     long = {_rel(p): n for p in _modules() if (n := len(p.read_text().splitlines())) > 500}
     assert long == {}
+
+
+def test_no_formatter_escapes() -> None:
+    """``ruff format`` lays out every file; a squeezed line is a file to split by concept."""
+    marked = [
+        f"{_rel(p)}:{i}"
+        for p in _modules()
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "fmt: skip" in line or "fmt: off" in line
+    ]
+    assert marked == []
 
 
 def test_functions_stay_under_60_lines() -> None:
@@ -156,8 +178,13 @@ def test_only_the_gateway_imports_the_upstream_http_clients() -> None:
 def _upstream_classes() -> set[str]:
     """Every class the gateway's backends are made of (``gateway/upstream*.py``, ``vllm.py``)."""
     paths = [*_modules("gateway")]
-    return {node.name for p in paths if p.stem.startswith("upstream") or p.stem == "vllm"
-            for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ClassDef)}
+    return {
+        node.name
+        for p in paths
+        if p.stem.startswith("upstream") or p.stem == "vllm"
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
 
 
 def _names_and_attributes(path: Path) -> set[str]:
@@ -207,16 +234,28 @@ def _class_members() -> dict[str, tuple[str, list[str], set[str]]]:
                 continue
             defs = ast.FunctionDef | ast.AsyncFunctionDef
             members = {i.name for i in node.body if isinstance(i, defs)}
-            members |= {i.target.id for i in node.body
-                        if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)}
-            members |= {t.id for i in node.body if isinstance(i, ast.Assign)
-                        for t in i.targets if isinstance(t, ast.Name)}
-            members |= {e.attr for sub in ast.walk(node)
-                        if isinstance(sub, ast.Assign | ast.AnnAssign)
-                        for t in (sub.targets if isinstance(sub, ast.Assign) else [sub.target])
-                        for e in (t.elts if isinstance(t, ast.Tuple) else [t])
-                        if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
-                        and e.value.id == "self"}
+            members |= {
+                i.target.id
+                for i in node.body
+                if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)
+            }
+            members |= {
+                t.id
+                for i in node.body
+                if isinstance(i, ast.Assign)
+                for t in i.targets
+                if isinstance(t, ast.Name)
+            }
+            members |= {
+                e.attr
+                for sub in ast.walk(node)
+                if isinstance(sub, ast.Assign | ast.AnnAssign)
+                for t in (sub.targets if isinstance(sub, ast.Assign) else [sub.target])
+                for e in (t.elts if isinstance(t, ast.Tuple) else [t])
+                if isinstance(e, ast.Attribute)
+                and isinstance(e.value, ast.Name)
+                and e.value.id == "self"
+            }
             bases = [getattr(b, "id", None) or getattr(b, "attr", "") for b in node.bases]
             found.setdefault(node.name, (_rel(path), bases, members))
     return found

@@ -63,10 +63,20 @@ CORS_METHODS = ["GET", "POST", "DELETE"]
 CORS_EXPOSED_HEADERS = ["X-Session-ID", "X-Request-ID", "Retry-After", "X-Resume-Token"]
 
 log = logging.getLogger(__name__)
-ROUTERS = (system.router, chat.router, streams.router, embeddings.router, worker.router,
-           admin.router, tasks.router, gateway.router, responses.router, files.router,
-           tokenize.router,
-           batches.router)  # fmt: skip
+ROUTERS = (
+    system.router,
+    chat.router,
+    streams.router,
+    embeddings.router,
+    worker.router,
+    admin.router,
+    tasks.router,
+    gateway.router,
+    responses.router,
+    files.router,
+    tokenize.router,
+    batches.router,
+)
 
 
 def build_sessions(settings: Settings) -> SessionManager:
@@ -131,13 +141,19 @@ def _scrape(metrics: Metrics, models: ModelManager) -> Any:
         running, waiting, usage = _load_numbers(h)
         metrics.set_load(h.name, running=running, waiting=waiting, usage=usage)
         stats = h.backend.stats()
-        metrics.set_kv_cache(h.name, preemptions=stats.preemptions, nbytes=stats.kv_cache_bytes,
-                             prefix=stats.prefix_cache)  # fmt: skip
+        metrics.set_kv_cache(
+            h.name,
+            preemptions=stats.preemptions,
+            nbytes=stats.kv_cache_bytes,
+            prefix=stats.prefix_cache,
+        )
         metrics.set_engine(
-            h.name, step_seconds=stats.step_seconds or {}, weights_bytes=stats.weights_bytes,
+            h.name,
+            step_seconds=stats.step_seconds or {},
+            weights_bytes=stats.weights_bytes,
             device_memory_bytes=stats.device_memory_bytes,
             process_rss_bytes=stats.process_rss_bytes,
-        )  # fmt: skip
+        )
         if stats.vision_cache is not None:
             metrics.set_vision_cache(h.name, stats.vision_cache)
         if stats.processor_cache is not None:
@@ -172,9 +188,12 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with clock.busy():  # loading counts as activity (seed 000)
             loading = asyncio.create_task(load())  # /ready is 503 until it is done
-        tasks = [loading, asyncio.create_task(models.run_keep_alive()),
-                 asyncio.create_task(announce(loading)),
-                 asyncio.create_task(services.batches.start(loading))]  # fmt: skip
+        tasks = [
+            loading,
+            asyncio.create_task(models.run_keep_alive()),
+            asyncio.create_task(announce(loading)),
+            asyncio.create_task(services.batches.start(loading)),
+        ]
         if watchdog is not None:
             watchdog.start()
         try:
@@ -196,8 +215,9 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
     return lifespan
 
 
-def _install_middleware(app: FastAPI, services: Services, clock: ActivityClock,
-                        console_paths: tuple[str, ...]) -> None:  # fmt: skip
+def _install_middleware(
+    app: FastAPI, services: Services, clock: ActivityClock, console_paths: tuple[str, ...]
+) -> None:
     # Outermost first: RequestId -> Metrics -> CORS -> ErrorShield -> Auth -> Activity
     # -> BodyLimit -> Passthrough (a gateway's streams to vlmserve workers) -> app
     settings, metrics = services.settings, services.metrics
@@ -234,8 +254,11 @@ def build_app(
     one built here from ``settings`` is closed with it."""
     owns_models = models is None
     redact_tokens()  # ?token= (a stream's resume token) never reaches the access log
-    services = Services.build(settings, models or ModelManager.from_settings(settings),
-                              sessions or build_sessions(settings))  # fmt: skip
+    services = Services.build(
+        settings,
+        models or ModelManager.from_settings(settings),
+        sessions or build_sessions(settings),
+    )
     app = FastAPI(
         title="vlmserve",
         version="0.1.0",

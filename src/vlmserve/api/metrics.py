@@ -90,20 +90,26 @@ class Metrics:
             Gauge, "kv_cache_usage_ratio", "share of the KV cache blocks in use", ["model"]
         )
         self.preemptions = make(
-            Counter, "num_preemptions", "rows preempted when the KV cache ran out (recomputed)",
+            Counter,
+            "num_preemptions",
+            "rows preempted when the KV cache ran out (recomputed)",
             ["model"],
-        )  # fmt: skip
+        )
         self.kv_cache_bytes = make(
             Gauge, "kv_cache_bytes", "memory allocated for the KV cache (the budget)", ["model"]
         )
         self.prefix_queries = make(
-            Counter, "prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+            Counter,
+            "prefix_cache_queries",
+            "prompt tokens looked up in the prefix cache",
             ["model"],
-        )  # fmt: skip
+        )
         self.prefix_hits = make(
-            Counter, "prefix_cache_hits", "prompt tokens whose K/V came from the prefix cache",
+            Counter,
+            "prefix_cache_hits",
+            "prompt tokens whose K/V came from the prefix cache",
             ["model"],
-        )  # fmt: skip
+        )
         self._seen: dict[tuple[str, str], int] = {}  # running totals read at the last scrape
         self._add_vllm_aliases()
 
@@ -157,9 +163,11 @@ class Metrics:
         self.media_bytes = make(Counter, "media_bytes", "media bytes read", ["kind"])
         self.media_frames = make(Counter, "media_frames", "video frames decoded")
         self.vision_cache_hits = make(
-            Counter, "vision_cache_hits", "images/videos whose vision-tower output was cached",
+            Counter,
+            "vision_cache_hits",
+            "images/videos whose vision-tower output was cached",
             ["model"],
-        )  # fmt: skip
+        )
         self.vision_cache_misses = make(
             Counter, "vision_cache_misses", "images/videos run through the vision tower", ["model"]
         )
@@ -167,9 +175,11 @@ class Metrics:
             Gauge, "vision_cache_bytes", "bytes held by the vision-tower cache", ["model"]
         )
         self.processor_cache_hits = make(
-            Counter, "processor_cache_hits", "images whose preprocessed pixels were cached",
+            Counter,
+            "processor_cache_hits",
+            "images whose preprocessed pixels were cached",
             ["model"],
-        )  # fmt: skip
+        )
         self.processor_cache_misses = make(
             Counter, "processor_cache_misses", "images run through the image processor", ["model"]
         )
@@ -183,21 +193,28 @@ class Metrics:
         """Seed 002's engine figures: where step time goes, what memory is held."""
         make = self._make
         self.step_seconds = make(
-            Counter, "engine_step_seconds", "engine step time by phase: vision (vision tower and "
-            "prompt embedding), prefill, decode (forward + sampling)", ["model", "phase"],
-        )  # fmt: skip
+            Counter,
+            "engine_step_seconds",
+            "engine step time by phase: vision (vision tower and "
+            "prompt embedding), prefill, decode (forward + sampling)",
+            ["model", "phase"],
+        )
         self.weights_bytes = make(
             Gauge, "model_weights_bytes", "memory held by the model's weights", ["model"]
         )
         self.device_memory_bytes = make(
-            Gauge, "device_memory_bytes", "accelerator memory allocated by torch (0 on CPU)",
+            Gauge,
+            "device_memory_bytes",
+            "accelerator memory allocated by torch (0 on CPU)",
             ["model"],
-        )  # fmt: skip
+        )
         self.engine_process_rss = make(
-            Gauge, "engine_process_resident_memory_bytes",
+            Gauge,
+            "engine_process_resident_memory_bytes",
             "resident memory of the model's engine process (process_resident_memory_bytes is "
-            "the API process's)", ["model"],
-        )  # fmt: skip
+            "the API process's)",
+            ["model"],
+        )
         self._steps_seen: dict[tuple[str, str], float] = {}
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds
 
@@ -223,8 +240,9 @@ class Metrics:
         self.vllm_waiting.labels(model_name=model).set(waiting)
         self.vllm_cache_usage.labels(model_name=model).set(usage)
 
-    def set_kv_cache(self, model: str, *, preemptions: int, nbytes: int,
-                     prefix: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
+    def set_kv_cache(
+        self, model: str, *, preemptions: int, nbytes: int, prefix: tuple[int, int] = (0, 0)
+    ) -> None:
         """The engine's running totals of preemptions and of prefix-cache (queried, hit)
         tokens, and its KV cache size."""
         self._add_total("preemptions", model, preemptions)

@@ -57,8 +57,7 @@ class Services:
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def build(cls, settings: Settings, models: ModelManager, sessions: SessionManager
-              ) -> Services:  # fmt: skip
+    def build(cls, settings: Settings, models: ModelManager, sessions: SessionManager) -> Services:
         metrics = Metrics()
         converter = Converter.from_settings(settings, metrics)
         chat = ChatService(models, converter, sessions, metrics, KeyPolicy.from_settings(settings))
@@ -66,11 +65,25 @@ class Services:
         files = FilesService.from_settings(settings)
         # one resumer per manager; files: input_image file_id
         responses = ResponsesService(chat, chat_resumer=chat.resume, files=files)
-        batches = BatchesService(files, Endpoints(chat, responses, worker), models=models,
-                                 max_concurrency=settings.batch_max_concurrency,
-                                 max_unfinished=settings.batch_max_unfinished)  # fmt: skip
-        return cls(settings, models, sessions, metrics, chat, worker, TaskService(chat),
-                   responses, files, batches)  # fmt: skip
+        batches = BatchesService(
+            files,
+            Endpoints(chat, responses, worker),
+            models=models,
+            max_concurrency=settings.batch_max_concurrency,
+            max_unfinished=settings.batch_max_unfinished,
+        )
+        return cls(
+            settings,
+            models,
+            sessions,
+            metrics,
+            chat,
+            worker,
+            TaskService(chat),
+            responses,
+            files,
+            batches,
+        )
 
 
 def _state(request: Request) -> Services:

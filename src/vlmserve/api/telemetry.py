@@ -20,8 +20,14 @@ from fastapi import FastAPI
 
 __all__ = ["fastapi_telemetry"]
 
-_UNCONFIGURED = {"ProxyTracerProvider", "_ProxyMeterProvider", "ProxyLoggerProvider",
-                 "NoOpTracerProvider", "NoOpMeterProvider", "NoOpLoggerProvider"}  # fmt: skip
+_UNCONFIGURED = {
+    "ProxyTracerProvider",
+    "_ProxyMeterProvider",
+    "ProxyLoggerProvider",
+    "NoOpTracerProvider",
+    "NoOpMeterProvider",
+    "NoOpLoggerProvider",
+}
 _OFF = {"tracing": False, "metrics": False, "logs": False}
 
 
@@ -42,6 +48,9 @@ def _providers_configured() -> bool:
         from opentelemetry import _logs, metrics, trace  # installed with FastAPI 0.165+
     except ImportError:
         return False
-    providers = (trace.get_tracer_provider(), metrics.get_meter_provider(),
-                 _logs.get_logger_provider())  # fmt: skip
+    providers = (
+        trace.get_tracer_provider(),
+        metrics.get_meter_provider(),
+        _logs.get_logger_provider(),
+    )
     return any(type(p).__name__ not in _UNCONFIGURED for p in providers)

@@ -87,8 +87,10 @@ class CappedHttpToolsProtocol(HttpToolsProtocol):
         self._head_open, self._head_bytes, self._tail = True, 0, b""  # keep-alive: the next one
 
     def _refuse(self) -> None:
-        self._close_with(b"431 Request Header Fields Too Large",
-                         f"request head larger than {self.max_head_bytes} bytes")
+        self._close_with(
+            b"431 Request Header Fields Too Large",
+            f"request head larger than {self.max_head_bytes} bytes",
+        )
 
     def _close_with(self, status: bytes, msg: str) -> None:
         self._stop_head_timer()

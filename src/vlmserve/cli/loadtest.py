@@ -26,8 +26,9 @@ def parse_size(text: str | None) -> tuple[int, int] | None:
         return None
     width, sep, height = text.lower().partition("x")
     if not sep or not width.isdigit() or not height.isdigit() or int(width) * int(height) == 0:
-        raise typer.BadParameter(f"expected WIDTHxHEIGHT such as 448x448, got {text!r}",
-                                 param_hint="--image")  # fmt: skip
+        raise typer.BadParameter(
+            f"expected WIDTHxHEIGHT such as 448x448, got {text!r}", param_hint="--image"
+        )
     return int(width), int(height)
 
 
@@ -77,11 +78,27 @@ def command(
 ) -> None:
     """Load a server with streaming chat requests; print TTFT/TPOT/ITL/E2E and throughput."""
     cfg = LoadConfig(
-        base_url=url, model=model, concurrency=concurrency, requests=requests, rate=rate,
-        image=parse_size(image), video_frames=video, max_tokens=max_tokens,
-        prompt_words=prompt_words, ignore_eos=ignore_eos, seed=seed, slo_ttft_ms=slo_ttft_ms,
-        slo_tpot_ms=slo_tpot_ms, api_key=api_key, timeout=timeout, distinct_media=distinct_media,
-    )  # fmt: skip
+        base_url=url,
+        model=model,
+        concurrency=concurrency,
+        requests=requests,
+        rate=rate,
+        image=parse_size(image),
+        video_frames=video,
+        max_tokens=max_tokens,
+        prompt_words=prompt_words,
+        ignore_eos=ignore_eos,
+        seed=seed,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_tpot_ms=slo_tpot_ms,
+        api_key=api_key,
+        timeout=timeout,
+        distinct_media=distinct_media,
+    )
+    _run_and_report(cfg, json_out)
+
+
+def _run_and_report(cfg: LoadConfig, json_out: _Opt[Path]) -> None:
     err = Console(stderr=True)
     try:
         report = _run(cfg, err)

@@ -69,12 +69,20 @@ def demo(
     )
     models = [
         {"name": "tiny-qwen2-vl", "source": str(path), "roles": ["chat", "caption"]},
-        {"name": "tiny-vlm2vec", "source": str(path), "adapter": str(adapter),
-         "roles": ["embedding"]},
-    ]  # fmt: skip
+        {
+            "name": "tiny-vlm2vec",
+            "source": str(path),
+            "adapter": str(adapter),
+            "roles": ["embedding"],
+        },
+    ]
     try:
         settings = load_settings(
-            config, models=models, host=host, port=port, exit_on_load_failure=True,
+            config,
+            models=models,
+            host=host,
+            port=port,
+            exit_on_load_failure=True,
             strict_fields=strict_fields or None,
         )
     except (ConfigError, ValueError) as exc:

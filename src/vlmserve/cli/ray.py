@@ -108,8 +108,10 @@ def _serve_direct(name: str, host: str) -> None:
     # the replicas bind the HTTP host; one that is not every interface is where they answer
     urls = ingress_urls(name, None if host in ("0.0.0.0", "::", "") else host)
     if not urls:
-        console.print("[yellow]note:[/] no ingress replica serves its own port (is direct "
-                      "ingress on in this cluster?)")  # fmt: skip
+        console.print(
+            "[yellow]note:[/] no ingress replica serves its own port (is direct "
+            "ingress on in this cluster?)"
+        )
     for url in urls:
         console.print(f"vlmserve on Ray Serve (direct ingress): {url}")
     try:

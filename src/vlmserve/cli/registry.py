@@ -274,8 +274,19 @@ def discover(
         table.add_column(column, no_wrap=column == "name")
     for e in entries:
         size = f"{(e.size_bytes or 0) / 2**20:,.1f} MiB"
-        table.add_row(*map(escape, [e.name, e.architecture or "", ", ".join(
-            e.capabilities.enabled()), e.quantization or "", size, e.source or ""]))  # fmt: skip
+        table.add_row(
+            *map(
+                escape,
+                [
+                    e.name,
+                    e.architecture or "",
+                    ", ".join(e.capabilities.enabled()),
+                    e.quantization or "",
+                    size,
+                    e.source or "",
+                ],
+            )
+        )
     Console().print(table)
     if write:
         out = discovered or Path("registry.discovered.toml")

@@ -30,21 +30,50 @@ console = Console(stderr=True)
 INTERNAL = ("exit_on_load_failure", "models")
 # Settings with no flag: VLMSERVE_<NAME> or the --config TOML file.
 ENV_ONLY = (
-    "registry_discovered", "on_demand_activation", "drain_timeout_seconds",
-    "activation_timeout_seconds", "embed_max_batch_size", "embed_batch_wait_ms",
-    "upstream_health_interval", "upstream_max_failures", "upstream_eject_seconds",
+    "registry_discovered",
+    "on_demand_activation",
+    "drain_timeout_seconds",
+    "activation_timeout_seconds",
+    "embed_max_batch_size",
+    "embed_batch_wait_ms",
+    "upstream_health_interval",
+    "upstream_max_failures",
+    "upstream_eject_seconds",
     "gateway_passthrough",
-    "register_url", "advertise_url", "gateway_key", "max_video_pixels",
-    "max_video_decode_frames", "media_image_formats", "media_fetch_timeout",
-    "media_max_redirects", "media_allow_private_networks", "max_n", "logprobs_mode",
+    "register_url",
+    "advertise_url",
+    "gateway_key",
+    "max_video_pixels",
+    "max_video_decode_frames",
+    "media_image_formats",
+    "media_fetch_timeout",
+    "media_max_redirects",
+    "media_allow_private_networks",
+    "max_n",
+    "logprobs_mode",
     "metrics_public",
-    "idle_seconds", "idle_check_interval", "idle_command", "activity_file", "deregister_url",
-    "deregister_command", "instance_id", "deregister_timeout", "sessions_db_path",
-    "sessions_ttl_seconds", "cancel_after_disconnect_seconds", "stream_ring_size",
-    "files_dir", "files_max_bytes", "files_quota_bytes", "files_ttl_seconds",
-    "batch_max_concurrency", "max_concurrent_per_key", "batch_max_unfinished",
-    "request_head_timeout", "max_chars_per_token",
-)  # fmt: skip
+    "idle_seconds",
+    "idle_check_interval",
+    "idle_command",
+    "activity_file",
+    "deregister_url",
+    "deregister_command",
+    "instance_id",
+    "deregister_timeout",
+    "sessions_db_path",
+    "sessions_ttl_seconds",
+    "cancel_after_disconnect_seconds",
+    "stream_ring_size",
+    "files_dir",
+    "files_max_bytes",
+    "files_quota_bytes",
+    "files_ttl_seconds",
+    "batch_max_concurrency",
+    "max_concurrent_per_key",
+    "batch_max_unfinished",
+    "request_head_timeout",
+    "max_chars_per_token",
+)
 # Repeatable flags whose values may also be comma lists, and the setting each adds to.
 LIST_FLAGS = {
     "api_key": "api_keys",
@@ -55,8 +84,12 @@ LIST_FLAGS = {
 
 CONFIG_HELP = "TOML file with settings (flags and VLMSERVE_* variables win)."
 MODEL, SERVER, ENGINE, REQUESTS, LIFECYCLE = (
-    "Model", "Server and auth", "Engine", "Requests: defaults and limits", "Lifecycle and streams",
-)  # fmt: skip
+    "Model",
+    "Server and auth",
+    "Engine",
+    "Requests: defaults and limits",
+    "Lifecycle and streams",
+)
 
 
 def _key_help(what: str, env: str) -> str:
@@ -70,57 +103,96 @@ def _key_help(what: str, env: str) -> str:
 HELP = {
     "model": (MODEL, "Local model directory, or hub repo id ORG/NAME."),
     "served_model_name": (MODEL, "Name clients put in `model` (default: the directory's name)."),
-    "registry": (MODEL, "Registry file (TOML/JSON): hf entries load here, openai/vllm "
-                        "entries are proxied."),
+    "registry": (
+        MODEL,
+        "Registry file (TOML/JSON): hf entries load here, openai/vllm entries are proxied.",
+    ),
     "device": (MODEL, "auto | cpu | cuda | cuda:N."),
     "dtype": (MODEL, "auto | bfloat16 | float16 | float32; auto: bf16 on GPU, fp32 on CPU."),
     "attn_implementation": (MODEL, "sdpa | eager | flash_attention_2 (default: the model's)."),
     "trust_remote_code": (MODEL, "Run model code shipped with the checkpoint."),
-    "min_pixels": (MODEL, "Smallest image size after resizing, in pixels (default: the "
-                          "model's)."),
+    "min_pixels": (MODEL, "Smallest image size after resizing, in pixels (default: the model's)."),
     "max_pixels": (MODEL, "Largest image size after resizing, in pixels (default: the model's)."),
     "max_model_len": (MODEL, "Prompt + completion token limit."),
-    "reasoning_parser": (MODEL, "qwen3 | deepseek_r1: a thinking model's reasoning goes to "
-                                "`reasoning` (default: detected from the chat template)."),
-    "tool_call_parser": (MODEL, "hermes: how tool calls are read from the answer (default: "
-                                "hermes, for requests with `tools`)."),
-    "chat_template": (MODEL, "Chat template replacing the checkpoint's: a .jinja file or the "
-                             "template text (checked when the model loads)."),
+    "reasoning_parser": (
+        MODEL,
+        "qwen3 | deepseek_r1: a thinking model's reasoning goes to "
+        "`reasoning` (default: detected from the chat template).",
+    ),
+    "tool_call_parser": (
+        MODEL,
+        "hermes: how tool calls are read from the answer (default: "
+        "hermes, for requests with `tools`).",
+    ),
+    "chat_template": (
+        MODEL,
+        "Chat template replacing the checkpoint's: a .jinja file or the "
+        "template text (checked when the model loads).",
+    ),
     "host": (SERVER, "Address to bind."),
     "port": (SERVER, "Port."),
     "log_level": (SERVER, "debug | info | warning | error."),
-    "cors_allow_origins": (SERVER, "Browser origin allowed to call the API, e.g. "
-                                   "http://localhost:3000 (repeatable or a comma list; default: "
-                                   "none)."),
-    "api_keys": (SERVER, _key_help("Key required on /v1 and the worker routes",
-                                   "VLMSERVE_API_KEYS")),
-    "admin_keys": (SERVER, _key_help("Key that opens /admin (closed without one)",
-                                     "VLMSERVE_ADMIN_KEYS")),
+    "cors_allow_origins": (
+        SERVER,
+        "Browser origin allowed to call the API, e.g. "
+        "http://localhost:3000 (repeatable or a comma list; default: "
+        "none).",
+    ),
+    "api_keys": (
+        SERVER,
+        _key_help("Key required on /v1 and the worker routes", "VLMSERVE_API_KEYS"),
+    ),
+    "admin_keys": (
+        SERVER,
+        _key_help("Key that opens /admin (closed without one)", "VLMSERVE_ADMIN_KEYS"),
+    ),
     "max_queued_requests": (SERVER, "Requests waiting per model before 429."),
-    "prefix_cache_scope": (SERVER, "key | global: with API keys, prefix-cache blocks shared "
-                                   "only within a key, or between keys."),
+    "prefix_cache_scope": (
+        SERVER,
+        "key | global: with API keys, prefix-cache blocks shared "
+        "only within a key, or between keys.",
+    ),
     "ui": (SERVER, "Serve the web console at / (--no-ui: the API only)."),
-    "max_num_seqs": (ENGINE, "Sequences decoded together (continuous batching); 1 = one at "
-                             "a time."),
+    "max_num_seqs": (
+        ENGINE,
+        "Sequences decoded together (continuous batching); 1 = one at a time.",
+    ),
     "max_num_batched_tokens": (ENGINE, "Prompt tokens prefilled per engine step."),
     "vision_cache_bytes": (ENGINE, "Vision-tower outputs cached by image content; 0 = off."),
     "processor_cache_bytes": (ENGINE, "Preprocessed images cached by content; 0 = off."),
-    "stream_interval": (ENGINE, "Tokens per stream event when 4+ requests decode; 1 = each "
-                                "token."),
-    "kv_cache_memory": (ENGINE, "KV cache budget per model: bytes or a size (512MiB, 4GiB); "
-                                "0 = auto (docs/engine.md). A prompt that can never fit is a "
-                                "400."),
-    "gpu_memory_utilization": (ENGINE, "Share of the GPU a model may use: weights, KV cache "
-                                       "and a prefill's activations (measured at load)."),
-    "enable_prefix_caching": (ENGINE, "Reuse the K/V of prompts' cached full blocks (a shared "
-                                      "system prompt, the same image again): less prefill."),
-    "cuda_graphs": (ENGINE, "CUDA (experimental): decode attention reads the paged KV cache "
-                            "in place and each decode step replays a CUDA graph."),
-    "enforce_eager": (ENGINE, "With --cuda-graphs: run each decode step eagerly instead of "
-                              "replaying its CUDA graph (slower; for debugging)."),
-    "engine_process": (ENGINE, "Each chat model's engine in its own process: HTTP and "
-                               "streaming do not share its GIL, a crashed one is restarted "
-                               "(--no-engine-process: in this process)."),
+    "stream_interval": (ENGINE, "Tokens per stream event when 4+ requests decode; 1 = each token."),
+    "kv_cache_memory": (
+        ENGINE,
+        "KV cache budget per model: bytes or a size (512MiB, 4GiB); "
+        "0 = auto (docs/engine.md). A prompt that can never fit is a "
+        "400.",
+    ),
+    "gpu_memory_utilization": (
+        ENGINE,
+        "Share of the GPU a model may use: weights, KV cache "
+        "and a prefill's activations (measured at load).",
+    ),
+    "enable_prefix_caching": (
+        ENGINE,
+        "Reuse the K/V of prompts' cached full blocks (a shared "
+        "system prompt, the same image again): less prefill.",
+    ),
+    "cuda_graphs": (
+        ENGINE,
+        "CUDA (experimental): decode attention reads the paged KV cache "
+        "in place and each decode step replays a CUDA graph.",
+    ),
+    "enforce_eager": (
+        ENGINE,
+        "With --cuda-graphs: run each decode step eagerly instead of "
+        "replaying its CUDA graph (slower; for debugging).",
+    ),
+    "engine_process": (
+        ENGINE,
+        "Each chat model's engine in its own process: HTTP and "
+        "streaming do not share its GIL, a crashed one is restarted "
+        "(--no-engine-process: in this process).",
+    ),
     "max_tokens": (REQUESTS, "`max_tokens` of a request that gives none."),
     "temperature": (REQUESTS, "`temperature` of a request that gives none."),
     "max_body_bytes": (REQUESTS, "Request body limit (413 before parsing)."),
@@ -128,18 +200,27 @@ HELP = {
     "max_media_bytes": (REQUESTS, "Bytes per image or video."),
     "max_image_pixels": (REQUESTS, "Width x height per image, checked before decoding."),
     "max_video_frames": (REQUESTS, "Frames sampled per video."),
-    "allowed_local_media_path": (REQUESTS, "Directory that local media paths may be read from "
-                                           "(repeatable; default: none)."),
-    "strict_fields": (REQUESTS, "A request field this server does not know is a 400 (default: "
-                                "accepted and named in the log)."),
+    "allowed_local_media_path": (
+        REQUESTS,
+        "Directory that local media paths may be read from (repeatable; default: none).",
+    ),
+    "strict_fields": (
+        REQUESTS,
+        "A request field this server does not know is a 400 (default: "
+        "accepted and named in the log).",
+    ),
     "load_on_startup": (LIFECYCLE, "Load models on their first request, not at start-up."),
     "keep_alive": (LIFECYCLE, "Idle seconds before a model unloads; -1 = never."),
-    "max_loaded_models": (LIFECYCLE, "Models loaded at once (the least recently used unloads "
-                                     "first); 0 = no cap."),
-    "persist_sessions": (LIFECYCLE, "Keep stream events in SQLite: streams resume after a "
-                                    "restart."),
+    "max_loaded_models": (
+        LIFECYCLE,
+        "Models loaded at once (the least recently used unloads first); 0 = no cap.",
+    ),
+    "persist_sessions": (
+        LIFECYCLE,
+        "Keep stream events in SQLite: streams resume after a restart.",
+    ),
     "redis_url": (LIFECYCLE, "redis://HOST:PORT/DB: share streams between server replicas."),
-}  # fmt: skip
+}
 
 
 def _with_default(field: str, text: str) -> str:
@@ -193,8 +274,9 @@ def command(
     stream_interval: Annotated[Int, _opt("stream_interval")] = None,
     kv_cache_memory: Annotated[Str, _opt("kv_cache_memory")] = None,
     gpu_memory_utilization: Annotated[Float, _opt("gpu_memory_utilization")] = None,
-    enable_prefix_caching: Annotated[Bool, _opt("enable_prefix_caching",
-                                                "--enable-prefix-caching")] = None,
+    enable_prefix_caching: Annotated[
+        Bool, _opt("enable_prefix_caching", "--enable-prefix-caching")
+    ] = None,
     cuda_graphs: Annotated[Bool, _opt("cuda_graphs", "--cuda-graphs")] = None,
     enforce_eager: Annotated[Bool, _opt("enforce_eager", "--enforce-eager")] = None,
     no_engine_process: Annotated[Bool, _opt("engine_process", "--no-engine-process")] = None,
@@ -213,9 +295,16 @@ def command(
     max_loaded_models: Annotated[Int, _opt("max_loaded_models")] = None,
     persist_sessions: Annotated[Bool, _opt("persist_sessions", "--persist-sessions")] = None,
     redis_url: Annotated[Str, _opt("redis_url")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help=CONFIG_HELP,  # noqa: UP045
-                                                   rich_help_panel=SERVER)] = None,
-) -> None:  # fmt: skip
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help=CONFIG_HELP,
+            rich_help_panel=SERVER,
+        ),
+    ] = None,
+) -> None:
     """Serve a model over the OpenAI API (chat completions with images and video, streams).
 
     Flags override VLMSERVE_* variables, which override the --config file (see the README).
@@ -233,8 +322,12 @@ def command(
     except (ConfigError, ValueError) as exc:
         fail(exc)
     if not settings.model_configs() and not settings.registry:
-        fail(ConfigError("no model given: pass --model PATH_OR_REPO, --registry FILE, or "
-                         "[[models]] in --config"))  # fmt: skip
+        fail(
+            ConfigError(
+                "no model given: pass --model PATH_OR_REPO, --registry FILE, or "
+                "[[models]] in --config"
+            )
+        )
     run(settings)
 
 

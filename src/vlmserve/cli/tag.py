@@ -69,8 +69,12 @@ def _failures_table(summary: Summary) -> Table:
 
 async def _run(options: TagOptions, skip_preflight: bool) -> Summary:
     files = find_media(options.root)
-    client = TagClient(options.server, api_key=options.api_key,
-                       concurrency=options.concurrency, timeout=options.timeout)  # fmt: skip
+    client = TagClient(
+        options.server,
+        api_key=options.api_key,
+        concurrency=options.concurrency,
+        timeout=options.timeout,
+    )
     async with client:
         models = await resolve_models(client, options)
         console.print("models: " + ", ".join(f"{t} → {m}" for t, m in models.items()))
@@ -120,12 +124,18 @@ def command(
         console.print(f"[bold red]error:[/] {directory} is not a folder")
         raise typer.Exit(2)
     options = TagOptions(
-        root=directory, server=server, model=model,
-        roles={"caption": caption_role, "keywords": keyword_role,
-               "description": description_role},
-        out=out.value, concurrency=concurrency, force=force, api_key=api_key,
-        max_keywords=max_keywords, max_tokens=max_tokens, timeout=timeout,
-    )  # fmt: skip
+        root=directory,
+        server=server,
+        model=model,
+        roles={"caption": caption_role, "keywords": keyword_role, "description": description_role},
+        out=out.value,
+        concurrency=concurrency,
+        force=force,
+        api_key=api_key,
+        max_keywords=max_keywords,
+        max_tokens=max_tokens,
+        timeout=timeout,
+    )
     try:
         summary = asyncio.run(_run(options, skip_preflight))
     except RequestFailed as exc:

@@ -47,9 +47,13 @@ class LoadConfig:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the flag to fix."""
-        positive = {"--concurrency": self.concurrency, "--requests": self.requests,
-                    "--max-tokens": self.max_tokens, "--prompt-words": self.prompt_words,
-                    "--timeout": self.timeout}  # fmt: skip
+        positive = {
+            "--concurrency": self.concurrency,
+            "--requests": self.requests,
+            "--max-tokens": self.max_tokens,
+            "--prompt-words": self.prompt_words,
+            "--timeout": self.timeout,
+        }
         if self.video_frames is not None:
             positive["--video"] = self.video_frames
         if self.rate is not None:
@@ -74,17 +78,33 @@ async def run_load(
     when the server can't be reached (or refuses the API key) before the first request."""
     cfg.check()
     bodies = build_bodies(
-        model=cfg.model, requests=cfg.requests, max_tokens=cfg.max_tokens,
-        prompt_words=cfg.prompt_words, ignore_eos=cfg.ignore_eos, seed=cfg.seed,
-        image=cfg.image, video_frames=cfg.video_frames, distinct_media=cfg.distinct_media,
-    )  # fmt: skip
-    client = open_client(cfg.base_url, api_key=cfg.api_key, timeout=cfg.timeout,
-                         transport=transport, connections=cfg.concurrency)  # fmt: skip
+        model=cfg.model,
+        requests=cfg.requests,
+        max_tokens=cfg.max_tokens,
+        prompt_words=cfg.prompt_words,
+        ignore_eos=cfg.ignore_eos,
+        seed=cfg.seed,
+        image=cfg.image,
+        video_frames=cfg.video_frames,
+        distinct_media=cfg.distinct_media,
+    )
+    client = open_client(
+        cfg.base_url,
+        api_key=cfg.api_key,
+        timeout=cfg.timeout,
+        transport=transport,
+        connections=cfg.concurrency,
+    )
     async with client:
         await _reachable(client, cfg)
         records, duration = await _drive(client, cfg, bodies, progress)
-    return build_report(records, duration, slo_ttft_ms=cfg.slo_ttft_ms,
-                        slo_tpot_ms=cfg.slo_tpot_ms, config=_echo(cfg))  # fmt: skip
+    return build_report(
+        records,
+        duration,
+        slo_ttft_ms=cfg.slo_ttft_ms,
+        slo_tpot_ms=cfg.slo_tpot_ms,
+        config=_echo(cfg),
+    )
 
 
 async def _reachable(client: httpx.AsyncClient, cfg: LoadConfig) -> None:
@@ -135,8 +155,12 @@ def _echo(cfg: LoadConfig) -> dict:
 
 
 def _ms(summary: Summary) -> list[str]:
-    return [f"{summary.mean:.2f}", f"{summary.median:.2f}", f"{summary.p90:.2f}",
-            f"{summary.p99:.2f}"]  # fmt: skip
+    return [
+        f"{summary.mean:.2f}",
+        f"{summary.median:.2f}",
+        f"{summary.p90:.2f}",
+        f"{summary.p99:.2f}",
+    ]
 
 
 def render_report(report: LoadReport) -> Table:
@@ -161,8 +185,12 @@ def render_report(report: LoadReport) -> Table:
     for label, value in rows:
         table.add_row(label, value)
     table.add_section()
-    latencies = {"TTFT (ms)": report.ttft_ms, "TPOT (ms)": report.tpot_ms,
-                 "ITL (ms)": report.itl_ms, "E2E latency (ms)": report.e2e_ms}  # fmt: skip
+    latencies = {
+        "TTFT (ms)": report.ttft_ms,
+        "TPOT (ms)": report.tpot_ms,
+        "ITL (ms)": report.itl_ms,
+        "E2E latency (ms)": report.e2e_ms,
+    }
     for label, summary in latencies.items():
         table.add_row(label, *_ms(summary))
     return table

@@ -57,8 +57,13 @@ class PreflightReport:
 
     def to_dict(self) -> dict[str, Any]:
         checks = [{**asdict(c), "status": c.status} for c in self.checks]
-        return {"url": self.url, "model": self.model, "ok": self.ok, "failed": self.failed,
-                "checks": checks}  # fmt: skip
+        return {
+            "url": self.url,
+            "model": self.model,
+            "ok": self.ok,
+            "failed": self.failed,
+            "checks": checks,
+        }
 
 
 async def run_preflight(
@@ -169,8 +174,12 @@ class _Probe:
         if vision:
             image = {"type": "image_url", "image_url": {"url": data_url(pixel_png(), "image/png")}}
             content = [image, {"type": "text", "text": "What colour is this pixel?"}]
-        body = {"model": model, "messages": [{"role": "user", "content": content}],
-                "max_tokens": 8, "temperature": 0}  # fmt: skip
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
         name = "vision_chat" if vision else "text_chat"
         call = lambda: self.client.post("/v1/chat/completions", json=body)  # noqa: E731
         response, result = await self._timed(name, call)

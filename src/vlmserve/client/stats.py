@@ -84,8 +84,12 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> Summary:
     if not values:
         return Summary()
     mean = math.fsum(values) / len(values)
-    return Summary(mean * scale, percentile(values, 50) * scale,
-                   percentile(values, 90) * scale, percentile(values, 99) * scale)  # fmt: skip
+    return Summary(
+        mean * scale,
+        percentile(values, 50) * scale,
+        percentile(values, 90) * scale,
+        percentile(values, 99) * scale,
+    )
 
 
 @dataclass(slots=True)

@@ -278,5 +278,9 @@ def _one_choice(request: GenerateRequest, index: int, tokens: list[int]) -> Gene
     sampling = dataclasses.replace(
         request.sampling, n=1, seed=None if seed is None else seed + index
     )
-    return dataclasses.replace(request, request_id=f"{request.request_id}-choice{index}",
-                               sampling=sampling, prefix_token_ids=list(tokens))  # fmt: skip
+    return dataclasses.replace(
+        request,
+        request_id=f"{request.request_id}-choice{index}",
+        sampling=sampling,
+        prefix_token_ids=list(tokens),
+    )

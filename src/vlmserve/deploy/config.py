@@ -178,7 +178,7 @@ def _with_registry(settings: Settings) -> tuple[Settings, list[dict[str, Any]]]:
         e.to_model_config().model_copy(update={"keep_alive": e.keep_alive})
         for e in entries
         if e.backend == "hf"
-    ]  # fmt: skip (keep_alive: Ray's scale-down)
+    ]  # keep_alive: Ray's scale-down
     given = settings.model_configs()  # [[models]], or the single --model
     clash = sorted({m.served_name for m in hf} & {m.served_name for m in given})
     if clash:

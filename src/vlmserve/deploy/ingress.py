@@ -97,8 +97,12 @@ def ray_models(
 class Ingress:
     """One HTTP replica (see the module docstring); ``handles``: model name -> deployment."""
 
-    async def __init__(self, settings: dict[str, Any], handles: dict[str, DeploymentHandle],
-                       entries: list[dict[str, Any]] | None = None):  # fmt: skip
+    async def __init__(
+        self,
+        settings: dict[str, Any],
+        handles: dict[str, DeploymentHandle],
+        entries: list[dict[str, Any]] | None = None,
+    ):
         self.settings = Settings.model_validate(settings)
         self.handles = handles
         self.entries = entries or []  # the registry file's, read where the app was built

@@ -56,8 +56,9 @@ class OutputParsers:
     reasoning_end: str | None = None
 
     @classmethod
-    def build(cls, options: OutputOptions, reasoning: str | None, tools: str | None,
-              prompt: str) -> OutputParsers:  # fmt: skip
+    def build(
+        cls, options: OutputOptions, reasoning: str | None, tools: str | None, prompt: str
+    ) -> OutputParsers:
         thinking = REASONING_PARSERS[reasoning].stream(prompt=prompt) if reasoning else None
         calls = None
         if options.parse_tools and not options.enforced_tool_calls:
@@ -114,8 +115,9 @@ def _delta(index: int, call: ToolCall) -> dict[str, Any]:
     return {"index": index, **call.to_openai()}
 
 
-async def parse_outputs(chunks: AsyncIterator[Chunk], parsers: OutputParsers
-                        ) -> AsyncIterator[Chunk]:  # fmt: skip
+async def parse_outputs(
+    chunks: AsyncIterator[Chunk], parsers: OutputParsers
+) -> AsyncIterator[Chunk]:
     """Split each chunk's text into reasoning / content / tool calls (see the module doc)."""
     try:
         async for chunk in _parsed(chunks, parsers):

@@ -28,8 +28,9 @@ class PassedStream:
 
 
 class PassedStreams:
-    def __init__(self, ttl: float, max_entries: int = 65_536,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self, ttl: float, max_entries: int = 65_536, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
         self._clock = clock
@@ -38,8 +39,14 @@ class PassedStreams:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def add(self, names: list[str], backend: Any, replica_url: str,
-            rename: tuple[bytes, bytes] | None = None, owner: str = "") -> None:  # fmt: skip
+    def add(
+        self,
+        names: list[str],
+        backend: Any,
+        replica_url: str,
+        rename: tuple[bytes, bytes] | None = None,
+        owner: str = "",
+    ) -> None:
         """Route each of ``names`` (the session id, the completion id) to the replica."""
         now = self._clock()
         entry = PassedStream(backend, replica_url, rename, now + self.ttl, owner)

@@ -58,8 +58,12 @@ __all__ = ["PassthroughMiddleware"]
 CHAT = "/v1/chat/completions"
 _REQUEST_HEADERS = ("accept", "last-event-id", "content-type")
 _COMPLETION_ID = re.compile(rb'"id":\s*"(chatcmpl-[A-Za-z0-9_-]{1,200})"')
-_MEDIA = {"image_url": "vision", "input_image": "vision", "video_url": "video",
-          "input_video": "video"}  # fmt: skip
+_MEDIA = {
+    "image_url": "vision",
+    "input_image": "vision",
+    "video_url": "video",
+    "input_video": "video",
+}
 
 
 @dataclass(slots=True)
@@ -162,8 +166,11 @@ class PassthroughMiddleware:
         if backend.state is ModelState.READY and not backend.passes_streams():
             return None  # not loaded yet: asked again once the lease has loaded it
         ours = backend.model_id  # what the chunks name, as on the full path
-        rename = None if upstream == ours else (
-            b'"model":' + orjson.dumps(upstream), b'"model":' + orjson.dumps(ours))  # fmt: skip
+        rename = (
+            None
+            if upstream == ours
+            else (b'"model":' + orjson.dumps(upstream), b'"model":' + orjson.dumps(ours))
+        )
         stream, needs = data.get("stream") is True, frozenset(media)
         if upstream != name:
             data["model"] = upstream
@@ -181,8 +188,11 @@ class PassthroughMiddleware:
         tokens = data.get("max_completion_tokens") or data.get("max_tokens") or 0
         if not isinstance(n, int) or not isinstance(tokens, int):
             return False
-        return (n <= settings.max_n and tokens < settings.max_model_len
-                and media <= settings.max_media_per_request)  # fmt: skip
+        return (
+            n <= settings.max_n
+            and tokens < settings.max_model_len
+            and media <= settings.max_media_per_request
+        )
 
     def _free(self, session_id: object) -> bool:
         """A client's own ``session_id`` that no stream here has: False sends it to the full
@@ -194,8 +204,9 @@ class PassthroughMiddleware:
         return True
 
     # --- passing -------------------------------------------------------------------------
-    async def _pass(self, plan: _Plan, scope: Scope, body: bytes, receive: Receive,
-                    send: Send) -> None:  # fmt: skip
+    async def _pass(
+        self, plan: _Plan, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> None:
         scope.setdefault("state", {})["model"] = plan.name  # the metrics' model label
         try:
             lease = await self.services.models.acquire(plan.name, "chat", Serves.CHAT, plan.needs)
@@ -217,8 +228,9 @@ class PassthroughMiddleware:
             self._reserved.discard(reserved or "")
             lease.release()
 
-    async def _passed(self, plan: _Plan, backend: Proxied, scope: Scope, receive: Receive,
-                      send: Send) -> None:  # fmt: skip
+    async def _passed(
+        self, plan: _Plan, backend: Proxied, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         try:
             passage = await backend.pass_stream(CHAT, plan.content, _upstream_headers(scope))
         except VlmserveError as exc:
@@ -230,8 +242,7 @@ class PassthroughMiddleware:
             names = self._remember(plan, backend, passage)
             see = lambda events: (names(events), observed(events))  # noqa: E731
             if plan.stream:
-                completed = await relay(passage, receive, send, plan.rename, see,
-                                        observed.finished)  # fmt: skip
+                completed = await relay(passage, receive, send, plan.rename, see, observed.finished)
             else:
                 completed = await relay_whole(passage, send, plan.rename, see, observed.finished)
         except VlmserveError as exc:  # the answer broke off before any of it was sent
@@ -239,8 +250,9 @@ class PassthroughMiddleware:
         finally:
             passage.close(completed)
 
-    def _remember(self, plan: _Plan, backend: Proxied, passage: PassedAnswer
-                  ) -> Callable[[bytes], None]:  # fmt: skip
+    def _remember(
+        self, plan: _Plan, backend: Proxied, passage: PassedAnswer
+    ) -> Callable[[bytes], None]:
         """Route the stream's session id now, its completion id once the first event has it."""
         url = passage.replica_url
         session_id = passage.headers.get("x-session-id")
@@ -256,8 +268,9 @@ class PassthroughMiddleware:
 
         return see
 
-    async def _forward(self, passed: PassedStream, scope: Scope, body: bytes, receive: Receive,
-                       send: Send) -> None:  # fmt: skip
+    async def _forward(
+        self, passed: PassedStream, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> None:
         """A later request of a passed stream, to its replica; its answer back as it comes."""
         query = scope["query_string"].decode("latin-1")
         path = scope["path"] + (f"?{query}" if query else "")
@@ -273,8 +286,9 @@ class PassthroughMiddleware:
             await self.app(scope, replay(body, receive), send)
             return
         try:
-            answer = await backend.pass_later(passed.replica_url, scope["method"], path,
-                                              body or None, _upstream_headers(scope))
+            answer = await backend.pass_later(
+                passed.replica_url, scope["method"], path, body or None, _upstream_headers(scope)
+            )
         except VlmserveError as exc:
             lease.release()
             await error_response(exc)(scope, receive, send)
@@ -331,4 +345,3 @@ def _media_kinds(data: dict[str, Any]) -> list[str]:
 
 def _ignore(events: bytes) -> None:
     pass
-

@@ -18,8 +18,13 @@ from vlmserve.streaming.events import error_emit
 
 __all__ = ["Observed", "read_body", "relay", "relay_whole", "replay", "unless_gone"]
 
-_ANSWER_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "x-session-id",
-                   "retry-after")  # fmt: skip
+_ANSWER_HEADERS = (
+    "content-type",
+    "cache-control",
+    "x-accel-buffering",
+    "x-session-id",
+    "retry-after",
+)
 _USAGE = re.compile(rb'"usage":\{"prompt_tokens":(\d+),"completion_tokens":(\d+)')
 _TOKEN = re.compile(rb'"delta":\{"(?:content|reasoning_content|reasoning)":"[^"]')
 
@@ -50,8 +55,9 @@ class Observed:
             return
         prompt, output = (int(n) for n in self.usage)
         ttft = total if self.first is None else self.first
-        self.metrics.observe_generation(self.model, prompt_tokens=prompt, output_tokens=output,
-                                        ttft=ttft, total=total)  # fmt: skip
+        self.metrics.observe_generation(
+            self.model, prompt_tokens=prompt, output_tokens=output, ttft=ttft, total=total
+        )
 
 
 async def unless_gone(work: Coroutine[Any, Any, None], receive: Receive) -> None:
@@ -69,9 +75,12 @@ async def unless_gone(work: Coroutine[Any, Any, None], receive: Receive) -> None
 
 
 async def relay_whole(
-    response: PassedAnswer, send: Send, rename: tuple[bytes, bytes] | None,
-    see: Callable[[bytes], Any], ended: Callable[[], None],
-) -> bool:  # fmt: skip
+    response: PassedAnswer,
+    send: Send,
+    rename: tuple[bytes, bytes] | None,
+    see: Callable[[bytes], Any],
+    ended: Callable[[], None],
+) -> bool:
     """A JSON answer, read to its end before its status goes out: an upstream that breaks off
     raises (``VlmserveError``) while the client can still get an error answer."""
     body = b"".join([data async for data in response.chunks()])
@@ -79,28 +88,36 @@ async def relay_whole(
     if rename is not None:
         body = body.replace(*rename)
     ended()
-    await send({"type": "http.response.start", "status": response.status,
-                "headers": _headers(response)})  # fmt: skip
+    await send(
+        {"type": "http.response.start", "status": response.status, "headers": _headers(response)}
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})
     return True
 
 
 def _headers(response: PassedAnswer) -> list[tuple[bytes, bytes]]:
-    return [(k.encode(), v.encode()) for k in _ANSWER_HEADERS
-            if (v := response.headers.get(k)) is not None]  # fmt: skip
+    return [
+        (k.encode(), v.encode())
+        for k in _ANSWER_HEADERS
+        if (v := response.headers.get(k)) is not None
+    ]
 
 
 async def relay(
-    response: PassedAnswer, receive: Receive, send: Send,
-    rename: tuple[bytes, bytes] | None, see: Callable[[bytes], Any],
+    response: PassedAnswer,
+    receive: Receive,
+    send: Send,
+    rename: tuple[bytes, bytes] | None,
+    see: Callable[[bytes], Any],
     ended: Callable[[], None] | None = None,
-) -> bool:  # fmt: skip
+) -> bool:
     """The answer's status, its headers that matter to a client, and its body event by event
     (whole SSE messages, so a rename never meets half a name). True when read to its end; False
     when the client left first (the worker keeps the stream for a resume) or the upstream broke
     off (the client gets an error event). ``ended``: called once read to its end."""
-    await send({"type": "http.response.start", "status": response.status,
-                "headers": _headers(response)})  # fmt: skip
+    await send(
+        {"type": "http.response.start", "status": response.status, "headers": _headers(response)}
+    )
     gone = asyncio.ensure_future(_disconnected(receive))
     pending = b""
     try:
@@ -131,8 +148,9 @@ async def relay(
 
 
 def _broken() -> bytes:
-    emit = error_emit("the upstream replica broke off the stream; resume it or retry",
-                      "upstream_error")  # fmt: skip
+    emit = error_emit(
+        "the upstream replica broke off the stream; resume it or retry", "upstream_error"
+    )
     return f"data: {emit.data}\n\ndata: [DONE]\n\n".encode()
 
 

@@ -61,9 +61,13 @@ class Registration:
                 "VLMSERVE_REGISTER_URL is set but VLMSERVE_ADVERTISE_URL is not: give the base "
                 "URL the gateway should call this worker at, e.g. http://10.0.0.5:8000"
             )
-        return cls(settings.register_url, settings.advertise_url, instance=settings.instance_id,
-                   api_key=settings.gateway_key,
-                   deregister_url=settings.deregister_url)  # fmt: skip
+        return cls(
+            settings.register_url,
+            settings.advertise_url,
+            instance=settings.instance_id,
+            api_key=settings.gateway_key,
+            deregister_url=settings.deregister_url,
+        )
 
     async def register(self, models: Sequence[str]) -> bool:
         """Register every model; True when all were accepted. Never raises (start-up goes on).
@@ -93,8 +97,9 @@ class Registration:
             if attempt < self.attempts:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
-        log.error("could not register %s with %s after %d attempts", body["model"], url,
-                  self.attempts)  # fmt: skip
+        log.error(
+            "could not register %s with %s after %d attempts", body["model"], url, self.attempts
+        )
         return False
 
     async def _post(self, url: str, body: dict[str, str]) -> bool | None:

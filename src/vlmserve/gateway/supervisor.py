@@ -53,8 +53,10 @@ class SupervisorConfig:
                 'e.g. ["vllm", "serve", "/models/x", "--port", "{port}"]'
             )
         if not any(PORT in a for a in self.command):
-            raise ConfigError(f"model {self.name!r}: backend_config.command needs a {PORT} "
-                              'placeholder for the port, e.g. "--port", "{port}"')  # fmt: skip
+            raise ConfigError(
+                f"model {self.name!r}: backend_config.command needs a {PORT} "
+                'placeholder for the port, e.g. "--port", "{port}"'
+            )
 
 
 class Supervisor:
@@ -100,9 +102,13 @@ class Supervisor:
         log.info("starting %s: %s (log: %s)", self.config.name, " ".join(argv), self.log_path)
         try:
             self.process = subprocess.Popen(
-                argv, env={**os.environ, **self.config.env}, stdin=subprocess.DEVNULL,
-                stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                argv,
+                env={**os.environ, **self.config.env},
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         except OSError as exc:
             self._close_log()
             raise ConfigError(f"model {self.config.name!r}: cannot run {argv[0]!r}: {exc}") from exc
@@ -127,9 +133,11 @@ class Supervisor:
                     if (await client.get(self.url + "/health")).is_success:
                         return
                 await asyncio.sleep(0.25)
-        raise RuntimeError(f"{self.config.name} did not answer /health within "
-                           f"{self.config.health_timeout:.0f}s (backend_config.health_timeout); "
-                           f"{self._tail()}")  # fmt: skip
+        raise RuntimeError(
+            f"{self.config.name} did not answer /health within "
+            f"{self.config.health_timeout:.0f}s (backend_config.health_timeout); "
+            f"{self._tail()}"
+        )
 
     def stop(self) -> int | None:
         """SIGTERM to the process group, SIGKILL after ``stop_timeout``; returns the status."""
@@ -142,8 +150,11 @@ class Supervisor:
             try:
                 code = process.wait(self.config.stop_timeout)
             except subprocess.TimeoutExpired:
-                log.warning("%s ignored SIGTERM for %.0fs; killing it", self.config.name,
-                            self.config.stop_timeout)  # fmt: skip
+                log.warning(
+                    "%s ignored SIGTERM for %.0fs; killing it",
+                    self.config.name,
+                    self.config.stop_timeout,
+                )
                 _signal_group(process.pid, signal.SIGKILL)
                 code = process.wait()
         _signal_group(process.pid, signal.SIGKILL)  # children that outlived their parent
@@ -151,8 +162,13 @@ class Supervisor:
         return code
 
     def describe(self) -> dict[str, Any]:
-        return {"pid": self.pid, "port": self.port, "log": str(self.log_path),
-                "returncode": self.returncode, "started_at": self.started_at}  # fmt: skip
+        return {
+            "pid": self.pid,
+            "port": self.port,
+            "log": str(self.log_path),
+            "returncode": self.returncode,
+            "started_at": self.started_at,
+        }
 
     def _tail(self, lines: int = 5) -> str:
         try:

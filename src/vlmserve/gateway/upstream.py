@@ -161,8 +161,12 @@ class UpstreamBackend(PassThrough, Proxied):
                 closing.add_done_callback(self._background.discard)
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "upstream_model": self.config.model,
-                "replicas": self.pool.describe(), "queued": self.pool.admitted}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "upstream_model": self.config.model,
+            "replicas": self.pool.describe(),
+            "queued": self.pool.admitted,
+        }
 
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
@@ -207,15 +211,17 @@ class UpstreamBackend(PassThrough, Proxied):
     async def _check_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval)
-            await asyncio.gather(*(self.check(r) for r in list(self.pool.replicas)),
-                                 return_exceptions=True)  # fmt: skip
+            await asyncio.gather(
+                *(self.check(r) for r in list(self.pool.replicas)), return_exceptions=True
+            )
 
     async def _preflight(self, replica: Replica) -> None:
         try:
             from vlmserve.client.preflight import run_preflight
         except ImportError:
-            log.warning("vlmserve.client.preflight is not available; %s not preflighted",
-                        replica.url)  # fmt: skip
+            log.warning(
+                "vlmserve.client.preflight is not available; %s not preflighted", replica.url
+            )
             return
         try:
             report = await run_preflight(
@@ -231,8 +237,12 @@ class UpstreamBackend(PassThrough, Proxied):
         reason = f"{failing[0].name}: {failing[0].detail}" if failing else "failed"
         self.pool.preflight(replica, report.ok, None if report.ok else reason)
         if not report.ok:
-            log.warning("upstream %s of %s fails preflight (%s); not routing to it",
-                        replica.url, self.model_id, reason)  # fmt: skip
+            log.warning(
+                "upstream %s of %s fails preflight (%s); not routing to it",
+                replica.url,
+                self.model_id,
+                reason,
+            )
 
     # --- requests ----------------------------------------------------------------------------
     async def prepare(self, request: GenerateRequest) -> UpstreamStream:
@@ -372,8 +382,11 @@ class UpstreamBackend(PassThrough, Proxied):
         if client is None:
             return
         with contextlib.suppress(*RETRYABLE, VlmserveError):
-            await client.request("POST", f"{replica.url}/v1/cancel/{upstream_id}",
-                                 timeout=self.config.connect_timeout)  # fmt: skip
+            await client.request(
+                "POST",
+                f"{replica.url}/v1/cancel/{upstream_id}",
+                timeout=self.config.connect_timeout,
+            )
 
     async def relay(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """The same endpoint on one of the replicas, under the upstream's model name."""
@@ -386,9 +399,11 @@ class UpstreamBackend(PassThrough, Proxied):
         self.pool.admit()
         try:
             replica, response = await self._first_success(
-                set(), lambda replica: client.open("POST", replica.url + path,
-                                                   content=encode_body(body), headers=_JSON_HEADERS)
-            )  # fmt: skip
+                set(),
+                lambda replica: client.open(
+                    "POST", replica.url + path, content=encode_body(body), headers=_JSON_HEADERS
+                ),
+            )
             try:
                 content = await response.read()
             finally:

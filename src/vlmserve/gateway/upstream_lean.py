@@ -117,8 +117,7 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(MalformedAnswer(f"upstream {self.origin} sent a malformed answer: "
-                                           f"{exc}"))  # fmt: skip
+            self._fail(MalformedAnswer(f"upstream {self.origin} sent a malformed answer: {exc}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -127,13 +126,17 @@ class _Connection(asyncio.Protocol):
             self.on_message_complete()  # a body without a length ends with its connection
         if not self.complete:
             reason = f": {exc}" if exc else ""
-            self._fail(UpstreamDisconnected(f"upstream {self.origin} closed the connection"
-                                           f"{reason}"))  # fmt: skip
+            self._fail(
+                UpstreamDisconnected(f"upstream {self.origin} closed the connection{reason}")
+            )
 
     def _until_close(self) -> bool:
         named = {name.lower() for name, _ in self.header_list}
-        return not named & {"content-length", "transfer-encoding"} and self.status not in (
-            204, 304) and self.status >= 200  # fmt: skip
+        return (
+            not named & {"content-length", "transfer-encoding"}
+            and self.status not in (204, 304)
+            and self.status >= 200
+        )
 
     # --- httptools callbacks ------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -142,8 +145,9 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.stray:  # UTF-8, odd bytes kept (never a decode error)
-            self.header_list.append((name.decode("utf-8", "surrogateescape"),
-                                     value.decode("utf-8", "surrogateescape")))  # fmt: skip
+            self.header_list.append(
+                (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+            )
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -158,9 +162,12 @@ class _Connection(asyncio.Protocol):
         if coding in ("gzip", "x-gzip", "deflate"):  # asked for identity, compressed anyway
             self.decoder = zlib.decompressobj(wbits=zlib.MAX_WBITS | 32)  # gzip or zlib
         elif coding not in ("", "identity"):
-            self._fail(MalformedAnswer(
-                f"upstream {self.origin} compressed its answer ({coding}), which this client "
-                "cannot decode"))  # fmt: skip
+            self._fail(
+                MalformedAnswer(
+                    f"upstream {self.origin} compressed its answer ({coding}), which this client "
+                    "cannot decode"
+                )
+            )
             self.close()
         self._wake()
 
@@ -171,8 +178,11 @@ class _Connection(asyncio.Protocol):
             try:
                 body = self.decoder.decompress(body)
             except zlib.error as exc:
-                self._fail(MalformedAnswer(f"upstream {self.origin} sent a body that does "
-                                               f"not decompress: {exc}"))  # fmt: skip
+                self._fail(
+                    MalformedAnswer(
+                        f"upstream {self.origin} sent a body that does not decompress: {exc}"
+                    )
+                )
                 self.close()
                 return
             if not body:
@@ -310,14 +320,25 @@ class LeanHTTP:
     """Keep-alive connections per replica (``host``, ``port``), opened as needed, no limit:
     the replica pool's admission bounds how many requests are in flight."""
 
-    def __init__(self, *, connect_timeout: float, read_timeout: float,
-                 headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.headers = {name.lower(): value for name, value in (headers or {}).items()}
         self.idle: dict[tuple[str, int], list[_Connection]] = {}
 
-    async def open(self, method: str, url: str, *, content: bytes | None = None,
-                   headers: Mapping[str, str] | None = None) -> LeanResponse:  # fmt: skip
+    async def open(
+        self,
+        method: str,
+        url: str,
+        *,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> LeanResponse:
         """Send a request to an ``http://`` URL; the answer's status and headers are in."""
         parts = urlsplit(url)
         key = (parts.hostname or "", parts.port or 80)
@@ -356,14 +377,16 @@ class LeanHTTP:
                 self.connect_timeout,
             )
         except (TimeoutError, asyncio.TimeoutError) as exc:  # two classes before 3.11
-            raise UpstreamUnreachable(f"connecting to {url} timed out after "
-                                      f"{self.connect_timeout} s") from exc  # fmt: skip
+            raise UpstreamUnreachable(
+                f"connecting to {url} timed out after {self.connect_timeout} s"
+            ) from exc
         except OSError as exc:
             raise UpstreamUnreachable(f"cannot connect to {url}: {exc}") from exc
         return conn
 
-    async def _exchange(self, key: tuple[str, int], conn: _Connection,
-                        request: tuple[bytes, bytes]) -> LeanResponse:  # fmt: skip
+    async def _exchange(
+        self, key: tuple[str, int], conn: _Connection, request: tuple[bytes, bytes]
+    ) -> LeanResponse:
         try:
             conn.send(*request)
             await conn.head()
@@ -379,8 +402,9 @@ class LeanHTTP:
                 conn.close()
 
 
-def _request(method: str, target: str, host: str, headers: Mapping[str, str],
-             content: bytes | None) -> tuple[bytes, bytes]:  # fmt: skip
+def _request(
+    method: str, target: str, host: str, headers: Mapping[str, str], content: bytes | None
+) -> tuple[bytes, bytes]:
     """The request's head (its line, ``Host``, the headers with their names in lower case,
     ``Content-Length``) and its body. A target with a space or a control character is
     percent-encoded; a header with CR, LF or NUL (one that could split the request) raises."""

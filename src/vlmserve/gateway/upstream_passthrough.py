@@ -53,8 +53,9 @@ class Passage:
         except RETRYABLE as exc:
             if self.pool is not None:  # counts toward ejecting a replica that keeps breaking
                 self.pool.failed(self.replica, f"{type(exc).__name__} mid-answer")
-            raise ServiceUnavailable(f"upstream {self.replica.url} broke off the answer",
-                                     code="upstream_error") from exc  # fmt: skip
+            raise ServiceUnavailable(
+                f"upstream {self.replica.url} broke off the answer", code="upstream_error"
+            ) from exc
 
     def close(self, completed: bool) -> None:
         """Let go of the answer and the replica's slot (once; ``completed``: read to its end)."""
@@ -89,8 +90,7 @@ class PassThrough:
     def upstream_name(self) -> str | None:
         return str(self.config.model)
 
-    async def pass_stream(self, path: str, content: bytes,
-                          headers: Mapping[str, str]) -> Passage:  # fmt: skip
+    async def pass_stream(self, path: str, content: bytes, headers: Mapping[str, str]) -> Passage:
         """POST ``content`` to ``path`` on a replica chosen as for any request of the model:
         admitted (429 when its queue is full), retried on another replica while none has
         answered 2xx; an upstream 4xx raises as the same error."""
@@ -99,25 +99,34 @@ class PassThrough:
         try:
             replica, response = await self._first_success(  # type: ignore[attr-defined]
                 set(),
-                lambda r: client.open("POST", r.url + path, content=content, headers=headers,
-                                      lean=True),
+                lambda r: client.open(
+                    "POST", r.url + path, content=content, headers=headers, lean=True
+                ),
             )
         except BaseException:
             self.pool.leave()
             raise
         return Passage(response, replica, self.pool)
 
-    async def pass_later(self, replica_url: str, method: str, path: str, content: bytes | None,
-                         headers: Mapping[str, str]) -> Passage:  # fmt: skip
+    async def pass_later(
+        self,
+        replica_url: str,
+        method: str,
+        path: str,
+        content: bytes | None,
+        headers: Mapping[str, str],
+    ) -> Passage:
         """A stream's later request (resume, cancel) sent to the replica that holds it,
         whatever it answers (a 204 or 404 is the client's answer too)."""
         client = self._require()  # type: ignore[attr-defined]
         try:
-            response = await client.open(method, replica_url + path, content=content,
-                                         headers=headers, lean=True)  # fmt: skip
+            response = await client.open(
+                method, replica_url + path, content=content, headers=headers, lean=True
+            )
         except RETRYABLE as exc:
             raise ServiceUnavailable(
                 f"the replica holding this stream ({replica_url}) cannot be reached: "
-                f"{type(exc).__name__}", code="upstream_unavailable",
-            ) from exc  # fmt: skip
+                f"{type(exc).__name__}",
+                code="upstream_unavailable",
+            ) from exc
         return Passage(response, Replica(replica_url), None)

@@ -54,8 +54,11 @@ def upstream_body(raw: dict[str, Any], model: str, *, stream: bool = True) -> di
     body["model"] = model
     if stream:
         body["stream"] = True
-        options = {k: v for k, v in (body.get("stream_options") or {}).items()
-                   if k not in _GATEWAY_ONLY_STREAM_OPTIONS}  # fmt: skip
+        options = {
+            k: v
+            for k, v in (body.get("stream_options") or {}).items()
+            if k not in _GATEWAY_ONLY_STREAM_OPTIONS
+        }
         options["include_usage"] = True
         body["stream_options"] = options
     return body
@@ -143,8 +146,9 @@ class ChunkReader:
             return self._finish()
         data = orjson.loads(value)  # per chunk: ~2.5x faster than json.loads
         if not isinstance(data, dict):
-            raise VlmserveError(f"upstream sent a non-object chunk: {value[:200]!r}",
-                                code="upstream_error")  # fmt: skip
+            raise VlmserveError(
+                f"upstream sent a non-object chunk: {value[:200]!r}", code="upstream_error"
+            )
         if self._event == "error" or "error" in data:
             raise _stream_error(data)
         return self._chunk(data)
@@ -164,9 +168,16 @@ class ChunkReader:
             calls = delta.get("tool_calls") or None
             if text or reasoning or calls:
                 self.pieces += 1
-                out.append(Chunk(text, [], prompt_tokens=self.prompt_tokens,
-                                 completion_tokens=self.completion_tokens,
-                                 reasoning=reasoning, tool_calls=calls))  # fmt: skip
+                out.append(
+                    Chunk(
+                        text,
+                        [],
+                        prompt_tokens=self.prompt_tokens,
+                        completion_tokens=self.completion_tokens,
+                        reasoning=reasoning,
+                        tool_calls=calls,
+                    )
+                )
             reason = choice.get("finish_reason")
             if reason:
                 self.finish = _FINISH.get(reason, FinishReason.STOP)
@@ -190,8 +201,16 @@ class ChunkReader:
             return []
         self.done = True
         completion = self.completion_tokens or self.pieces
-        return [Chunk("", [], self.finish, self.prompt_tokens, completion,
-                      cached_tokens=self.cached_tokens)]  # fmt: skip
+        return [
+            Chunk(
+                "",
+                [],
+                self.finish,
+                self.prompt_tokens,
+                completion,
+                cached_tokens=self.cached_tokens,
+            )
+        ]
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int | None:
@@ -207,8 +226,9 @@ def _stream_error(data: dict[str, Any]) -> VlmserveError:
     message = str(err.get("message") or "the upstream stream failed")
     kind = str(err.get("type") or "")
     if "invalid_request" in kind or "not_found" in kind:
-        return UpstreamError(message, status_code=400, error_type=kind,
-                             code=str(err.get("code") or "upstream_error"))  # fmt: skip
+        return UpstreamError(
+            message, status_code=400, error_type=kind, code=str(err.get("code") or "upstream_error")
+        )
     return VlmserveError(f"upstream: {message}", code="upstream_error")
 
 

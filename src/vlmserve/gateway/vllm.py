@@ -57,8 +57,10 @@ class VllmBackend(UpstreamBackend):
         while not self.supervisor.exited():
             await asyncio.sleep(self.watch_interval)
         self.exit_status = self.supervisor.returncode
-        self.error = (f"the {self.kind} process exited with status {self.exit_status}; "
-                      f"{self.supervisor._tail()}")  # fmt: skip
+        self.error = (
+            f"the {self.kind} process exited with status {self.exit_status}; "
+            f"{self.supervisor._tail()}"
+        )
         log.error("model %s: %s", self.model_id, self.error)
         self.state = ModelState.FAILED
         for replica in self.pool.replicas:
@@ -82,5 +84,7 @@ class VllmBackend(UpstreamBackend):
         self.pool.replicas.clear()
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "process": {**self.supervisor.describe(),
-                                                  "exit_status": self.exit_status}}  # fmt: skip
+        return {
+            **super().describe(),
+            "process": {**self.supervisor.describe(), "exit_status": self.exit_status},
+        }

@@ -25,12 +25,25 @@ _ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
 _HIGH_DEPTH_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 # Leading bytes of formats people send that are not (or not yet) allowed, for a useful message.
 _MAGIC: tuple[tuple[int, bytes, str], ...] = (
-    (0, b"\x89PNG", "PNG"), (0, b"\xff\xd8\xff", "JPEG"), (0, b"GIF8", "GIF"), (0, b"BM", "BMP"),
-    (8, b"WEBP", "WEBP"), (0, b"II*\x00", "TIFF"), (0, b"MM\x00*", "TIFF"), (0, b"%PDF", "PDF"),
-    (0, b"8BPS", "PSD"), (0, b"\x00\x00\x01\x00", "ICO"), (0, b"<svg", "SVG"), (0, b"<?xml", "SVG"),
-    (4, b"ftypheic", "HEIC"), (4, b"ftypheix", "HEIC"), (4, b"ftypmif1", "HEIF"),
-    (4, b"ftypavif", "AVIF"), (0, b"\x00\x00\x00\x0cjP  ", "JPEG2000"), (0, b"qoif", "QOI"),
-)  # fmt: skip
+    (0, b"\x89PNG", "PNG"),
+    (0, b"\xff\xd8\xff", "JPEG"),
+    (0, b"GIF8", "GIF"),
+    (0, b"BM", "BMP"),
+    (8, b"WEBP", "WEBP"),
+    (0, b"II*\x00", "TIFF"),
+    (0, b"MM\x00*", "TIFF"),
+    (0, b"%PDF", "PDF"),
+    (0, b"8BPS", "PSD"),
+    (0, b"\x00\x00\x01\x00", "ICO"),
+    (0, b"<svg", "SVG"),
+    (0, b"<?xml", "SVG"),
+    (4, b"ftypheic", "HEIC"),
+    (4, b"ftypheix", "HEIC"),
+    (4, b"ftypmif1", "HEIF"),
+    (4, b"ftypavif", "AVIF"),
+    (0, b"\x00\x00\x00\x0cjP  ", "JPEG2000"),
+    (0, b"qoif", "QOI"),
+)
 
 
 def _allowed(policy: MediaPolicy) -> list[str]:

@@ -58,8 +58,12 @@ def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
     """An in-process model: an embedding model for the ``embedding`` role, else chat."""
     options = load_options(cfg, settings)
     if Serves.EMBEDDING.value in cfg.roles:
-        return HFEmbedBackend(cfg.served_name, options, adapter=cfg.adapter,
-                              config=EmbedConfig.from_settings(settings))  # fmt: skip
+        return HFEmbedBackend(
+            cfg.served_name,
+            options,
+            adapter=cfg.adapter,
+            config=EmbedConfig.from_settings(settings),
+        )
     config = ChatEngineConfig.from_settings(
         settings,
         reasoning_parser=cfg.reasoning_parser or settings.reasoning_parser,
@@ -68,8 +72,9 @@ def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
     )
     check_parser_names(config.reasoning_parser, config.tool_call_parser)
     if settings.engine_process:
-        return EngineProcClient(cfg.served_name, partial(HFChatBackend, cfg.served_name,
-                                                         options, config))  # fmt: skip
+        return EngineProcClient(
+            cfg.served_name, partial(HFChatBackend, cfg.served_name, options, config)
+        )
     return HFChatBackend(cfg.served_name, options, config)
 
 
@@ -85,9 +90,12 @@ def _per_model(cfg: ModelConfig) -> dict[str, Any]:
 
 def hf_handle(cfg: ModelConfig, settings: Settings) -> ModelHandle:
     return ModelHandle(
-        name=cfg.served_name, roles=list(cfg.roles), backend=hf_backend(cfg, settings),
-        source=cfg.source, keep_alive=cfg.keep_alive,
-    )  # fmt: skip
+        name=cfg.served_name,
+        roles=list(cfg.roles),
+        backend=hf_backend(cfg, settings),
+        source=cfg.source,
+        keep_alive=cfg.keep_alive,
+    )
 
 
 def _api_key(entry: ModelEntry, key: str | None, env: str | None) -> str | None:
@@ -95,8 +103,10 @@ def _api_key(entry: ModelEntry, key: str | None, env: str | None) -> str | None:
         return key
     value = os.environ.get(env)
     if not value:
-        raise ConfigError(f"model {entry.name!r}: environment variable {env} "
-                          "(backend_config.api_key_env) is not set")  # fmt: skip
+        raise ConfigError(
+            f"model {entry.name!r}: environment variable {env} "
+            "(backend_config.api_key_env) is not set"
+        )
     return value
 
 
@@ -105,21 +115,33 @@ def upstream_backend(entry: ModelEntry, settings: Settings) -> Backend:
     cfg = entry.upstream_config()
     limits = entry.limits.max_queued_requests or settings.max_queued_requests
     config = UpstreamConfig(
-        model=entry.served_id, base_urls=getattr(cfg, "urls", []),
-        connect_timeout=cfg.timeouts.connect, read_timeout=cfg.timeouts.read,
+        model=entry.served_id,
+        base_urls=getattr(cfg, "urls", []),
+        connect_timeout=cfg.timeouts.connect,
+        read_timeout=cfg.timeouts.read,
         api_key=_api_key(entry, cfg.api_key, cfg.api_key_env),
-        health_interval=settings.upstream_health_interval, preflight=cfg.preflight,
+        health_interval=settings.upstream_health_interval,
+        preflight=cfg.preflight,
         embedding=entry.capabilities.embedding,
-        policy=PoolPolicy(max_failures=settings.upstream_max_failures,
-                          eject_seconds=settings.upstream_eject_seconds,
-                          max_queued=limits, max_concurrency=cfg.max_concurrency),
-    )  # fmt: skip
+        policy=PoolPolicy(
+            max_failures=settings.upstream_max_failures,
+            eject_seconds=settings.upstream_eject_seconds,
+            max_queued=limits,
+            max_concurrency=cfg.max_concurrency,
+        ),
+    )
     if not isinstance(cfg, VllmConfig):
         return UpstreamBackend(entry.name, config)
-    supervisor = Supervisor(SupervisorConfig(
-        entry.name, cfg.command, env=cfg.env, health_timeout=cfg.health_timeout,
-        stop_timeout=cfg.stop_timeout, log_dir=cfg.log_dir,
-    ))  # fmt: skip
+    supervisor = Supervisor(
+        SupervisorConfig(
+            entry.name,
+            cfg.command,
+            env=cfg.env,
+            health_timeout=cfg.health_timeout,
+            stop_timeout=cfg.stop_timeout,
+            log_dir=cfg.log_dir,
+        )
+    )
     return VllmBackend(entry.name, config, supervisor)
 
 

@@ -20,8 +20,12 @@ from vlmserve.registry.entries import Capabilities, ModelEntry
 __all__ = ["discover", "discovered_document"]
 
 _NOT_ID = re.compile(r"[^A-Za-z0-9._-]+")
-_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "processor_config.json",
-                   "tokenizer_config.json")  # fmt: skip
+_TEMPLATE_FILES = (
+    "chat_template.jinja",
+    "chat_template.json",
+    "processor_config.json",
+    "tokenizer_config.json",
+)
 _VIDEO_FILES = ("video_preprocessor_config.json",)
 
 
@@ -41,8 +45,11 @@ def discover(root: Path) -> list[ModelEntry]:
 
 def discovered_document(entries: list[ModelEntry]) -> dict[str, Any]:
     """The discovered layer as a registry document (``{"models": [...]}``)."""
-    return {"models": [e.model_dump(mode="json", exclude_defaults=True) | {"name": e.name}
-                       for e in entries]}  # fmt: skip
+    return {
+        "models": [
+            e.model_dump(mode="json", exclude_defaults=True) | {"name": e.name} for e in entries
+        ]
+    }
 
 
 def _entry(root: Path, folder: Path) -> ModelEntry | None:

@@ -120,8 +120,9 @@ class ModelManager:
     async def _wait_active(self, handle: ModelHandle) -> None:
         """Wait (bounded) for the model to load; the load itself goes on regardless."""
         try:
-            await asyncio.wait_for(asyncio.shield(self.activate(handle.name)),
-                                   self.policy.activation_timeout)  # fmt: skip
+            await asyncio.wait_for(
+                asyncio.shield(self.activate(handle.name)), self.policy.activation_timeout
+            )
         except TimeoutError as exc:
             raise ServiceUnavailable(
                 f"model {handle.name!r} is loading; retry shortly "
@@ -164,8 +165,9 @@ class ModelManager:
                     f"are busy; {handle.name!r} can load when one is idle",
                     retry_after=10,
                 )
-            log.info("unloading %s (least recently used) to make room for %s",
-                     idle[0].name, handle.name)  # fmt: skip
+            log.info(
+                "unloading %s (least recently used) to make room for %s", idle[0].name, handle.name
+            )
             await self.deactivate(idle[0].name, drain_timeout=0)
             loaded.remove(idle[0])
 
@@ -255,18 +257,24 @@ def _check_inputs(handle: ModelHandle, needs: frozenset[str]) -> None:
 
 def _kind_message(handle: ModelHandle, serves: Serves) -> str:
     if serves is Serves.CHAT:
-        return (f"model {handle.name!r} is an embedding model; use /v1/embeddings or "
-                "/encode-text and /encode-video with it")  # fmt: skip
-    return (f"model {handle.name!r} is not an embedding model; give an embedding model "
-            '(roles = ["embedding"])')  # fmt: skip
+        return (
+            f"model {handle.name!r} is an embedding model; use /v1/embeddings or "
+            "/encode-text and /encode-video with it"
+        )
+    return (
+        f"model {handle.name!r} is not an embedding model; give an embedding model "
+        '(roles = ["embedding"])'
+    )
 
 
 def _log_loaded(handle: ModelHandle) -> None:
     log.info(
         "model %s (%s) ready in %.1fs, holding %.1f MiB",
-        handle.name, ", ".join(handle.roles), handle.backend.load_seconds or 0.0,
+        handle.name,
+        ", ".join(handle.roles),
+        handle.backend.load_seconds or 0.0,
         handle.backend.memory_bytes / 2**20,
-    )  # fmt: skip
+    )
 
 
 def _describe(h: ModelHandle, policy: LifecyclePolicy) -> dict[str, Any]:

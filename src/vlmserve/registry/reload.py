@@ -64,13 +64,21 @@ class Reloader:
             await asyncio.sleep(self.policy.reload_backoff * attempt)
             if handle.backend.state is not ModelState.FAILED:
                 return  # reactivated or unloaded by someone else meanwhile
-            log.warning("model %s: %s; reloading (attempt %d of %d)",
-                        handle.name, handle.backend.error, attempt, attempts)  # fmt: skip
+            log.warning(
+                "model %s: %s; reloading (attempt %d of %d)",
+                handle.name,
+                handle.backend.error,
+                attempt,
+                attempts,
+            )
             if await self._cycle(handle, attempt):
                 log.info("model %s reloaded after its engine failed", handle.name)
                 return
-        log.error("model %s: still failed after %d reloads; POST /admin/activate to retry",
-                  handle.name, attempts)  # fmt: skip
+        log.error(
+            "model %s: still failed after %d reloads; POST /admin/activate to retry",
+            handle.name,
+            attempts,
+        )
 
     async def _cycle(self, handle: ModelHandle, attempt: int) -> bool:
         try:
@@ -78,7 +86,12 @@ class Reloader:
                 await handle.backend.aclose()
                 await handle.backend.aload()
         except Exception as exc:
-            log.error("model %s: reload attempt %d of %d failed: %s",
-                      handle.name, attempt, self.policy.reload_attempts, exc)  # fmt: skip
+            log.error(
+                "model %s: reload attempt %d of %d failed: %s",
+                handle.name,
+                attempt,
+                self.policy.reload_attempts,
+                exc,
+            )
             return False
         return True

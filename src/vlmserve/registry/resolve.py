@@ -38,8 +38,11 @@ def resolve(items: Sequence[T], query: str, lookup: Callable[[str], T | None], w
         return by_role(items, query.removeprefix(ROLE_PREFIX))
     found = lookup(query)
     if found is None:
-        raise NotFound(f"model {query!r} is not {where}; {available(items)}",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise NotFound(
+            f"model {query!r} is not {where}; {available(items)}",
+            param="model",
+            code="model_not_found",
+        )
     return found
 
 
@@ -52,11 +55,15 @@ def by_role(items: Sequence[T], role: str) -> T:
         return current[0]
     if holders:
         names = ", ".join(item.name for item in holders)
-        message = (f"role {role!r} is held only by deprecated models ({names}); request one "
-                   "by name or give the role to a current model")  # fmt: skip
+        message = (
+            f"role {role!r} is held only by deprecated models ({names}); request one "
+            "by name or give the role to a current model"
+        )
     else:
-        message = (f"no model has role {role!r}; give one `roles = [\"{role}\"]` in the "
-                   f"registry or [[models]] config; {available(items)}")  # fmt: skip
+        message = (
+            f'no model has role {role!r}; give one `roles = ["{role}"]` in the '
+            f"registry or [[models]] config; {available(items)}"
+        )
     raise NotFound(message, param="model", code="model_not_found")
 
 

@@ -165,8 +165,15 @@ class SessionManager:
             validate_session_id(name)
         now = time.time()
         names = [scoped(tenant, alias) for alias in aliases] + list(secret_aliases)
-        record = SessionRecord(scoped(tenant, session_id), dict(request), SessionState.RUNNING,
-                               now, now, owner=self.owner, aliases=names)  # fmt: skip
+        record = SessionRecord(
+            scoped(tenant, session_id),
+            dict(request),
+            SessionState.RUNNING,
+            now,
+            now,
+            owner=self.owner,
+            aliases=names,
+        )
         if getattr(self.store, "instant", False):
             await self.store.create(record)  # raises InvalidRequest when the id is taken
             session = self._register(record)
@@ -176,8 +183,13 @@ class SessionManager:
         self._ensure_background()
         return session
 
-    async def _start_before_commit(self, record: SessionRecord, producer: AsyncIterator[Emit],
-                                   on_cancel: OnCancel, on_error: OnError) -> Session:  # fmt: skip
+    async def _start_before_commit(
+        self,
+        record: SessionRecord,
+        producer: AsyncIterator[Emit],
+        on_cancel: OnCancel,
+        on_error: OnError,
+    ) -> Session:
         """A durable store: the producer starts while the session's row is committed; its
         events follow the row (``rowgate.py`` says why)."""
         for name in (record.session_id, *record.aliases):
@@ -364,8 +376,11 @@ class SessionManager:
         """Drop sessions ended more than ``ttl`` ago here and in the store; returns the count."""
         now = time.time() if now is None else now
         cutoff = now - self.ttl
-        expired = [sid for sid, s in self._sessions.items()
-                   if s.done and s.finished_at is not None and s.finished_at < cutoff]  # fmt: skip
+        expired = [
+            sid
+            for sid, s in self._sessions.items()
+            if s.done and s.finished_at is not None and s.finished_at < cutoff
+        ]
         for sid in expired:
             for alias in self._sessions.pop(sid).record.aliases:
                 self._aliases.pop(alias, None)

@@ -107,8 +107,13 @@ class Session:
         if events:
             self.record.last_index = events[-1].index
 
-    def start(self, producer: AsyncIterator[Emit], on_cancel: OnCancel, on_error: OnError,
-              created: asyncio.Future[None] | None = None) -> None:  # fmt: skip
+    def start(
+        self,
+        producer: AsyncIterator[Emit],
+        on_cancel: OnCancel,
+        on_error: OnError,
+        created: asyncio.Future[None] | None = None,
+    ) -> None:
         """Run ``producer`` as a task; numbering continues at ``last_index + 1``. ``created``:
         the store's commit of this session's row, which every event waits for."""
         self._producer, self._on_cancel, self._on_error = producer, on_cancel, on_error

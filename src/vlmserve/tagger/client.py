@@ -53,13 +53,24 @@ def _retry_after(response: httpx.Response | None, attempt: int) -> float:
 
 class TagClient:
     def __init__(
-        self, base_url: str, *, api_key: str | None = None, concurrency: int = 4,
-        timeout: float = 300.0, retries: int = 3, transport: httpx.AsyncBaseTransport | None = None,
-    ):  # fmt: skip
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        concurrency: int = 4,
+        timeout: float = 300.0,
+        retries: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         self.base_url = normalize_base_url(base_url)
         self.timeout = timeout
-        self.http = open_client(self.base_url, api_key=api_key, timeout=timeout,
-                                transport=transport, connections=concurrency)  # fmt: skip
+        self.http = open_client(
+            self.base_url,
+            api_key=api_key,
+            timeout=timeout,
+            transport=transport,
+            connections=concurrency,
+        )
         self.limit = asyncio.Semaphore(concurrency)
         self.retries = retries
 
@@ -96,9 +107,12 @@ class TagClient:
         raise AssertionError("unreachable")  # the loop returns or raises
 
     async def chat(
-        self, model: str, content: list[dict[str, Any]], max_tokens: int,
+        self,
+        model: str,
+        content: list[dict[str, Any]],
+        max_tokens: int,
         response_format: dict[str, Any] | None = None,
-    ) -> Answer:  # fmt: skip
+    ) -> Answer:
         payload: dict[str, Any] = {
             "model": model,
             "messages": [{"role": "user", "content": content}],
@@ -110,7 +124,10 @@ class TagClient:
         body = await self._post(payload)
         try:
             choice = body["choices"][0]
-            return Answer(choice["message"]["content"] or "", choice.get("finish_reason") or "",
-                          str(body.get("model") or model))  # fmt: skip
+            return Answer(
+                choice["message"]["content"] or "",
+                choice.get("finish_reason") or "",
+                str(body.get("model") or model),
+            )
         except (KeyError, IndexError, TypeError) as exc:
             raise RequestFailed(f"unexpected answer shape: {str(body)[:200]}") from exc

@@ -12,10 +12,22 @@ from PIL import Image, UnidentifiedImageError
 
 __all__ = ["IMAGE_TYPES", "VIDEO_TYPES", "MediaFile", "encode_media", "find_media", "sha256_of"]
 
-IMAGE_TYPES = {".jpg": "image", ".jpeg": "image", ".png": "image", ".webp": "image",
-               ".gif": "image", ".bmp": "image", ".tif": "image", ".tiff": "image"}  # fmt: skip
-VIDEO_TYPES = {".mp4": "video/mp4", ".webm": "video/webm", ".mov": "video/quicktime",
-               ".m4v": "video/mp4"}  # fmt: skip
+IMAGE_TYPES = {
+    ".jpg": "image",
+    ".jpeg": "image",
+    ".png": "image",
+    ".webp": "image",
+    ".gif": "image",
+    ".bmp": "image",
+    ".tif": "image",
+    ".tiff": "image",
+}
+VIDEO_TYPES = {
+    ".mp4": "video/mp4",
+    ".webm": "video/webm",
+    ".mov": "video/quicktime",
+    ".m4v": "video/mp4",
+}
 MAX_SIDE = 1024  # images are downscaled client-side: smaller uploads, same answers
 
 

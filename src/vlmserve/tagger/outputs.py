@@ -124,10 +124,16 @@ def xmp_document(record: TagRecord) -> str:
     """An XMP packet: caption -> dc:title, description -> dc:description, keywords -> dc:subject."""
     root = ET.Element(_q("x", "xmpmeta"))
     rdf = ET.SubElement(root, _q("rdf", "RDF"))
-    desc = ET.SubElement(rdf, _q("rdf", "Description"), {
-        _q("rdf", "about"): "", _q("vlmserve", "sha256"): record.sha256,
-        _q("vlmserve", "model"): record.model, _q("vlmserve", "taggedAt"): record.tagged_at,
-    })  # fmt: skip
+    desc = ET.SubElement(
+        rdf,
+        _q("rdf", "Description"),
+        {
+            _q("rdf", "about"): "",
+            _q("vlmserve", "sha256"): record.sha256,
+            _q("vlmserve", "model"): record.model,
+            _q("vlmserve", "taggedAt"): record.tagged_at,
+        },
+    )
     for tag, text in (("title", record.caption), ("description", record.description)):
         alt = ET.SubElement(ET.SubElement(desc, _q("dc", tag)), _q("rdf", "Alt"))
         ET.SubElement(alt, _q("rdf", "li"), {_q("xml", "lang"): "x-default"}).text = text

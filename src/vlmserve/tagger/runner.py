@@ -94,21 +94,33 @@ async def _tag_one(
         ask("keywords", keywords_prompt(noun, options.max_keywords), kw_format),
         ask("description", DESCRIPTION_PROMPT.format(noun=noun)),
     )
-    words = parse_keywords(keywords.text, options.max_keywords,
-                           truncated=keywords.finish_reason == "length")  # fmt: skip
-    answered = {"caption": caption.model, "keywords": keywords.model,
-                "description": description.model}  # fmt: skip
+    words = parse_keywords(
+        keywords.text, options.max_keywords, truncated=keywords.finish_reason == "length"
+    )
+    answered = {
+        "caption": caption.model,
+        "keywords": keywords.model,
+        "description": description.model,
+    }
     return TagRecord(
-        file=media.rel, sha256=sha256_of(data), caption=caption_text(caption.text),
-        keywords=words, description=description.text.strip(), model=caption.model,
-        tagged_at=_now(), models=answered,
-    )  # fmt: skip
+        file=media.rel,
+        sha256=sha256_of(data),
+        caption=caption_text(caption.text),
+        keywords=words,
+        description=description.text.strip(),
+        model=caption.model,
+        tagged_at=_now(),
+        models=answered,
+    )
 
 
 async def _process(
-    client: TagClient, options: TagOptions, models: dict[str, str], writer: Writer,
+    client: TagClient,
+    options: TagOptions,
+    models: dict[str, str],
+    writer: Writer,
     media: MediaFile,
-) -> Outcome:  # fmt: skip
+) -> Outcome:
     try:
         data = await asyncio.to_thread(media.path.read_bytes)
         if not options.force and writer.done(media.rel, sha256_of(data)):

@@ -9,8 +9,16 @@ from vlmserve.tasks.base import TaskPrompt, schema_instruction
 __all__ = ["DEFAULT_ENTITY_TYPES", "MAX_ENTITIES", "entities_prompt", "entities_schema"]
 
 DEFAULT_ENTITY_TYPES = (
-    "PERSON", "ORGANIZATION", "LOCATION", "DATE", "TIME", "EVENT", "PRODUCT", "MONEY", "OTHER",
-)  # fmt: skip
+    "PERSON",
+    "ORGANIZATION",
+    "LOCATION",
+    "DATE",
+    "TIME",
+    "EVENT",
+    "PRODUCT",
+    "MONEY",
+    "OTHER",
+)
 MAX_ENTITIES = 32
 MAX_TEXT = 100  # characters per entity mention
 

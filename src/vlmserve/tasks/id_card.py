@@ -34,30 +34,53 @@ __all__ = [
 
 # field -> maxLength: bounds the answer (and so the tokens constrained decoding can spend)
 FIELDS: dict[str, int] = {
-    "nik": 24, "nama": 60, "tempat_lahir": 40, "tgl_lahir": 20, "jenis_kelamin": 16,
-    "alamat": 0, "agama": 40, "status_perkawinan": 24, "pekerjaan": 40,
-    "kewarganegaraan": 16, "berlaku_hingga": 20,
-}  # fmt: skip
+    "nik": 24,
+    "nama": 60,
+    "tempat_lahir": 40,
+    "tgl_lahir": 20,
+    "jenis_kelamin": 16,
+    "alamat": 0,
+    "agama": 40,
+    "status_perkawinan": 24,
+    "pekerjaan": 40,
+    "kewarganegaraan": 16,
+    "berlaku_hingga": 20,
+}
 ADDRESS_FIELDS: dict[str, int] = {
-    "jalan": 80, "rt_rw": 12, "kelurahan_desa": 40, "kecamatan": 40, "kabupaten_kota": 40,
+    "jalan": 80,
+    "rt_rw": 12,
+    "kelurahan_desa": 40,
+    "kecamatan": 40,
+    "kabupaten_kota": 40,
     "provinsi": 40,
-}  # fmt: skip
+}
 LIFETIME = "SEUMUR HIDUP"
 
 # canonical value -> the spellings (letters only, upper case) that mean it
 ENUMS: dict[str, dict[str, tuple[str, ...]]] = {
-    "jenis_kelamin": {"LAKI-LAKI": ("LAKILAKI", "LAKI", "L", "PRIA"),
-                      "PEREMPUAN": ("PEREMPUAN", "P", "WANITA")},
-    "agama": {"ISLAM": ("ISLAM",), "KRISTEN": ("KRISTEN", "PROTESTAN", "KRISTENPROTESTAN"),
-              "KATOLIK": ("KATOLIK", "KATHOLIK", "KRISTENKATOLIK"), "HINDU": ("HINDU",),
-              "BUDDHA": ("BUDDHA", "BUDHA"), "KONGHUCU": ("KONGHUCU", "KHONGHUCU"),
-              "KEPERCAYAAN TERHADAP TUHAN YME": ("KEPERCAYAANTERHADAPTUHANYME", "KEPERCAYAAN")},
-    "status_perkawinan": {"BELUM KAWIN": ("BELUMKAWIN",), "KAWIN": ("KAWIN",),
-                          "CERAI HIDUP": ("CERAIHIDUP",), "CERAI MATI": ("CERAIMATI",),
-                          "KAWIN TERCATAT": ("KAWINTERCATAT",),
-                          "KAWIN BELUM TERCATAT": ("KAWINBELUMTERCATAT",)},
+    "jenis_kelamin": {
+        "LAKI-LAKI": ("LAKILAKI", "LAKI", "L", "PRIA"),
+        "PEREMPUAN": ("PEREMPUAN", "P", "WANITA"),
+    },
+    "agama": {
+        "ISLAM": ("ISLAM",),
+        "KRISTEN": ("KRISTEN", "PROTESTAN", "KRISTENPROTESTAN"),
+        "KATOLIK": ("KATOLIK", "KATHOLIK", "KRISTENKATOLIK"),
+        "HINDU": ("HINDU",),
+        "BUDDHA": ("BUDDHA", "BUDHA"),
+        "KONGHUCU": ("KONGHUCU", "KHONGHUCU"),
+        "KEPERCAYAAN TERHADAP TUHAN YME": ("KEPERCAYAANTERHADAPTUHANYME", "KEPERCAYAAN"),
+    },
+    "status_perkawinan": {
+        "BELUM KAWIN": ("BELUMKAWIN",),
+        "KAWIN": ("KAWIN",),
+        "CERAI HIDUP": ("CERAIHIDUP",),
+        "CERAI MATI": ("CERAIMATI",),
+        "KAWIN TERCATAT": ("KAWINTERCATAT",),
+        "KAWIN BELUM TERCATAT": ("KAWINBELUMTERCATAT",),
+    },
     "kewarganegaraan": {"WNI": ("WNI", "INDONESIA"), "WNA": ("WNA",)},
-}  # fmt: skip
+}
 
 _DATE = re.compile(r"^\s*(\d{1,2})\s*[-/. ]\s*(\d{1,2})\s*[-/. ]\s*(\d{4})\s*$")
 _ISO = re.compile(r"^\s*(\d{4})-(\d{2})-(\d{2})\s*$")

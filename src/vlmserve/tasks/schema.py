@@ -68,8 +68,9 @@ def _scalar_errors(value: Any, schema: dict[str, Any], path: str) -> list[str]:
 
 
 def _object_errors(value: dict, schema: dict[str, Any], path: str, ctx: tuple) -> list[str]:
-    errors = [f"{path}: missing required key {k!r}" for k in schema.get("required", [])
-              if k not in value]  # fmt: skip
+    errors = [
+        f"{path}: missing required key {k!r}" for k in schema.get("required", []) if k not in value
+    ]
     props = schema.get("properties", {})
     extra = schema.get("additionalProperties", True)
     for key, item in value.items():

@@ -213,8 +213,13 @@ async def test_without_raw_path_the_decoded_path_is_judged() -> None:
     app, hits = build()
     scope_path = "/v1/../admin/state"
     sent: list[dict] = []
-    scope = {"type": "http", "method": "GET", "path": scope_path, "query_string": b"",
-             "headers": [(b"x-api-key", API_KEY.encode())]}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": scope_path,
+        "query_string": b"",
+        "headers": [(b"x-api-key", API_KEY.encode())],
+    }
 
     async def receive() -> dict:
         return {"type": "http.request", "body": b""}

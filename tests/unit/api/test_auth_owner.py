@@ -19,8 +19,13 @@ async def _owner(middleware_kw: dict[str, Any], *headers: tuple[bytes, bytes]) -
     async def send(message: dict) -> None:
         pass
 
-    scope = {"type": "http", "method": "GET", "path": "/v1/files", "raw_path": b"/v1/files",
-             "headers": list(headers)}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/files",
+        "raw_path": b"/v1/files",
+        "headers": list(headers),
+    }
     await AuthMiddleware(app, **middleware_kw)(scope, receive, send)
     return seen[0] if seen else None
 

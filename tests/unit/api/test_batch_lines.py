@@ -12,8 +12,9 @@ CHAT = "/v1/chat/completions"
 
 
 def line(custom_id: str, url: str = CHAT, **extra: object) -> str:
-    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
-                       "body": {"model": "m"}, **extra})  # fmt: skip
+    return json.dumps(
+        {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "m"}, **extra}
+    )
 
 
 def scan(tmp_path: Path, data: str | bytes) -> tuple[list, list]:
@@ -33,16 +34,28 @@ def test_good_lines_are_read_with_their_numbers_and_blank_lines_are_skipped(
 
 
 def test_each_kind_of_malformed_line_is_named_with_its_line_number(tmp_path: Path) -> None:
-    text = "\n".join([
-        line("a"), "{not json", "[1, 2]", json.dumps({"url": CHAT}), line("a"),
-        line("c", url="/v1/embeddings"), line("d", method="GET"), '{"custom_id": "e", "x": NaN}',
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            line("a"),
+            "{not json",
+            "[1, 2]",
+            json.dumps({"url": CHAT}),
+            line("a"),
+            line("c", url="/v1/embeddings"),
+            line("d", method="GET"),
+            '{"custom_id": "e", "x": NaN}',
+        ]
+    )
     _, errors = scan(tmp_path, text)
     assert [(e["line"], e["code"]) for e in errors] == [
-        (2, "invalid_json_line"), (3, "invalid_request"), (4, "missing_custom_id"),
-        (5, "duplicate_custom_id"), (6, "mismatched_url"), (7, "invalid_method"),
+        (2, "invalid_json_line"),
+        (3, "invalid_request"),
+        (4, "missing_custom_id"),
+        (5, "duplicate_custom_id"),
+        (6, "mismatched_url"),
+        (7, "invalid_method"),
         (8, "invalid_json_line"),
-    ]  # fmt: skip
+    ]
     assert errors[3]["message"] == "line 5: custom_id 'a' is used twice"
 
 

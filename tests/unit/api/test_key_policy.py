@@ -18,11 +18,14 @@ def test_with_keys_each_key_salts_its_own_blocks_and_keeps_a_requests_own_salt()
     assert keyed.salt(A, "mine") == f"{A}:mine" != keyed.salt(B, "mine")
 
 
-@pytest.mark.parametrize("policy,owner", [
-    (KeyPolicy(keyed=False), ANONYMOUS),  # no keys: nothing salted
-    (KeyPolicy(keyed=True, prefix_scope="global"), A),  # shared between keys
-    (KeyPolicy(keyed=True), ANONYMOUS),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "policy,owner",
+    [
+        (KeyPolicy(keyed=False), ANONYMOUS),  # no keys: nothing salted
+        (KeyPolicy(keyed=True, prefix_scope="global"), A),  # shared between keys
+        (KeyPolicy(keyed=True), ANONYMOUS),
+    ],
+)
 def test_unsalted_unless_keys_and_key_scope(policy: KeyPolicy, owner: str) -> None:
     assert policy.salt(owner, None) is None and policy.salt(owner, "s") == "s"
 

@@ -207,13 +207,15 @@ def test_remembered_label_children_count_right_and_stay_bounded(
     for i in range(10):  # more label values than it remembers: counted all the same
         route = f"/r{i % 5}"
         m.request_started(route)
-        m.request_finished(route=route, in_flight_route=route, model="tiny", status=200,
-                           seconds=0.01)  # fmt: skip
+        m.request_finished(
+            route=route, in_flight_route=route, model="tiny", status=200, seconds=0.01
+        )
         m.observe_ttft("tiny", 0.1)
     text = m.render().decode()
     assert len(m._children) <= 3
     for i in range(5):
-        assert value(text, "vlmserve_requests_total", route=f"/r{i}", model="tiny",
-                     status="200") == 2  # fmt: skip
+        assert (
+            value(text, "vlmserve_requests_total", route=f"/r{i}", model="tiny", status="200") == 2
+        )
         assert value(text, "vlmserve_requests_in_flight", route=f"/r{i}") == 0
     assert value(text, "vlmserve_time_to_first_token_seconds_count", model="tiny") == 10

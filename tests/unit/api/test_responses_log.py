@@ -82,5 +82,10 @@ def test_a_session_error_event_becomes_an_openai_error_event() -> None:
     wire = encode_response_event(Event(4, gap.data, "error")).decode()
     kind, data = wire.removeprefix("event: ").strip().split("\ndata: ")
     assert kind == "error"
-    assert json.loads(data) == {"type": "error", "sequence_number": 4, "code": "stream_gap",
-                                "message": "events are gone", "param": None}  # fmt: skip
+    assert json.loads(data) == {
+        "type": "error",
+        "sequence_number": 4,
+        "code": "stream_gap",
+        "message": "events are gone",
+        "param": None,
+    }

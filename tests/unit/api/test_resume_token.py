@@ -19,8 +19,13 @@ from vlmserve.api.resume_token import (
 )
 
 
-async def _let_in(path: str, query: str = "token=t0k", method: str = "GET",
-                  raw: bytes | None = None, *headers: tuple[bytes, bytes]) -> Any:  # fmt: skip
+async def _let_in(
+    path: str,
+    query: str = "token=t0k",
+    method: str = "GET",
+    raw: bytes | None = None,
+    *headers: tuple[bytes, bytes],
+) -> Any:
     """The owner a keyed server's auth gives the request, or None when it is refused."""
     seen: list[Any] = []
 
@@ -33,52 +38,67 @@ async def _let_in(path: str, query: str = "token=t0k", method: str = "GET",
     async def send(message: dict[str, Any]) -> None:
         pass
 
-    scope = {"type": "http", "method": method, "path": path,
-             "raw_path": raw if raw is not None else path.encode(),
-             "query_string": query.encode(), "headers": list(headers)}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "raw_path": raw if raw is not None else path.encode(),
+        "query_string": query.encode(),
+        "headers": list(headers),
+    }
     await AuthMiddleware(app, api_keys=["k1"])(scope, receive, send)
     return seen[0] if seen else None
 
 
-@pytest.mark.parametrize("path,query", [
-    ("/v1/streams/abc", "token=t0k"),
-    ("/v1/streams/chatcmpl-1", "last_event_id=chatcmpl-1%3A3&token=t0k"),
-    ("/v1/responses/resp_1", "stream=true&token=t0k&starting_after=3"),
-    ("/v1/streams/abc", "token=x"),  # a token's length is the route's to judge, up to ...
-    ("/v1/streams/abc", "token=" + "x" * 128),  # ... 128 characters
-])  # fmt: skip
-async def test_a_token_alone_opens_a_stream_get_with_no_keys_namespace(path: str, query: str
-                                                                        ) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "path,query",
+    [
+        ("/v1/streams/abc", "token=t0k"),
+        ("/v1/streams/chatcmpl-1", "last_event_id=chatcmpl-1%3A3&token=t0k"),
+        ("/v1/responses/resp_1", "stream=true&token=t0k&starting_after=3"),
+        ("/v1/streams/abc", "token=x"),  # a token's length is the route's to judge, up to ...
+        ("/v1/streams/abc", "token=" + "x" * 128),  # ... 128 characters
+    ],
+)
+async def test_a_token_alone_opens_a_stream_get_with_no_keys_namespace(
+    path: str, query: str
+) -> None:
     assert await _let_in(path, query) == RESUME_TOKEN_OWNER
 
 
-@pytest.mark.parametrize("path,query,method,raw", [
-    ("/v1/streams/abc", "", "GET", None),  # no token
-    ("/v1/streams/abc", "token=", "GET", None),
-    ("/v1/streams/abc", "token=a&token=b", "GET", None),
-    ("/v1/streams/abc", "token=" + "x" * 129, "GET", None),
-    ("/v1/responses/resp_1", "token=t0k", "GET", None),  # the JSON response, not its events
-    ("/v1/responses/resp_1", "stream=false&token=t0k", "GET", None),
-    ("/v1/responses/resp_1/input_items", "stream=true&token=t0k", "GET", None),
-    ("/v1/streams/abc", "token=t0k", "POST", None),
-    ("/v1/cancel/abc", "token=t0k", "POST", None),
-    ("/v1/chat/completions", "token=t0k", "POST", None),
-    ("/v1/files", "token=t0k", "GET", None),
-    ("/v1/streams/abc/x", "token=t0k", "GET", None),
-    ("/v1/streams/abc", "token=t0k", "GET", b"/v1/streams/..%2F..%2Fv1%2Ffiles"),  # raw differs
-    ("/admin/state", "token=t0k", "GET", None),
-])  # fmt: skip
-async def test_a_token_opens_no_other_request(path: str, query: str, method: str,
-                                              raw: bytes | None) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "path,query,method,raw",
+    [
+        ("/v1/streams/abc", "", "GET", None),  # no token
+        ("/v1/streams/abc", "token=", "GET", None),
+        ("/v1/streams/abc", "token=a&token=b", "GET", None),
+        ("/v1/streams/abc", "token=" + "x" * 129, "GET", None),
+        ("/v1/responses/resp_1", "token=t0k", "GET", None),  # the JSON response, not its events
+        ("/v1/responses/resp_1", "stream=false&token=t0k", "GET", None),
+        ("/v1/responses/resp_1/input_items", "stream=true&token=t0k", "GET", None),
+        ("/v1/streams/abc", "token=t0k", "POST", None),
+        ("/v1/cancel/abc", "token=t0k", "POST", None),
+        ("/v1/chat/completions", "token=t0k", "POST", None),
+        ("/v1/files", "token=t0k", "GET", None),
+        ("/v1/streams/abc/x", "token=t0k", "GET", None),
+        ("/v1/streams/abc", "token=t0k", "GET", b"/v1/streams/..%2F..%2Fv1%2Ffiles"),  # raw differs
+        ("/admin/state", "token=t0k", "GET", None),
+    ],
+)
+async def test_a_token_opens_no_other_request(
+    path: str, query: str, method: str, raw: bytes | None
+) -> None:
     assert await _let_in(path, query, method, raw) is None
 
 
 async def test_a_key_decides_the_owner_even_beside_a_token() -> None:
-    owner = await _let_in("/v1/streams/abc", "token=t0k", "GET", None,
-                          (b"authorization", b"Bearer k1"))  # fmt: skip
+    owner = await _let_in(
+        "/v1/streams/abc", "token=t0k", "GET", None, (b"authorization", b"Bearer k1")
+    )
     assert owner not in (None, RESUME_TOKEN_OWNER)
-    refused = await _let_in("/v1/streams/abc", "token=t0k", "GET", None,
-                            (b"authorization", b"Bearer wrong"))  # fmt: skip
+    refused = await _let_in(
+        "/v1/streams/abc", "token=t0k", "GET", None, (b"authorization", b"Bearer wrong")
+    )
     assert refused is None  # a wrong key is refused, token or not
 
 

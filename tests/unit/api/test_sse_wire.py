@@ -13,8 +13,9 @@ from fastapi.responses import StreamingResponse
 from vlmserve.api.serving.sse import accepts_event_stream, sse_response
 from vlmserve.streaming import Emit, MemoryStore, SessionManager, error_emit
 
-ERROR = json.dumps({"error": {"message": "boom", "type": "server_error", "param": None,
-                              "code": "internal_error"}})  # fmt: skip
+ERROR = json.dumps(
+    {"error": {"message": "boom", "type": "server_error", "param": None, "code": "internal_error"}}
+)
 
 
 def producer(n: int, fail: bool = False) -> AsyncIterator[Emit]:
@@ -29,9 +30,12 @@ def producer(n: int, fail: bool = False) -> AsyncIterator[Emit]:
 
 async def ended(manager: SessionManager, sid: str, n: int, fail: bool = False) -> None:
     session = await manager.start(
-        sid, {}, producer(n, fail), on_cancel=list,
+        sid,
+        {},
+        producer(n, fail),
+        on_cancel=list,
         on_error=lambda exc: [error_emit("boom", "internal_error")],
-    )  # fmt: skip
+    )
     await asyncio.wait_for(session.wait(), 10)
 
 

@@ -13,16 +13,19 @@ from vlmserve.api.app import build_app
 from vlmserve.api.telemetry import fastapi_telemetry
 from vlmserve.config import Settings
 
-native = pytest.mark.skipif("telemetry" not in inspect.signature(FastAPI.__init__).parameters,
-                            reason="this FastAPI has no native telemetry")  # fmt: skip
+native = pytest.mark.skipif(
+    "telemetry" not in inspect.signature(FastAPI.__init__).parameters,
+    reason="this FastAPI has no native telemetry",
+)
 
 
 @native
 def test_without_any_setup_fastapis_per_request_check_is_off() -> None:
     app = build_app(Settings(device="cpu"))
     assert not app._native_telemetry.enabled()
-    assert fastapi_telemetry({}) == {"telemetry": {"tracing": False, "metrics": False,
-                                                   "logs": False}}  # fmt: skip
+    assert fastapi_telemetry({}) == {
+        "telemetry": {"tracing": False, "metrics": False, "logs": False}
+    }
 
 
 @native
@@ -46,7 +49,8 @@ async def test_requests_are_served_with_it_off(monkeypatch: pytest.MonkeyPatch) 
     calls = []
     monkeypatch.setattr(telemetry, "_providers_configured", lambda: calls.append(1) or False)
     app = build_app(Settings(device="cpu"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://t") as client:  # fmt: skip
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t"
+    ) as client:
         assert (await client.get("/health")).status_code == 200
     assert calls == [1]  # asked once, when the app was built

@@ -34,8 +34,14 @@ def port() -> Iterator[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    config = uvicorn.Config(_app, host="127.0.0.1", port=free, http=CappedHttpToolsProtocol,
-                            log_level="error", lifespan="off")  # fmt: skip
+    config = uvicorn.Config(
+        _app,
+        host="127.0.0.1",
+        port=free,
+        http=CappedHttpToolsProtocol,
+        log_level="error",
+        lifespan="off",
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -105,8 +111,15 @@ def short_deadline_port() -> Iterator[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    config = uvicorn.Config(_app, host="127.0.0.1", port=free, http=with_head_timeout(0.5),
-                            log_level="error", lifespan="off", timeout_keep_alive=30)
+    config = uvicorn.Config(
+        _app,
+        host="127.0.0.1",
+        port=free,
+        http=with_head_timeout(0.5),
+        log_level="error",
+        lifespan="off",
+        timeout_keep_alive=30,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -33,20 +33,78 @@ def _serve_params() -> list[Any]:
 def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_path: Path) -> None:
     registry = tmp_path / "registry.toml"
     result = _serve(
-        "--model", "some/model", "--attn-implementation", "sdpa", "--min-pixels", "3136",
-        "--max-pixels", "50176", "--max-video-frames", "4", "--trust-remote-code",
-        "--log-level", "debug", "--registry", str(registry), "--max-num-seqs", "1",
-        "--max-num-batched-tokens", "512", "--vision-cache-bytes", "0", "--stream-interval", "2",
-        "--max-queued-requests", "7", "--api-key", "k1", "--api-key", "k2",
-        "--processor-cache-bytes", "1024", "--served-model-name", "m", "--host", "0.0.0.0",
-        "--port", "9", "--device", "cpu", "--dtype", "float32", "--max-model-len", "77",
-        "--admin-key", "a1", "--cors-allow-origins", "http://a.test",
-        "--max-tokens", "11", "--temperature", "0.1", "--max-body-bytes", "12",
-        "--max-media-per-request", "2", "--max-media-bytes", "13", "--max-image-pixels", "14",
-        "--allowed-local-media-path", "/srv/media", "--lazy-load", "--keep-alive", "15",
-        "--max-loaded-models", "3", "--persist-sessions", "--redis-url", "redis://r:6379/0",
-        "--no-ui", "--no-engine-process",
-    )  # fmt: skip
+        "--model",
+        "some/model",
+        "--attn-implementation",
+        "sdpa",
+        "--min-pixels",
+        "3136",
+        "--max-pixels",
+        "50176",
+        "--max-video-frames",
+        "4",
+        "--trust-remote-code",
+        "--log-level",
+        "debug",
+        "--registry",
+        str(registry),
+        "--max-num-seqs",
+        "1",
+        "--max-num-batched-tokens",
+        "512",
+        "--vision-cache-bytes",
+        "0",
+        "--stream-interval",
+        "2",
+        "--max-queued-requests",
+        "7",
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+        "--processor-cache-bytes",
+        "1024",
+        "--served-model-name",
+        "m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "77",
+        "--admin-key",
+        "a1",
+        "--cors-allow-origins",
+        "http://a.test",
+        "--max-tokens",
+        "11",
+        "--temperature",
+        "0.1",
+        "--max-body-bytes",
+        "12",
+        "--max-media-per-request",
+        "2",
+        "--max-media-bytes",
+        "13",
+        "--max-image-pixels",
+        "14",
+        "--allowed-local-media-path",
+        "/srv/media",
+        "--lazy-load",
+        "--keep-alive",
+        "15",
+        "--max-loaded-models",
+        "3",
+        "--persist-sessions",
+        "--redis-url",
+        "redis://r:6379/0",
+        "--no-ui",
+        "--no-engine-process",
+    )
     assert result.exit_code == 0, result.output
     s = captured[0]
     assert (s.attn_implementation, s.min_pixels, s.max_pixels) == ("sdpa", 3136, 50176)
@@ -88,9 +146,13 @@ def test_unset_flags_leave_the_environment_in_force(captured: list[Settings]) ->
 
 def test_cors_origins_are_repeatable_and_comma_lists(captured: list[Settings]) -> None:
     result = _serve(
-        "--model", "m", "--cors-allow-origins", "http://a.test, http://b.test:8080",
-        "--cors-allow-origins", "http://c.test",
-    )  # fmt: skip
+        "--model",
+        "m",
+        "--cors-allow-origins",
+        "http://a.test, http://b.test:8080",
+        "--cors-allow-origins",
+        "http://c.test",
+    )
     assert result.exit_code == 0, result.output
     assert captured[0].cors_allow_origins == [
         "http://a.test",
@@ -112,8 +174,13 @@ def test_an_invalid_flag_value_is_a_clear_error(captured: list[Settings]) -> Non
 
 
 def test_every_setting_is_a_flag_or_listed_as_env_only() -> None:
-    renamed = {"api_key": "api_keys", "admin_key": "admin_keys", "lazy_load": "load_on_startup",
-               "no_ui": "ui", "no_engine_process": "engine_process"}  # fmt: skip
+    renamed = {
+        "api_key": "api_keys",
+        "admin_key": "admin_keys",
+        "lazy_load": "load_on_startup",
+        "no_ui": "ui",
+        "no_engine_process": "engine_process",
+    }
     flags = {renamed.get(p.name, p.name) for p in _serve_params() if p.name not in ("config",)}
     flags.discard("help")
     fields = set(Settings.model_fields)

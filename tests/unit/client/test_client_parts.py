@@ -30,9 +30,13 @@ def decode(url: str) -> bytes:
 
 @pytest.mark.parametrize(
     ("given", "base"),
-    [("http://h:8000", "http://h:8000"), ("http://h:8000/v1/", "http://h:8000"),
-     ("h:8000", "http://h:8000"), ("https://x.io/api/v1", "https://x.io/api")],
-)  # fmt: skip
+    [
+        ("http://h:8000", "http://h:8000"),
+        ("http://h:8000/v1/", "http://h:8000"),
+        ("h:8000", "http://h:8000"),
+        ("https://x.io/api/v1", "https://x.io/api"),
+    ],
+)
 def test_base_urls_drop_a_trailing_v1_and_get_a_scheme(given: str, base: str) -> None:
     assert normalize_base_url(given) == base
 
@@ -62,8 +66,9 @@ def test_bodies_stream_with_usage_and_share_media_unless_distinct() -> None:
     parts = [b["messages"][0]["content"] for b in shared]
     assert parts[0][0]["image_url"]["url"] is parts[2][0]["image_url"]["url"]  # one object
     assert len(parts[0][1]["text"].split()) == 5 and parts[0][1] != parts[1][1]
-    distinct = build_bodies(**common, ignore_eos=False, image=(16, 16), video_frames=2,
-                            distinct_media=True)  # fmt: skip
+    distinct = build_bodies(
+        **common, ignore_eos=False, image=(16, 16), video_frames=2, distinct_media=True
+    )
     urls = [b["messages"][0]["content"][0]["image_url"]["url"] for b in distinct]
     assert len(set(urls)) == 3 and "ignore_eos" not in distinct[0]
     assert distinct[0]["messages"][0]["content"][1]["type"] == "video_url"
@@ -103,10 +108,17 @@ async def read(payload: bytes, status: int = 200) -> RequestRecord:
 
 
 async def test_the_stream_reader_times_tokens_and_takes_counts_from_usage() -> None:
-    record = await read(sse(data({"role": "assistant", "content": ""}), data({"content": "a"}),
-                            data({"content": "b"}), data({"content": "c"}), data({}),
-                            data(usage={"prompt_tokens": 11, "completion_tokens": 5}),
-                            "data: [DONE]"))  # fmt: skip
+    record = await read(
+        sse(
+            data({"role": "assistant", "content": ""}),
+            data({"content": "a"}),
+            data({"content": "b"}),
+            data({"content": "c"}),
+            data({}),
+            data(usage={"prompt_tokens": 11, "completion_tokens": 5}),
+            "data: [DONE]",
+        )
+    )
     assert record.ok and record.usage_seen
     assert (record.prompt_tokens, record.output_tokens) == (11, 5)
     assert len(record.itl) == 2 and 0 < record.ttft <= record.e2e
@@ -115,8 +127,9 @@ async def test_the_stream_reader_times_tokens_and_takes_counts_from_usage() -> N
 async def test_the_stream_reader_records_errors_instead_of_raising() -> None:
     failed = await read(b'{"error": {"message": "busy", "code": "overloaded"}}', status=503)
     assert failed.error == "503" and "busy" in failed.message
-    mid = await read(sse(data({"content": "a"}),
-                         'event: error\ndata: {"error": {"message": "boom"}}'))  # fmt: skip
+    mid = await read(
+        sse(data({"content": "a"}), 'event: error\ndata: {"error": {"message": "boom"}}')
+    )
     assert mid.error == "stream_error" and "boom" in mid.message
     no_usage = await read(sse(data({"content": "a"}), data({"content": "b"}), "data: [DONE]"))
     assert no_usage.ok and not no_usage.usage_seen
@@ -151,8 +164,10 @@ def test_image_sizes_parse_or_say_what_is_expected() -> None:
 
 def test_the_client_package_imports_no_torch_transformers_or_fastapi() -> None:
     heavy = "('torch', 'transformers', 'fastapi')"
-    code = ("import sys, vlmserve.client, vlmserve.cli.preflight, vlmserve.cli.loadtest; "
-            f"print(sorted(m for m in {heavy} if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys, vlmserve.client, vlmserve.cli.preflight, vlmserve.cli.loadtest; "
+        f"print(sorted(m for m in {heavy} if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -10,8 +10,9 @@ from vlmserve.client.stats import RequestRecord, build_report, percentile, summa
 
 
 def ok(ttft: float, e2e: float, out: int, itl: list[float] | None = None, prompt: int = 10):
-    return RequestRecord(ttft=ttft, e2e=e2e, output_tokens=out, prompt_tokens=prompt,
-                         itl=itl or [], usage_seen=True)  # fmt: skip
+    return RequestRecord(
+        ttft=ttft, e2e=e2e, output_tokens=out, prompt_tokens=prompt, itl=itl or [], usage_seen=True
+    )
 
 
 def test_percentile_interpolates_linearly_between_closest_ranks() -> None:
@@ -99,9 +100,19 @@ def test_goodput_counts_requests_within_every_given_slo() -> None:
 def test_to_dict_has_the_documented_keys() -> None:
     report = build_report([ok(0.1, 0.3, 3, itl=[0.1, 0.1])], 1.0, slo_ttft_ms=1000)
     out = report.to_dict()
-    for key in ("requests", "completed", "failed", "errors", "duration_s", "request_throughput",
-                "output_throughput", "total_token_throughput", "total_input_tokens",
-                "total_output_tokens", "goodput"):  # fmt: skip
+    for key in (
+        "requests",
+        "completed",
+        "failed",
+        "errors",
+        "duration_s",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "total_input_tokens",
+        "total_output_tokens",
+        "goodput",
+    ):
         assert key in out
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(out[key]) == {"mean", "median", "p90", "p99"}

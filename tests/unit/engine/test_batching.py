@@ -45,8 +45,13 @@ class Outcome:
 
 def make_backend(tiny_dir: Path, **kw: Any) -> HFChatBackend:
     options = LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32")
-    kw = {"max_model_len": 4096, "max_queued": 64, "vision_cache_bytes": 0,
-          "processor_cache_bytes": 0, **kw}  # fmt: skip
+    kw = {
+        "max_model_len": 4096,
+        "max_queued": 64,
+        "vision_cache_bytes": 0,
+        "processor_cache_bytes": 0,
+        **kw,
+    }
     backend = HFChatBackend("tiny", options, **kw)
     backend.load()
     assert backend.engine is not None, "the tiny Qwen2-VL must run on the batching engine"

@@ -33,8 +33,15 @@ FAST = 5.0  # seconds: a fault must end the requests well within this
 def backend(tiny_dir: Path) -> Iterator[HFChatBackend]:
     """A fresh model per test: a fatal fault leaves its engine unusable."""
     options = LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32")
-    b = HFChatBackend("tiny", options, max_model_len=4096, max_queued=64, max_num_seqs=3,
-                      vision_cache_bytes=0, processor_cache_bytes=0)  # fmt: skip
+    b = HFChatBackend(
+        "tiny",
+        options,
+        max_model_len=4096,
+        max_queued=64,
+        max_num_seqs=3,
+        vision_cache_bytes=0,
+        processor_cache_bytes=0,
+    )
     b.load()
     assert b.engine is not None
     yield b
@@ -271,8 +278,9 @@ async def test_every_row_failing_alone_is_the_engines_fault_not_the_requests(
     backend: HFChatBackend, rows: int
 ) -> None:
     engine = engine_of(backend)
-    jobs = asyncio.gather(*(tokens(backend, request(f"r{i}", 300)) for i in range(rows)),
-                          return_exceptions=True)  # fmt: skip
+    jobs = asyncio.gather(
+        *(tokens(backend, request(f"r{i}", 300)) for i in range(rows)), return_exceptions=True
+    )
     await until_running(engine, rows)
     engine._decode_forward = raising  # type: ignore[method-assign]
     got = await asyncio.wait_for(jobs, FAST)
@@ -342,8 +350,9 @@ async def test_closing_the_model_ends_queued_requests_without_a_reload(
 ) -> None:
     told: list[Any] = []
     backend.on_engine_failure = told.append
-    jobs = asyncio.gather(*(tokens(backend, request(f"r{i}", 300)) for i in range(5)),
-                          return_exceptions=True)  # fmt: skip
+    jobs = asyncio.gather(
+        *(tokens(backend, request(f"r{i}", 300)) for i in range(5)), return_exceptions=True
+    )
     await asyncio.sleep(0.2)
     backend.close()
     got = await asyncio.wait_for(jobs, FAST)

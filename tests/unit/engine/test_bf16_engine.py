@@ -29,8 +29,14 @@ from vlmserve.testing.tiny import TinySpec, build_qwen2_vl
 def bf16() -> Iterator[HFChatBackend]:
     path = build_qwen2_vl(TinySpec(torch_dtype="bfloat16"))
     options = LoadOptions(source=str(path), device="cpu", dtype="bfloat16")
-    backend = HFChatBackend("tiny-bf16", options, max_model_len=4096, max_queued=64,
-                            vision_cache_bytes=0, processor_cache_bytes=0)  # fmt: skip
+    backend = HFChatBackend(
+        "tiny-bf16",
+        options,
+        max_model_len=4096,
+        max_queued=64,
+        vision_cache_bytes=0,
+        processor_cache_bytes=0,
+    )
     backend.load()
     assert backend.engine is not None
     yield backend
@@ -77,10 +83,22 @@ def test_gathered_decode_attention_of_a_bf16_model_is_computed_in_float32(
     mask = runner._additive(seen_keys).float()
     with torch.inference_mode():
         ours = runner._decode_attention(q, keys.float(), values.float(), mask)
-        exact = sdpa(q.float()[:, :, None], keys.float(), values.float(), attn_mask=mask,
-                     scale=runner.scale, enable_gqa=True).reshape(b, -1)  # fmt: skip
-        in_bf16 = sdpa(q[:, :, None], keys, values, attn_mask=mask.bfloat16(),
-                       scale=runner.scale, enable_gqa=True).reshape(b, -1)  # fmt: skip
+        exact = sdpa(
+            q.float()[:, :, None],
+            keys.float(),
+            values.float(),
+            attn_mask=mask,
+            scale=runner.scale,
+            enable_gqa=True,
+        ).reshape(b, -1)
+        in_bf16 = sdpa(
+            q[:, :, None],
+            keys,
+            values,
+            attn_mask=mask.bfloat16(),
+            scale=runner.scale,
+            enable_gqa=True,
+        ).reshape(b, -1)
     assert ours.dtype is torch.bfloat16
     assert torch.equal(ours, exact.bfloat16())
     assert not torch.equal(in_bf16, ours)  # the bf16 kernel rounds otherwise: not what runs
@@ -114,8 +132,9 @@ async def test_other_families_in_bf16_answer_the_same_alone_and_in_a_busy_batch(
         engine = backend.engine
         assert engine is not None and engine.runner.dtype is torch.bfloat16
         others = mixed(family)
-        probe = request_for("Probe with two pictures", images=[(80, 80, 9), (50, 70, 3)],
-                            max_tokens=20)  # fmt: skip
+        probe = request_for(
+            "Probe with two pictures", images=[(80, 80, 9), (50, 70, 3)], max_tokens=20
+        )
         alone = [await run(backend, r) for r in [*others, probe]]
         tasks = [asyncio.create_task(run(backend, r)) for r in others]
         await wait_for(lambda: engine.running == len(others))

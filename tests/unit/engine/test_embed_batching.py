@@ -201,8 +201,9 @@ async def test_an_unloaded_backend_is_unavailable_without_queueing(tiny_dir):
 # --- through the HTTP API ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def embed_models(tiny_dir: Path, adapter_dir: Path) -> Iterator[ModelManager]:
-    cfg = ModelConfig(name=EMBED, source=str(tiny_dir), adapter=str(adapter_dir),
-                      roles=["embedding"])  # fmt: skip
+    cfg = ModelConfig(
+        name=EMBED, source=str(tiny_dir), adapter=str(adapter_dir), roles=["embedding"]
+    )
     handle = hf_handle(cfg, Settings(device="cpu", embed_batch_wait_ms=200))
     handle.backend.load()
     yield ModelManager([handle])

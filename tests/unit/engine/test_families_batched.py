@@ -37,8 +37,16 @@ from vlmserve.engine.types import (
 from vlmserve.testing import FAMILIES
 from vlmserve.testing.media import gradient_image
 
-ALL_BATCHED = ["qwen2_5_vl", "qwen3_vl", "llava", "llava_onevision", "idefics3", "smolvlm",
-               "internvl", "gemma3"]  # fmt: skip
+ALL_BATCHED = [
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llava",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+    "internvl",
+    "gemma3",
+]
 VIDEO = {"qwen2_5_vl", "qwen3_vl", "llava_onevision", "smolvlm", "internvl"}  # take video
 
 
@@ -46,8 +54,14 @@ def backend_for(family: str, dtype: str = "float32", **kw: Any) -> HFChatBackend
     if family == "smolvlm":
         pytest.importorskip("num2words", reason="SmolVLMProcessor needs num2words")
     options = LoadOptions(source=str(FAMILIES[family]()), device="cpu", dtype=dtype)
-    kw = {"max_model_len": 4096, "max_queued": 64, "vision_cache_bytes": 0,
-          "processor_cache_bytes": 0, "max_num_seqs": 8, **kw}  # fmt: skip
+    kw = {
+        "max_model_len": 4096,
+        "max_queued": 64,
+        "vision_cache_bytes": 0,
+        "processor_cache_bytes": 0,
+        "max_num_seqs": 8,
+        **kw,
+    }
     backend = HFChatBackend(family, options, **kw)
     backend.load()
     assert backend.engine is not None, f"{family} must run on the batching engine"

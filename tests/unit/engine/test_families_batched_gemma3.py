@@ -62,8 +62,11 @@ def test_prefill_of_an_image_prompt_equals_the_models_forward() -> None:
     loaded = load_model(LoadOptions(source=str(FAMILIES["gemma3"]()), device="cpu"))
     model = loaded.model
     req = request("Two pictures.", images=[(64, 48, 0), (40, 70, 1)], max_tokens=1)
-    inputs = {k: v for k, v in build_inputs(loaded.processor, req).inputs.items()
-              if isinstance(v, torch.Tensor)}  # fmt: skip
+    inputs = {
+        k: v
+        for k, v in build_inputs(loaded.processor, req).inputs.items()
+        if isinstance(v, torch.Tensor)
+    }
     with torch.inference_mode():
         hf = _values(model(**inputs, use_cache=True), 1)
         runner, embedder = build(model, VisionCache(0))
@@ -96,10 +99,13 @@ def test_prefill_masks_are_the_models_own() -> None:
     types[0, 10:14] = types[0, 70:74] = 1
     block_ids = get_block_sequence_ids_for_mask(types)
     theirs = create_masks_for_vision_model(
-        config=config, inputs_embeds=torch.zeros(1, t, config.hidden_size),
-        attention_mask=None, cache=None, position_ids=torch.arange(t)[None],
+        config=config,
+        inputs_embeds=torch.zeros(1, t, config.hidden_size),
+        attention_mask=None,
+        cache=None,
+        position_ids=torch.arange(t)[None],
         block_sequence_ids=block_ids,
-    )  # fmt: skip
+    )
     row = PrefillRow(torch.zeros(t, config.hidden_size), None, blocks=block_ids[0])
     ours = runner._prefill_masks(row)
     assert set(ours) == set(theirs) == {"full_attention", "sliding_attention"}

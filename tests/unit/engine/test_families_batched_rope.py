@@ -20,9 +20,16 @@ def qwen2_5() -> tuple[Any, list[int], bool]:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
 
     text = Qwen2_5_VLConfig(
-        text_config={"hidden_size": 128, "num_attention_heads": 4, "rope_parameters": {
-            "rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}}
-    ).text_config  # fmt: skip
+        text_config={
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e6,
+                "mrope_section": [4, 6, 6],
+            },
+        }
+    ).text_config
     return Qwen2_5_VLRotaryEmbedding(text), [4, 6, 6], False
 
 
@@ -31,10 +38,18 @@ def qwen3() -> tuple[Any, list[int], bool]:
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
     text = Qwen3VLConfig(
-        text_config={"hidden_size": 128, "num_attention_heads": 4, "head_dim": 32,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 5e6,
-                                         "mrope_section": [6, 5, 5], "mrope_interleaved": True}}
-    ).text_config  # fmt: skip
+        text_config={
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+        }
+    ).text_config
     return Qwen3VLTextRotaryEmbedding(text), [6, 5, 5], True
 
 
@@ -50,9 +65,13 @@ def llama() -> tuple[Any, list[int], bool]:
 def test_table_angles_equal_the_models_rotary_embedding(make: Any) -> None:
     rotary, sections, interleaved = make()
     tables = RotaryTables(
-        rotary.inv_freq, sections, float(rotary.attention_scaling), torch.float32,
-        torch.device("cpu"), interleaved=interleaved,
-    )  # fmt: skip
+        rotary.inv_freq,
+        sections,
+        float(rotary.attention_scaling),
+        torch.float32,
+        torch.device("cpu"),
+        interleaved=interleaved,
+    )
     gen = torch.Generator().manual_seed(0)
     if len(sections) == 1:  # 1-D: the same position on every axis
         positions = torch.randint(0, 3000, (1, 200), generator=gen).expand(3, 200)
@@ -70,8 +89,23 @@ def test_table_angles_equal_the_models_rotary_embedding(make: Any) -> None:
 
 def test_interleaved_axes_put_height_and_width_on_every_third_dim() -> None:
     assert rotary_axes([6, 5, 5], 16, interleaved=True) == [
-        0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0,
-    ]  # fmt: skip
+        0,
+        1,
+        2,
+        0,
+        1,
+        2,
+        0,
+        1,
+        2,
+        0,
+        1,
+        2,
+        0,
+        1,
+        2,
+        0,
+    ]
     assert rotary_axes([4, 6, 6], 16) == [0] * 4 + [1] * 6 + [2] * 6
     with pytest.raises(ValueError, match="does not cover"):
         rotary_axes([4, 6, 5], 16)

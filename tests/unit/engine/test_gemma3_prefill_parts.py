@@ -88,8 +88,11 @@ async def test_a_chunked_image_prompt_answers_as_the_whole_prefill(
 ) -> None:
     from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
-    req = request("Compare the three pictures. " * 3, max_tokens=12,
-                  images=[(64, 48, 0), (40, 70, 1), (50, 50, 2)])  # fmt: skip
+    req = request(
+        "Compare the three pictures. " * 3,
+        max_tokens=12,
+        images=[(64, 48, 0), (40, 70, 1), (50, 50, 2)],
+    )
     prepared = await whole.prepare(req)
     await whole.discard(prepared)
     blocks = get_block_sequence_ids_for_mask(prepared.inputs["token_type_ids"])[0]
@@ -154,8 +157,11 @@ def test_parts_that_keep_images_whole_write_the_whole_prefills_kv() -> None:
     prefix) writes the same second-layer values; split inside an image it would not."""
     loaded = load_model(LoadOptions(source=str(FAMILIES["gemma3"]()), device="cpu"))
     req = request("Two pictures.", images=[(64, 48, 0), (40, 70, 1)], max_tokens=1)
-    inputs = {k: v for k, v in build_inputs(loaded.processor, req).inputs.items()
-              if isinstance(v, torch.Tensor)}  # fmt: skip
+    inputs = {
+        k: v
+        for k, v in build_inputs(loaded.processor, req).inputs.items()
+        if isinstance(v, torch.Tensor)
+    }
     with torch.inference_mode():
         runner, embedder = build(loaded.model, VisionCache(0))
         cache = runner.allocate_cache(num_blocks=16, block_size=16)
@@ -170,8 +176,13 @@ def test_parts_that_keep_images_whole_write_the_whole_prefills_kv() -> None:
         slots = [books.slot(table, i) for i in range(t)]
 
         def compute(start: int, end: int) -> None:
-            part = PrefillRow(row.embeds[start:end], positions[:, start:end], cached=start,
-                              table=table if start else None, blocks=row.blocks[:end])  # fmt: skip
+            part = PrefillRow(
+                row.embeds[start:end],
+                positions[:, start:end],
+                cached=start,
+                table=table if start else None,
+                blocks=row.blocks[:end],
+            )
             part.slots = slots[start:end]
             runner.prefill([part])
 

@@ -32,8 +32,10 @@ def attn() -> Attention:
 
 
 def test_the_packed_product_equals_the_plain_one_and_is_held_once(attn: Attention) -> None:
-    plain = [(m.weight.detach().clone(), m.bias.detach().clone())
-             for m in (attn.q_proj, attn.k_proj, attn.v_proj)]  # fmt: skip
+    plain = [
+        (m.weight.detach().clone(), m.bias.detach().clone())
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj)
+    ]
     params_before = sum(p.numel() for p in attn.parameters())
     fused = fuse(attn, ["q_proj", "k_proj", "v_proj"])
     assert fused.packed and fused.out_features == 1024 + 2 * 256
@@ -41,8 +43,9 @@ def test_the_packed_product_equals_the_plain_one_and_is_held_once(attn: Attentio
     expected = torch.cat([F.linear(x, w, b) for w, b in plain], dim=1)
     torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-4)
     # the HF modules read the packed weight (model.generate keeps working), counted once
-    torch.testing.assert_close(attn.k_proj(x[None])[0], expected[:, 1024:1280], rtol=1e-5,
-                               atol=1e-4)  # fmt: skip
+    torch.testing.assert_close(
+        attn.k_proj(x[None])[0], expected[:, 1024:1280], rtol=1e-5, atol=1e-4
+    )
     assert sum(p.numel() for p in attn.parameters()) == params_before
 
 

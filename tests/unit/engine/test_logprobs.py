@@ -47,8 +47,9 @@ def raw_logprobs(model: Any, inputs: dict[str, Any], tokens: list[int]) -> torch
     return logits[start : start + len(tokens)].log_softmax(dim=-1)
 
 
-def check(backend: HFChatBackend, inputs: dict[str, Any], tokens: list[int], items: list[Any],
-          top: int) -> None:  # fmt: skip
+def check(
+    backend: HFChatBackend, inputs: dict[str, Any], tokens: list[int], items: list[Any], top: int
+) -> None:
     loaded = backend._require()
     expected = raw_logprobs(loaded.model, inputs, tokens)
     assert len(items) == len(tokens) > 0
@@ -68,8 +69,14 @@ def check(backend: HFChatBackend, inputs: dict[str, Any], tokens: list[int], ite
 async def test_batched_logprobs_are_the_raw_log_softmax_of_the_sampled_tokens(
     backend: HFChatBackend, temperature: float
 ) -> None:
-    req = request("Describe a cat", max_tokens=12, temperature=temperature, seed=5,
-                  logprobs=True, top_logprobs=5)  # fmt: skip
+    req = request(
+        "Describe a cat",
+        max_tokens=12,
+        temperature=temperature,
+        seed=5,
+        logprobs=True,
+        top_logprobs=5,
+    )
     tokens, items = await collect(backend, req)
     check(backend, (await backend.prepare(req)).inputs, tokens, items, 5)
 
@@ -95,7 +102,8 @@ async def test_without_top_logprobs_each_item_lists_no_alternatives(
 async def test_the_generate_fallback_reports_raw_logprobs_too(
     fallback: HFChatBackend,  # noqa: F811
 ) -> None:
-    req = request("Describe a cat", max_tokens=8, logprobs=True, top_logprobs=3,
-                  presence_penalty=1.0)  # fmt: skip
+    req = request(
+        "Describe a cat", max_tokens=8, logprobs=True, top_logprobs=3, presence_penalty=1.0
+    )
     tokens, items = await collect(fallback, req)
     check(fallback, (await fallback.prepare(req)).inputs, tokens, items, 3)

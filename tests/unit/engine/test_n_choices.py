@@ -147,8 +147,12 @@ async def test_forked_choices_survive_preemption_with_the_same_tokens(tiny_dir: 
 async def test_each_choice_follows_the_response_format_with_its_own_grammar_state(
     backend: HFChatBackend,
 ) -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}},
-              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     req = request("JSON please", temperature=1.0, seed=0, max_tokens=40, n=3)
     req.sampling.ignore_eos = False
     req.response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}

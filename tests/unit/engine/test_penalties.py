@@ -40,8 +40,9 @@ class Row:  # the fields of a Sequence the sampler reads
     step_logprobs: Any = None
 
 
-def openai_penalised(logits: torch.Tensor, generated: list[int], presence: float,
-                     frequency: float) -> torch.Tensor:  # fmt: skip
+def openai_penalised(
+    logits: torch.Tensor, generated: list[int], presence: float, frequency: float
+) -> torch.Tensor:
     """The formula as OpenAI documents it, written out token by token."""
     out = logits.clone()
     for j in set(generated):
@@ -53,8 +54,9 @@ def test_the_sampler_subtracts_frequency_times_count_plus_presence_once() -> Non
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, -1.0, 0.0]])
     generated = [0, 0, 0, 2, 4]
     counts = torch.bincount(torch.tensor(generated), minlength=6).float()
-    params = SamplingParams(temperature=0, presence_penalty=0.7, frequency_penalty=0.4,
-                            logprobs=True, top_logprobs=6)  # fmt: skip
+    params = SamplingParams(
+        temperature=0, presence_penalty=0.7, frequency_penalty=0.4, logprobs=True, top_logprobs=6
+    )
     row = Row(params, counts=counts)
     picked = Sampler(6, set(), logprobs_mode="processed").sample(logits.clone(), [row])
     expected = openai_penalised(logits[0], generated, 0.7, 0.4)
@@ -67,21 +69,24 @@ def test_the_sampler_subtracts_frequency_times_count_plus_presence_once() -> Non
 
 def test_negative_penalties_favour_repeated_tokens() -> None:
     logits = torch.tensor([[1.0, 1.2, 0.0]])
-    row = Row(SamplingParams(temperature=0, presence_penalty=-0.5),
-              counts=torch.tensor([1.0, 0.0, 0.0]))  # fmt: skip
+    row = Row(
+        SamplingParams(temperature=0, presence_penalty=-0.5), counts=torch.tensor([1.0, 0.0, 0.0])
+    )
     assert Sampler(3, set()).sample(logits, [row]) == [0]
 
 
 def test_rows_without_penalties_are_untouched_in_a_mixed_batch() -> None:
     logits = torch.tensor([[1.0, 0.9], [1.0, 0.9]])
-    rows = [Row(SamplingParams(temperature=0, frequency_penalty=2.0),
-                counts=torch.tensor([1.0, 0.0])),
-            Row(SamplingParams(temperature=0))]  # fmt: skip
+    rows = [
+        Row(SamplingParams(temperature=0, frequency_penalty=2.0), counts=torch.tensor([1.0, 0.0])),
+        Row(SamplingParams(temperature=0)),
+    ]
     assert Sampler(2, set()).sample(logits, rows) == [1, 0]
 
 
-def reference_greedy(model: Any, inputs: dict[str, Any], steps: int, presence: float,
-                     frequency: float) -> list[int]:  # fmt: skip
+def reference_greedy(
+    model: Any, inputs: dict[str, Any], steps: int, presence: float, frequency: float
+) -> list[int]:
     """Greedy decoding by full forwards of the HF model, the OpenAI formula on its logits."""
     ids = inputs["input_ids"]
     generated: list[int] = []
@@ -98,8 +103,12 @@ STEPS = 32  # the tiny model repeats itself within 32 greedy tokens of "Hello"
 
 
 def penalised(text: str, **kw: Any) -> GenerateRequest:
-    return request(text, max_tokens=STEPS, presence_penalty=kw.get("presence", 0.0),
-                   frequency_penalty=kw.get("frequency", 0.0))  # fmt: skip
+    return request(
+        text,
+        max_tokens=STEPS,
+        presence_penalty=kw.get("presence", 0.0),
+        frequency_penalty=kw.get("frequency", 0.0),
+    )
 
 
 @pytest.fixture(scope="module")

@@ -283,8 +283,12 @@ async def test_a_small_budget_reuses_idle_blocks_and_preempts_with_the_same_answ
     assert off.engine is not None
     requests = crowd()[:16]
     alone = [await run(off, r) for r in requests]
-    tight = make_backend(tiny_dir, max_num_seqs=16, prefix_caching=True,
-                         kv_cache_bytes=40 * off.engine.kv.block_bytes)  # fmt: skip
+    tight = make_backend(
+        tiny_dir,
+        max_num_seqs=16,
+        prefix_caching=True,
+        kv_cache_bytes=40 * off.engine.kv.block_bytes,
+    )
     try:
         assert tight.engine is not None
         got = await asyncio.gather(*(run(tight, r) for r in requests))

@@ -81,9 +81,13 @@ async def test_a_repeated_image_skips_preprocessing_and_decodes_the_same(tiny_di
     def backend(processor_cache: int) -> HFChatBackend:
         options = LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32")
         b = HFChatBackend(
-            "pc", options, max_model_len=4096, max_queued=8, vision_cache_bytes=2**24,
+            "pc",
+            options,
+            max_model_len=4096,
+            max_queued=8,
+            vision_cache_bytes=2**24,
             processor_cache_bytes=processor_cache,
-        )  # fmt: skip
+        )
         b.load()
         return b
 

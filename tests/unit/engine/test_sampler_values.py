@@ -155,8 +155,10 @@ def test_a_penalised_negative_logit_falls_below_an_unseen_one() -> None:
     logits = torch.tensor([[-1.0, -1.5, -4.0]])  # penalty 2 takes token 0 to -2
     row = Row(SamplingParams(temperature=0, repetition_penalty=2.0), seen=seen)
     assert sampler.sample(logits, [row]) == [1]
-    reward = Row(SamplingParams(temperature=0, repetition_penalty=0.5), seen=torch.tensor(
-        [False, True, False]))  # fmt: skip
+    reward = Row(
+        SamplingParams(temperature=0, repetition_penalty=0.5),
+        seen=torch.tensor([False, True, False]),
+    )
     assert sampler.sample(torch.tensor([[-1.0, -1.5, -4.0]]), [reward]) == [1]  # -0.75
 
 
@@ -268,8 +270,11 @@ def test_sampled_tokens_follow_the_distribution_with_greedy_rows_mixed_in() -> N
     sampler = Sampler(6, set())
     probs = torch.tensor([0.5, 0.0, 0.3, 0.0, 0.2, 0.0])
     logits = probs.log().expand(3, 6)
-    batch = rows(SamplingParams(temperature=1.0), SamplingParams(temperature=0),
-                 SamplingParams(temperature=1.0))  # fmt: skip
+    batch = rows(
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+    )
     picked = draws(sampler, logits, batch, n=1500)
     assert set(picked[:, 1].tolist()) == {0}
     sampled = torch.cat([picked[:, 0], picked[:, 2]])
@@ -296,8 +301,11 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_its_companions(seed: int) -
         return [sampler.sample(logits.clone(), batch)[row] for _ in range(30)]
 
     alone = tokens([seeded(seed, temperature=1.0)], 0)
-    crowd = [Row(SamplingParams(temperature=1.0)), seeded(seed, temperature=1.0),
-             seeded(seed + 1 if seed < 2**63 - 1 else 0, temperature=1.0)]  # fmt: skip
+    crowd = [
+        Row(SamplingParams(temperature=1.0)),
+        seeded(seed, temperature=1.0),
+        seeded(seed + 1 if seed < 2**63 - 1 else 0, temperature=1.0),
+    ]
     assert tokens(crowd, 1) == alone
     assert len(set(alone)) > 5  # really sampled
 

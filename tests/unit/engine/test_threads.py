@@ -96,8 +96,9 @@ def test_model_thread_gets_the_default_thread_count() -> None:
 async def test_a_model_loads_on_its_own_thread(tiny_dir: Path) -> None:
     """Loading runs where the steps will (the load's team is the steps' team), not on a
     shared worker thread whose team would outlive it."""
-    backend = HFChatBackend("tiny", LoadOptions(source=str(tiny_dir), device="cpu",
-                            dtype="float32"), max_model_len=4096)  # fmt: skip
+    backend = HFChatBackend(
+        "tiny", LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32"), max_model_len=4096
+    )
     seen: list[str] = []
     real = backend._load
 

@@ -61,10 +61,22 @@ def test_a_broken_template_fails_the_load_naming_the_model(tiny_dir: Path) -> No
 
 def test_the_cli_says_what_is_wrong_without_a_traceback(tiny_dir: Path, tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "vlmserve.cli.main", "serve", "--model", str(tiny_dir),
-         "--chat-template", str(tmp_path / "missing.jinja"), "--port", "1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "vlmserve.cli.main",
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--chat-template",
+            str(tmp_path / "missing.jinja"),
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "neither a file nor a Jinja template" in done.stderr
     assert "Traceback" not in done.stderr

@@ -148,9 +148,7 @@ def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
         vocab[piece] = len(vocab)
     bpe = BPE(vocab, [("▁", "a"), ("▁", "b"), ("a", "b")], unk_token="<unk>", byte_fallback=True)
     tok = Tokenizer(bpe)
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence(
         [
             decoders.Replace("▁", " "),

@@ -32,9 +32,13 @@ class Answer:
 
     pieces: list[bytes]
     status: int = 200
-    headers: Mapping[str, str] = field(default_factory=lambda: {"content-type": "text/event-stream",
-                                                                "x-session-id": "s1",
-                                                                "server": "uvicorn"})
+    headers: Mapping[str, str] = field(
+        default_factory=lambda: {
+            "content-type": "text/event-stream",
+            "x-session-id": "s1",
+            "server": "uvicorn",
+        }
+    )
     replica_url: str = "http://replica"
     fail_after: int | None = None  # raise after this many pieces (the upstream broke off)
 
@@ -56,8 +60,9 @@ async def _never() -> dict[str, Any]:
 Relayed = tuple[bool, list[dict[str, Any]], list[bytes]]  # read to the end, sent, seen
 
 
-async def relayed(answer: Answer, rename: tuple[bytes, bytes] | None = RENAME,
-                  receive: Any = _never) -> Relayed:  # fmt: skip
+async def relayed(
+    answer: Answer, rename: tuple[bytes, bytes] | None = RENAME, receive: Any = _never
+) -> Relayed:
     sent: list[dict[str, Any]] = []
     seen: list[bytes] = []
 
@@ -80,8 +85,10 @@ async def test_the_client_gets_whole_renamed_events_wherever_the_network_splits(
     assert _body(sent) == EVENTS.replace(*RENAME)
     assert all(piece.endswith(b"\n\n") for piece in seen)  # never half an event
     assert sent[0]["status"] == 200
-    assert dict(sent[0]["headers"]) == {b"content-type": b"text/event-stream",
-                                        b"x-session-id": b"s1"}  # fmt: skip
+    assert dict(sent[0]["headers"]) == {
+        b"content-type": b"text/event-stream",
+        b"x-session-id": b"s1",
+    }
     assert sent[-1]["more_body"] is False
 
 
@@ -126,9 +133,14 @@ async def test_a_client_that_left_stops_the_relay() -> None:
 def test_the_media_kinds_of_a_raw_request_are_read_without_parsing_it() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:"}}
     video = {"type": "input_video", "video_url": "x"}
-    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "x"}]},
-                         {"role": "user", "content": "plain"}, "junk",
-                         {"role": "user", "content": [video, 3]}]}  # fmt: skip
+    body = {
+        "messages": [
+            {"role": "user", "content": [image, {"type": "text", "text": "x"}]},
+            {"role": "user", "content": "plain"},
+            "junk",
+            {"role": "user", "content": [video, 3]},
+        ]
+    }
     assert frozenset(_media_kinds(body)) == {"vision", "video"}
     assert frozenset(_media_kinds({"messages": "nonsense"})) == frozenset()
 
@@ -150,11 +162,18 @@ def test_passed_streams_expire_with_their_sessions_and_keep_the_newest() -> None
 
 @pytest.mark.parametrize(
     ("extra", "passes"),
-    [({}, True), ({"n": 2}, True), ({"n": 3}, False), ({"n": "2"}, False),
-     ({"max_tokens": 99}, True), ({"max_tokens": 100}, False),
-     ({"max_completion_tokens": 100, "max_tokens": 5}, False), ({"images": 2}, True),
-     ({"images": 3}, False)],
-)  # fmt: skip
+    [
+        ({}, True),
+        ({"n": 2}, True),
+        ({"n": 3}, False),
+        ({"n": "2"}, False),
+        ({"max_tokens": 99}, True),
+        ({"max_tokens": 100}, False),
+        ({"max_completion_tokens": 100, "max_tokens": 5}, False),
+        ({"images": 2}, True),
+        ({"images": 3}, False),
+    ],
+)
 def test_the_gateways_own_limits_send_a_request_to_the_full_path(extra, passes) -> None:
     """Over a limit of the gateway's: the full path refuses it with its 400 (not the worker)."""
     from types import SimpleNamespace
@@ -185,8 +204,10 @@ def test_the_metrics_of_a_passed_request_come_from_its_bytes() -> None:
     streamed(b"data: [DONE]\n\n")  # the usage chunk and [DONE] in reads of their own
     streamed.finished()
     whole = Observed(metrics, "gw")
-    whole(b'{"choices":[{"message":{}}],"usage":{"prompt_tokens":5,"completion_tokens":2,'
-          b'"total_tokens":7}}')  # fmt: skip
+    whole(
+        b'{"choices":[{"message":{}}],"usage":{"prompt_tokens":5,"completion_tokens":2,'
+        b'"total_tokens":7}}'
+    )
     whole.finished()
     text = metrics.render().decode()
     assert 'vlmserve_output_tokens_total{model="gw"} 5.0' in text
@@ -245,17 +266,22 @@ async def test_a_non_sse_answer_is_renamed_too_and_seen_whole() -> None:
     body = b'{"error": {"message": "x"}, "model":"up-name"}'
     done, sent, seen = await relayed(Answer([body[:7], body[7:]], status=409))
     assert done and _body(sent) == body.replace(*RENAME) and seen == [body]
-    assert sent[-1] == {"type": "http.response.body", "body": body.replace(*RENAME),
-                        "more_body": False}  # fmt: skip
+    assert sent[-1] == {
+        "type": "http.response.body",
+        "body": body.replace(*RENAME),
+        "more_body": False,
+    }
 
 
 async def test_the_body_is_read_across_messages_and_replayed_once() -> None:
     from vlmserve.gateway.passthrough_relay import read_body, replay
 
-    messages = [{"type": "http.request", "body": b"ab", "more_body": True},
-                {"type": "http.request", "more_body": True},
-                {"type": "http.request", "body": b"c"},
-                {"type": "http.disconnect"}]  # fmt: skip
+    messages = [
+        {"type": "http.request", "body": b"ab", "more_body": True},
+        {"type": "http.request", "more_body": True},
+        {"type": "http.request", "body": b"c"},
+        {"type": "http.disconnect"},
+    ]
 
     async def receive() -> dict[str, Any]:
         return messages.pop(0)

@@ -21,12 +21,19 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _sse(texts: list[str], line_end: str = "\n") -> bytes:
-    events = [{"id": "chatcmpl-up", "choices": [{"index": 0, "delta": {"content": t}}]}
-              for t in texts]  # fmt: skip
-    events.append({"id": "chatcmpl-up", "choices": [{"index": 0, "delta": {},
-                                                     "finish_reason": "length"}]})  # fmt: skip
-    events.append({"id": "chatcmpl-up", "choices": [],
-                   "usage": {"prompt_tokens": 5, "completion_tokens": len(texts)}})  # fmt: skip
+    events = [
+        {"id": "chatcmpl-up", "choices": [{"index": 0, "delta": {"content": t}}]} for t in texts
+    ]
+    events.append(
+        {"id": "chatcmpl-up", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    )
+    events.append(
+        {
+            "id": "chatcmpl-up",
+            "choices": [],
+            "usage": {"prompt_tokens": 5, "completion_tokens": len(texts)},
+        }
+    )
     parts = [": keep-alive", *(f"data: {json.dumps(e)}" for e in events), "data: [DONE]"]
     return "".join(p + line_end * 2 for p in parts).encode()
 
@@ -88,8 +95,9 @@ class _Pieces(httpx.AsyncByteStream):
 
 async def _proxied(handler: Any) -> list[Chunk]:
     async with fake_upstreams(handler, "http://a.test") as fake:
-        config = UpstreamConfig(model="up", base_urls=fake.real("http://a.test"),
-                                health_interval=0, preflight=False)  # fmt: skip
+        config = UpstreamConfig(
+            model="up", base_urls=fake.real("http://a.test"), health_interval=0, preflight=False
+        )
         backend = UpstreamBackend("gw", config)
         await backend.aload()
         try:

@@ -17,8 +17,14 @@ def _worker(statuses: dict[str, int], seen: list[str]) -> Registration:
         seen.append(model)
         return httpx.Response(statuses.get(model, 200), json={})
 
-    return Registration("http://gw/v1/gateway/register", "http://w:8000", instance="w",
-                        attempts=3, backoff=0, transport=httpx.MockTransport(gateway))  # fmt: skip
+    return Registration(
+        "http://gw/v1/gateway/register",
+        "http://w:8000",
+        instance="w",
+        attempts=3,
+        backoff=0,
+        transport=httpx.MockTransport(gateway),
+    )
 
 
 @pytest.mark.parametrize("status", [401, 403])

@@ -35,8 +35,9 @@ SERVER = textwrap.dedent("""
 
 
 def config(tmp_path: Path, *extra: str, **kw: float) -> SupervisorConfig:
-    return SupervisorConfig("fake/model", [sys.executable, "-c", SERVER, "{port}", *extra],
-                            log_dir=str(tmp_path), **kw)  # type: ignore[arg-type]  # fmt: skip
+    return SupervisorConfig(
+        "fake/model", [sys.executable, "-c", SERVER, "{port}", *extra], log_dir=str(tmp_path), **kw
+    )  # type: ignore[arg-type]
 
 
 def family(pid: int) -> list[psutil.Process]:

@@ -29,8 +29,9 @@ async def _close_opened() -> AsyncIterator[None]:
         await _OPEN.pop().aclose()
 
 
-async def start(handler: Callable[[httpx.Request], Any], config: UpstreamConfig,
-                name: str) -> tuple[UpstreamBackend, FakeUpstreams]:  # fmt: skip
+async def start(
+    handler: Callable[[httpx.Request], Any], config: UpstreamConfig, name: str
+) -> tuple[UpstreamBackend, FakeUpstreams]:
     """A backend routing to fake replicas named by ``config.base_urls``."""
     fake = await FakeUpstreams.start(handler, *config.base_urls)
     _OPEN.append(fake)
@@ -111,9 +112,13 @@ def refused(request: httpx.Request) -> httpx.Response:
 
 async def backend(ups: Upstreams, urls: list[str], **policy: Any) -> UpstreamBackend:
     config = UpstreamConfig(
-        model="upstream-name", base_urls=urls, api_key="gw-secret", health_interval=0,
-        preflight=False, policy=PoolPolicy(**policy),
-    )  # fmt: skip
+        model="upstream-name",
+        base_urls=urls,
+        api_key="gw-secret",
+        health_interval=0,
+        preflight=False,
+        policy=PoolPolicy(**policy),
+    )
     b, _ = await start(ups, config, "gw-name")
     return b
 
@@ -149,15 +154,24 @@ async def test_stream_is_translated_and_body_rewritten_for_the_upstream() -> Non
 
 async def test_upstream_4xx_is_passed_on_with_its_status_and_not_retried() -> None:
     ups = Upstreams()
-    error = {"error": {"message": "max_tokens too big", "type": "invalid_request_error",
-                       "param": "max_tokens", "code": "context_length_exceeded"}}  # fmt: skip
+    error = {
+        "error": {
+            "message": "max_tokens too big",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": "context_length_exceeded",
+        }
+    }
     ups.chat[A] = ups.chat[B] = lambda r: httpx.Response(400, json=error)
     b = await backend(ups, [A, B])
     with pytest.raises(UpstreamError) as info:
         await b.prepare(request())
     assert info.value.status_code == 400
     assert (info.value.message, info.value.param, info.value.code) == (
-        "max_tokens too big", "max_tokens", "context_length_exceeded")  # fmt: skip
+        "max_tokens too big",
+        "max_tokens",
+        "context_length_exceeded",
+    )
     assert len(ups.posts()) == 1
     assert b.pool.admitted == 0 and all(r.outstanding == 0 for r in b.pool.replicas)
 
@@ -290,8 +304,9 @@ async def test_an_upstream_silent_past_read_timeout_is_504_and_not_retried() -> 
         raise AssertionError("unreachable")
 
     ups.chat[A], ups.chat[B] = no_answer, ok("fine")
-    config = UpstreamConfig(model="up", base_urls=[A, B], read_timeout=0.3, health_interval=0,
-                            preflight=False)  # fmt: skip
+    config = UpstreamConfig(
+        model="up", base_urls=[A, B], read_timeout=0.3, health_interval=0, preflight=False
+    )
     b, _ = await start(ups, config, "m")
     with pytest.raises(UpstreamTimeout) as info:
         await run(b)
@@ -304,8 +319,9 @@ async def test_a_stream_that_goes_silent_mid_body_is_504() -> None:
     ups = Upstreams()
     head = sse("one")[: sse("one").index(b"\n\n") + 2]
     ups.chat[A] = lambda r: httpx.Response(200, stream=Stall(head))
-    config = UpstreamConfig(model="up", base_urls=[A], read_timeout=0.3, health_interval=0,
-                            preflight=False)  # fmt: skip
+    config = UpstreamConfig(
+        model="up", base_urls=[A], read_timeout=0.3, health_interval=0, preflight=False
+    )
     b, _ = await start(ups, config, "m")
     got = []
     with pytest.raises(UpstreamTimeout):

@@ -45,16 +45,23 @@ class Stall(httpx.AsyncByteStream):
 
 
 def echo(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(200, json={"method": request.method, "path": request.url.path,
-                                     "body": request.content.decode(),
-                                     "headers": dict(request.headers)})  # fmt: skip
+    return httpx.Response(
+        200,
+        json={
+            "method": request.method,
+            "path": request.url.path,
+            "body": request.content.decode(),
+            "headers": dict(request.headers),
+        },
+    )
 
 
 async def test_request_sends_body_and_headers_and_keeps_the_sessions_own() -> None:
     http = UpstreamHTTP(connect_timeout=1, read_timeout=1, headers={"Authorization": "Bearer k"})
     async with fake_upstreams(echo, A) as fake:
-        status, body = await http.request("POST", fake.urls[A] + "/x", content=b'{"a": 1}',
-                                          headers={"X-Extra": "1"}, timeout=1)  # fmt: skip
+        status, body = await http.request(
+            "POST", fake.urls[A] + "/x", content=b'{"a": 1}', headers={"X-Extra": "1"}, timeout=1
+        )
         response = await http.open("GET", fake.urls[A] + "/y")
         assert response.headers["content-type"] == "application/json"
         response.close()
@@ -146,8 +153,9 @@ async def test_more_streams_at_once_than_the_clients_default_pool() -> None:
 
     long_client = UpstreamHTTP(connect_timeout=2, read_timeout=30)
     async with fake_upstreams(lambda r: httpx.Response(200, stream=Held()), A) as fake:
-        opened = await asyncio.wait_for(asyncio.gather(
-            *(long_client.open("POST", fake.urls[A] + "/s") for _ in range(110))), 20)  # fmt: skip
+        opened = await asyncio.wait_for(
+            asyncio.gather(*(long_client.open("POST", fake.urls[A] + "/s") for _ in range(110))), 20
+        )
         assert len(opened) == 110  # the pool's admission is the limit, not the client's
         gate.set()
         for response in opened:

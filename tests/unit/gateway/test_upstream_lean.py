@@ -46,8 +46,14 @@ class Scripted:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
                 request = head + await reader.readexactly(length)
                 self.requests.append(request)
                 if not await self.answer(request, writer):
@@ -85,9 +91,12 @@ async def ok(request: bytes, writer: asyncio.StreamWriter) -> bool:
 async def test_the_request_carries_host_length_and_merged_headers(scripted) -> None:
     server = await scripted(ok)
     http = lean(Authorization="Bearer entry")
-    response = await http.open("POST", server.url + "/v1/x?a=b%3Ac", content=b'{"k":1}',
-                               headers={"content-type": "application/json",
-                                        "AUTHORIZATION": "Bearer given"})  # fmt: skip
+    response = await http.open(
+        "POST",
+        server.url + "/v1/x?a=b%3Ac",
+        content=b'{"k":1}',
+        headers={"content-type": "application/json", "AUTHORIZATION": "Bearer given"},
+    )
     assert (response.status, await response.read()) == (200, b"ok")
     response.close()
     await http.aclose()
@@ -97,11 +106,13 @@ async def test_the_request_carries_host_length_and_merged_headers(scripted) -> N
     assert f"host: {server.url.removeprefix('http://')}" in lines
     assert "content-length: 7" in lines and body == b'{"k":1}'
     assert [line for line in lines if line.startswith("authorization")] == [
-        "authorization: Bearer given"]  # one, the caller's  # fmt: skip
+        "authorization: Bearer given"
+    ]  # one, the caller's
 
 
-@pytest.mark.parametrize("header", [{"x-evil": "a\r\nhost: elsewhere"}, {"x-a:b": "1"},
-                                    {"x-nul": "a\0b"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "header", [{"x-evil": "a\r\nhost: elsewhere"}, {"x-a:b": "1"}, {"x-nul": "a\0b"}]
+)
 async def test_a_header_that_would_split_or_bend_the_request_is_refused(
     scripted, header: dict[str, str]
 ) -> None:
@@ -154,8 +165,11 @@ async def test_each_body_framing_comes_whole_and_in_pieces(scripted, framing: st
     parts = [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
 
     async def stream(request: bytes, writer: asyncio.StreamWriter) -> bool:
-        head = {"chunked": b"transfer-encoding: chunked\r\n", "until-close": b"",
-                "length": b"content-length: %d\r\n" % sum(map(len, parts))}[framing]  # fmt: skip
+        head = {
+            "chunked": b"transfer-encoding: chunked\r\n",
+            "until-close": b"",
+            "length": b"content-length: %d\r\n" % sum(map(len, parts)),
+        }[framing]
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n" + head + b"\r\n")
         for part in parts:
             writer.write(b"%x\r\n%s\r\n" % (len(part), part) if framing == "chunked" else part)
@@ -329,20 +343,25 @@ async def test_it_asks_for_identity_and_decodes_an_answer_compressed_anyway(
     scripted, coding: str
 ) -> None:
     parts = [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
-    packed = gzip.compress(b"".join(parts)) if coding == "gzip" else zlib.compress(
-        b"".join(parts))  # fmt: skip
+    packed = gzip.compress(b"".join(parts)) if coding == "gzip" else zlib.compress(b"".join(parts))
 
     async def compressed(request: bytes, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-encoding: %s\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n" % coding.encode())  # fmt: skip
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-encoding: %s\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" % coding.encode()
+        )
         for i in range(0, len(packed), 7):  # in pieces, as a proxy would flush them
             writer.write(b"%x\r\n%s\r\n" % (len(packed[i : i + 7]), packed[i : i + 7]))
         writer.write(b"0\r\n\r\n")
         return True
 
     server = await scripted(compressed)
-    response = await lean().open("POST", server.url + "/v1/chat/completions", content=b"{}",
-                                 headers={"Accept-Encoding": "gzip"})  # fmt: skip
+    response = await lean().open(
+        "POST",
+        server.url + "/v1/chat/completions",
+        content=b"{}",
+        headers={"Accept-Encoding": "gzip"},
+    )
     assert await response.read() == b"".join(parts)
     assert b"\r\naccept-encoding: identity\r\n" in server.requests[0]
 
@@ -360,8 +379,10 @@ async def test_an_encoding_it_cannot_decode_is_refused_at_the_head(scripted) -> 
 async def test_the_request_line_host_and_length_of_a_plain_get_and_post(scripted) -> None:
     server = await scripted(ok)
     http = lean(Authorization="Bearer entry")
-    for method, url in (("GET", "http://user:secret@" + server.url.removeprefix("http://")),
-                        ("POST", server.url + "/v1/x")):  # fmt: skip
+    for method, url in (
+        ("GET", "http://user:secret@" + server.url.removeprefix("http://")),
+        ("POST", server.url + "/v1/x"),
+    ):
         response = await http.open(method, url, headers={"host": "evil", "x-after": "1"})
         await response.read()
         response.close()
@@ -435,9 +456,11 @@ async def test_an_informational_head_is_skipped_and_stray_bytes_never_join_an_an
 ) -> None:
     async def hints_then_stray(request: bytes, writer: asyncio.StreamWriter) -> bool:
         if request.startswith(b"GET /first"):
-            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n"
-                         b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfirst"
-                         b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nst")  # fmt: skip
+            writer.write(
+                b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n"
+                b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfirst"
+                b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nst"
+            )
         else:
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecond")
         return True

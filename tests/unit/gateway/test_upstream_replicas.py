@@ -29,9 +29,9 @@ async def opened() -> AsyncIterator[list[Any]]:
         await thing.aclose()
 
 
-async def start(opened: list[Any], handler: Handler, *names: str, **kw: Any) -> tuple[
-    UpstreamBackend, FakeUpstreams
-]:  # fmt: skip
+async def start(
+    opened: list[Any], handler: Handler, *names: str, **kw: Any
+) -> tuple[UpstreamBackend, FakeUpstreams]:
     fake = await FakeUpstreams.start(handler, *names)
     opened.append(fake)
     kw.setdefault("health_interval", 0)
@@ -54,8 +54,13 @@ def request() -> GenerateRequest:
 
 
 async def test_health_is_2xx_on_health_else_on_models(opened: list[Any]) -> None:
-    answers = {(A, "/health"): 204, (B, "/health"): 404, (B, "/v1/models"): 200,
-               ("http://c.test", "/health"): 302, ("http://c.test", "/v1/models"): 300}  # fmt: skip
+    answers = {
+        (A, "/health"): 204,
+        (B, "/health"): 404,
+        (B, "/v1/models"): 200,
+        ("http://c.test", "/health"): 302,
+        ("http://c.test", "/v1/models"): 300,
+    }
 
     def handler(r: httpx.Request) -> httpx.Response:
         return httpx.Response(answers[(f"http://{r.url.host}", r.url.path)])

@@ -33,9 +33,13 @@ def png_with_header(width: int, height: int) -> bytes:
     idat_chunk = b"IDAT" + idat
     return (
         b"\x89PNG\r\n\x1a\n"
-        + struct.pack(">I", len(ihdr)) + chunk + crc
-        + struct.pack(">I", len(idat)) + idat_chunk + struct.pack(">I", zlib.crc32(idat_chunk))
-    )  # fmt: skip
+        + struct.pack(">I", len(ihdr))
+        + chunk
+        + crc
+        + struct.pack(">I", len(idat))
+        + idat_chunk
+        + struct.pack(">I", zlib.crc32(idat_chunk))
+    )
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])

@@ -40,9 +40,15 @@ def test_video_frames_defaults_indices_to_empty() -> None:
 
 def test_public_surface() -> None:
     assert set(vlmserve.media.__all__) == {
-        "MediaPolicy", "VideoFrames", "read_source", "decode_image", "load_image",
-        "decode_video", "load_video", "Resolver",
-    }  # fmt: skip
+        "MediaPolicy",
+        "VideoFrames",
+        "read_source",
+        "decode_image",
+        "load_image",
+        "decode_video",
+        "load_video",
+        "Resolver",
+    }
 
 
 def test_importing_media_does_not_import_torch() -> None:

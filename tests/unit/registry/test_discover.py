@@ -45,17 +45,20 @@ def test_write_then_list_shows_them_and_the_curated_file_wins(
 ) -> None:
     root, out = models_root(tmp_path, tiny_dir), tmp_path / "registry.discovered.toml"
     runner = CliRunner()
-    done = runner.invoke(registry_app, ["discover", str(root), "--write", "--discovered",
-                                        str(out)], env=ENV)  # fmt: skip
+    done = runner.invoke(
+        registry_app, ["discover", str(root), "--write", "--discovered", str(out)], env=ENV
+    )
     assert done.exit_code == 0, done.output
     curated = tmp_path / "registry.toml"
-    curated.write_text('[[models]]\nname = "llava-1.5-7b"\nsource = "/srv/llava"\n'
-                       'roles = ["chat", "caption"]\n')  # fmt: skip
+    curated.write_text(
+        '[[models]]\nname = "llava-1.5-7b"\nsource = "/srv/llava"\nroles = ["chat", "caption"]\n'
+    )
     merged = load_registry(curated, out)
     assert merged.get("llava-1.5-7b").source == "/srv/llava"  # type: ignore[union-attr]
     assert merged.origin("qwen3-vl-thinking") == "discovered"
-    listed = runner.invoke(registry_app, ["list", "-r", str(curated), "--discovered", str(out)],
-                           env=ENV)  # fmt: skip
+    listed = runner.invoke(
+        registry_app, ["list", "-r", str(curated), "--discovered", str(out)], env=ENV
+    )
     assert listed.exit_code == 0, listed.output
     row = next(line for line in listed.output.splitlines() if "qwen3-vl-thinking" in line)
     assert "vision, video" in row and "discovered" in row

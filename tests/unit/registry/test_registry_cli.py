@@ -27,9 +27,9 @@ def setup(tmp_path: Path, tiny_dir: Path) -> tuple[Path, Path]:
         "# the local one\n"
         f'[[models]]\nname = "tiny"\nsource = "{model}"\nserved_model_id = "tiny-served"\n'
         'model_aliases = ["tiny-alias"]\n\n'
-        '[models.capabilities]\nvideo = true\n\n'
+        "[models.capabilities]\nvideo = true\n\n"
         '[[models]]\nname = "old"\nsource = "/nowhere"\ndeprecated = true\n'
-    )  # fmt: skip
+    )
     discovered = tmp_path / "discovered.json"
     discovered.write_text(json.dumps({"models": [{"name": "found", "source": str(model)}]}))
     return curated, discovered

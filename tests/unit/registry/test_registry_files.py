@@ -140,17 +140,25 @@ def test_unknown_model_is_not_found_listing_what_is_available(files: tuple[Path,
 @pytest.mark.parametrize(
     ("second", "message"),
     [
-        ({"name": "b", "model_aliases": ["a"]},
-         "alias 'a' of entry 'b' is also the name of entry 'a'"),
-        ({"name": "b", "model_aliases": ["x"]},
-         "alias 'x' of entry 'b' is also the alias of entry 'a'"),
-        ({"name": "b", "served_model_id": "a-served"},
-         "served_model_id 'a-served' of entry 'b' is also the served_model_id of entry 'a'"),
-        ({"name": "b", "served_model_id": "x"},
-         "alias 'x' of entry 'a' is also the served_model_id of entry 'b'"),
+        (
+            {"name": "b", "model_aliases": ["a"]},
+            "alias 'a' of entry 'b' is also the name of entry 'a'",
+        ),
+        (
+            {"name": "b", "model_aliases": ["x"]},
+            "alias 'x' of entry 'b' is also the alias of entry 'a'",
+        ),
+        (
+            {"name": "b", "served_model_id": "a-served"},
+            "served_model_id 'a-served' of entry 'b' is also the served_model_id of entry 'a'",
+        ),
+        (
+            {"name": "b", "served_model_id": "x"},
+            "alias 'x' of entry 'a' is also the served_model_id of entry 'b'",
+        ),
         ({"name": "a"}, "two registry entries are named 'a'"),
     ],
-)  # fmt: skip
+)
 def test_identifier_claimed_by_two_entries_is_a_config_error(second: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         make({"name": "a", "served_model_id": "a-served", "model_aliases": ["x"]}, second)
@@ -174,12 +182,18 @@ def test_discovered_alias_equal_to_a_curated_name_is_a_conflict(tmp_path: Path) 
         ("r.yaml", "models: []", "must end in .toml or .json"),
         ("r.toml", "model = []\n", "unknown top-level keys \\['model'\\]"),
         ("r.toml", '[[models]]\nname = "a"\n', "models\\[0\\] \\(a\\): entry: an hf entry needs"),
-        ("r.toml", '[[models]]\nname = "a"\nsource = "/a"\nroles = ["X"]\n',
-         "roles: role 'X' must be a lowercase"),
-        ("r.json", '{"models": [{"name": "a", "source": "/a"}, {"name": "a", "source": "/b"}]}',
-         "names 'a' twice"),
+        (
+            "r.toml",
+            '[[models]]\nname = "a"\nsource = "/a"\nroles = ["X"]\n',
+            "roles: role 'X' must be a lowercase",
+        ),
+        (
+            "r.json",
+            '{"models": [{"name": "a", "source": "/a"}, {"name": "a", "source": "/b"}]}',
+            "names 'a' twice",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_registry_files_are_config_errors_naming_file_and_entry(
     tmp_path: Path, name: str, text: str, message: str
 ) -> None:

@@ -21,8 +21,13 @@ def sha(data: bytes) -> str:
 
 
 def model_dir(root: Path) -> Path:
-    files = {"config.json": b"{}", "sub/shard-00001.bin": b"w" * 10, ".cache/hf/x": b"cache",
-             ".gitattributes": b"*", "sub/.hidden": b"h"}  # fmt: skip
+    files = {
+        "config.json": b"{}",
+        "sub/shard-00001.bin": b"w" * 10,
+        ".cache/hf/x": b"cache",
+        ".gitattributes": b"*",
+        "sub/.hidden": b"h",
+    }
     for rel, data in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)

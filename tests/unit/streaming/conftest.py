@@ -51,9 +51,14 @@ class Counter:
 
 
 def numbered(
-    n: int, *, delay: float = 0.0, start: int = 0, counter: Counter | None = None,
-    fail_at: int | None = None, every: int = 1,
-) -> AsyncIterator[Emit]:  # fmt: skip
+    n: int,
+    *,
+    delay: float = 0.0,
+    start: int = 0,
+    counter: Counter | None = None,
+    fail_at: int | None = None,
+    every: int = 1,
+) -> AsyncIterator[Emit]:
     """Yields Emit(data='{"i": i}') for i in [start, n); sleeps ``delay`` every ``every`` items."""
 
     async def gen() -> AsyncIterator[Emit]:

@@ -37,9 +37,12 @@ async def test_cancel_stops_the_producer_and_ends_the_stream(
 async def test_cancel_by_alias_and_unknown_ids(any_store, producer, callbacks, counter) -> None:
     manager = SessionManager(any_store)
     await manager.start(
-        "s1", {}, producer(100_000, delay=0.001, counter=counter), aliases=["chatcmpl-9"],
+        "s1",
+        {},
+        producer(100_000, delay=0.001, counter=counter),
+        aliases=["chatcmpl-9"],
         **callbacks,
-    )  # fmt: skip
+    )
     assert not await manager.cancel("unknown")
     assert await manager.cancel("chatcmpl-9")
     assert manager.get("s1").state is SessionState.CANCELLED and counter.closed

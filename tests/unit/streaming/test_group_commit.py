@@ -174,8 +174,9 @@ async def test_sqlite_sessions_created_at_once_share_a_transaction(tmp_path: Pat
     store = SQLiteStore(tmp_path / "s.db")
     await store.create(record("taken"))
     names = [f"n{i}" for i in range(8)] + ["taken"]
-    results = await asyncio.gather(*(store.create(record(n)) for n in names),
-                                   return_exceptions=True)  # fmt: skip
+    results = await asyncio.gather(
+        *(store.create(record(n)) for n in names), return_exceptions=True
+    )
     assert results[:8] == [None] * 8
     assert isinstance(results[8], InvalidRequest) and "already exists" in str(results[8])
     assert store._name_checks.writes <= 3  # the first row alone, then the burst (and its retry)

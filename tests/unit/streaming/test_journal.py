@@ -75,8 +75,9 @@ async def test_a_killed_process_s_events_are_replayed_by_the_next_store(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     db = tmp_path / "s.db"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(db), "500"],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(db), "500"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
         journals = list(tmp_path.glob("s.db.events-*.jsonl"))
@@ -102,8 +103,9 @@ async def test_a_killed_process_s_state_change_and_owner_are_replayed(tmp_path: 
     """set_state and heartbeat are journaled like events: a ``kill -9`` before their copy
     into the table loses neither."""
     db = tmp_path / "s.db"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(db), "3", "end"],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(db), "3", "end"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
         with sqlite3.connect(db) as conn:  # not in the tables yet, the session's row neither
@@ -395,8 +397,11 @@ def test_a_line_of_the_right_length_but_wrong_fields_ends_the_file(
     path = tmp_path / "j.jsonl"
     good = [["s", 0, None, "a", None, 0], ["s", "state", "finished", 1.5], _GOOD_CREATE]
     path.write_text("".join(json.dumps(line) + "\n" for line in [*good, bad, good[0]]))
-    assert read_rows(path) == [("s", 0, None, "a", None, 0), ("s", "state", "finished", 1.5),
-                               ("s", "{}", "running", 1.0, 2.0, -1, "o", ("a1",))]  # fmt: skip
+    assert read_rows(path) == [
+        ("s", 0, None, "a", None, 0),
+        ("s", "state", "finished", 1.5),
+        ("s", "{}", "running", 1.0, 2.0, -1, "o", ("a1",)),
+    ]
 
 
 async def test_a_new_session_whose_journal_write_fails_leaves_its_names_free(

@@ -22,8 +22,9 @@ async def replicas(redis_url: str):
     prefix = f"rep{uuid.uuid4().hex[:8]}"
     store_a, store_b = RedisStore(redis_url, prefix=prefix), RedisStore(redis_url, prefix=prefix)
     a = SessionManager(store_a, owner="A", heartbeat_interval=0.05, stale_after=0.5)
-    b = SessionManager(store_b, owner="B", heartbeat_interval=0.05, stale_after=0.5,
-                       follow_poll=0.1)  # fmt: skip
+    b = SessionManager(
+        store_b, owner="B", heartbeat_interval=0.05, stale_after=0.5, follow_poll=0.1
+    )
     yield a, b
     for manager in (a, b):
         await manager.close()

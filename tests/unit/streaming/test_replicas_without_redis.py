@@ -62,8 +62,9 @@ async def replicas(tmp_path: Path):
     store_a = SharedSQLiteStore(path, poll_interval=0.01)
     store_b = SharedSQLiteStore(path, poll_interval=0.01)
     a = SessionManager(store_a, owner="A", heartbeat_interval=0.05, stale_after=0.5)
-    b = SessionManager(store_b, owner="B", heartbeat_interval=0.05, stale_after=0.5,
-                       follow_poll=0.1)  # fmt: skip
+    b = SessionManager(
+        store_b, owner="B", heartbeat_interval=0.05, stale_after=0.5, follow_poll=0.1
+    )
     yield a, b
     for manager in (a, b):
         await manager.close()

@@ -166,9 +166,12 @@ def test_a_ring_size_below_one_still_holds_the_latest_event() -> None:
 async def test_resume_at_the_oldest_event_of_the_ring_needs_no_store(drain) -> None:
     manager = SessionManager(MemoryStore(), ring_size=4)
     session = await manager.start(
-        "s1", {}, (Emit(str(i)) async for i in aiter_range(10)), on_cancel=list,
+        "s1",
+        {},
+        (Emit(str(i)) async for i in aiter_range(10)),
+        on_cancel=list,
         on_error=lambda exc: [],
-    )  # fmt: skip
+    )
     await asyncio.wait_for(session.wait(), 2)
     assert [e.index for e in session.ring] == [7, 8, 9, 10]
     assert [e.index for e in await drain(manager.listen("s1", after=6))] == [7, 8, 9, 10]

@@ -26,8 +26,15 @@ DONE_DATA = "[DONE]"
 
 def record(sid: str = "s1", aliases: tuple[str, ...] = ("a1",)) -> SessionRecord:
     now = time.time()
-    return SessionRecord(sid, {"model": "m", "n": [1, 2]}, SessionState.RUNNING, now, now,
-                         owner="o1", aliases=list(aliases))  # fmt: skip
+    return SessionRecord(
+        sid,
+        {"model": "m", "n": [1, 2]},
+        SessionState.RUNNING,
+        now,
+        now,
+        owner="o1",
+        aliases=list(aliases),
+    )
 
 
 def keeps_events(store: SessionStore) -> bool:
@@ -121,8 +128,10 @@ async def test_sqlite_file_of_the_first_schema_is_used_as_it_is(tmp_path) -> Non
     assert (await store.get("a1")).last_index == 1
     await store.close()
     with sqlite3.connect(tmp_path / "old.db") as conn:
-        indexes = conn.execute("SELECT name FROM sqlite_master WHERE tbl_name = 'events' "
-                               "AND type = 'index' AND sql IS NOT NULL").fetchall()  # fmt: skip
+        indexes = conn.execute(
+            "SELECT name FROM sqlite_master WHERE tbl_name = 'events' "
+            "AND type = 'index' AND sql IS NOT NULL"
+        ).fetchall()
     assert indexes == []  # no second index on a table keyed by (session_id, idx) already
 
 

@@ -26,11 +26,18 @@ def test_a_scoped_name_holds_its_tenant_and_gives_back_the_clients_name() -> Non
     assert unscoped(scoped(KA, "a/b")) == "a/b"  # a resumed name is the client's, as given
 
 
-async def test_one_tenants_session_is_unknown_to_another(any_store, producer, callbacks,
-                                                         drain) -> None:  # fmt: skip
+async def test_one_tenants_session_is_unknown_to_another(
+    any_store, producer, callbacks, drain
+) -> None:
     manager = SessionManager(any_store)
-    mine = await manager.start("s1", {}, producer(5000, delay=0.001, every=50), **callbacks,
-                               aliases=["chatcmpl-1"], tenant=KA)  # fmt: skip
+    mine = await manager.start(
+        "s1",
+        {},
+        producer(5000, delay=0.001, every=50),
+        **callbacks,
+        aliases=["chatcmpl-1"],
+        tenant=KA,
+    )
     for name in ("s1", "chatcmpl-1"):
         assert manager.get(name, KA) is mine and manager.get(name, KB) is None
         assert manager.get(name) is None  # nor the namespace of "no keys"
@@ -53,11 +60,13 @@ async def test_one_tenants_session_is_unknown_to_another(any_store, producer, ca
     await manager.close()
 
 
-async def test_a_secret_alias_is_found_in_no_namespace_but_its_own(any_store, producer,
-                                                                    callbacks) -> None:  # fmt: skip
+async def test_a_secret_alias_is_found_in_no_namespace_but_its_own(
+    any_store, producer, callbacks
+) -> None:
     manager = SessionManager(any_store)
-    session = await manager.start("s1", {}, producer(3), **callbacks, tenant=KA,
-                                  secret_aliases=["rt-" + "f" * 64])  # fmt: skip
+    session = await manager.start(
+        "s1", {}, producer(3), **callbacks, tenant=KA, secret_aliases=["rt-" + "f" * 64]
+    )
     await session.wait()
     record = await manager.record("rt-" + "f" * 64)
     assert record is not None and record.session_id == scoped(KA, "s1")

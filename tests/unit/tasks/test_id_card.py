@@ -102,9 +102,13 @@ def test_berlaku_hingga_is_a_date_or_seumur_hidup() -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("jenis_kelamin", "X"), ("agama", "JEDI"), ("status_perkawinan", "PACARAN"),
-     ("kewarganegaraan", "MARS")],
-)  # fmt: skip
+    [
+        ("jenis_kelamin", "X"),
+        ("agama", "JEDI"),
+        ("status_perkawinan", "PACARAN"),
+        ("kewarganegaraan", "MARS"),
+    ],
+)
 def test_enumerations_outside_the_official_values_are_flagged(name: str, value: str) -> None:
     check = validate_id_card(card(**{name: value})).checks[name]
     assert not check.valid

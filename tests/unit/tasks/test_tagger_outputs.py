@@ -15,9 +15,15 @@ from vlmserve.testing.media import image_bytes, mp4_bytes
 
 
 def record(rel: str = "a.png", sha: str = "abc", **kw: object) -> TagRecord:
-    base = dict(file=rel, sha256=sha, caption="A dog.", keywords=["dog", "beach & sea"],
-                description="A dog <runs> on a beach.", model="tiny",
-                tagged_at="2025-01-01T00:00:00+00:00")  # fmt: skip
+    base = dict(
+        file=rel,
+        sha256=sha,
+        caption="A dog.",
+        keywords=["dog", "beach & sea"],
+        description="A dog <runs> on a beach.",
+        model="tiny",
+        tagged_at="2025-01-01T00:00:00+00:00",
+    )
     return TagRecord(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -35,8 +41,11 @@ def test_the_walk_finds_images_and_videos_recursively_and_skips_the_rest(tmp_pat
     ):
         (tmp_path / name).write_bytes(b"x")
     found = find_media(tmp_path)
-    assert [(m.rel, m.kind) for m in found] == [("a.PNG", "image"), ("c.mp4", "video"),
-                                                 ("sub/b.jpg", "image")]  # fmt: skip
+    assert [(m.rel, m.kind) for m in found] == [
+        ("a.PNG", "image"),
+        ("c.mp4", "video"),
+        ("sub/b.jpg", "image"),
+    ]
 
 
 def test_images_are_sent_downscaled_as_jpeg_and_videos_as_they_are(tmp_path: Path) -> None:

@@ -78,8 +78,11 @@ def test_an_answer_that_is_not_the_keywords_object_is_refused(text: str) -> None
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [('"A dog on a beach."', "A dog on a beach."), ("Caption: A dog.\nMore.", "A dog."),
-     ("\n\n  A cat  \n", "A cat")],
-)  # fmt: skip
+    [
+        ('"A dog on a beach."', "A dog on a beach."),
+        ("Caption: A dog.\nMore.", "A dog."),
+        ("\n\n  A cat  \n", "A cat"),
+    ],
+)
 def test_captions_are_one_clean_line(raw: str, expected: str) -> None:
     assert caption_text(raw) == expected

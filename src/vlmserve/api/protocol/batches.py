@@ -39,8 +39,16 @@ class BatchObject(BaseModel):
     errors: dict[str, Any] | None = None  # {"object": "list", "data": [{code, message, line}]}
     input_file_id: str
     completion_window: str
-    status: Literal["validating", "failed", "in_progress", "finalizing", "completed",
-                    "expired", "cancelling", "cancelled"]  # fmt: skip
+    status: Literal[
+        "validating",
+        "failed",
+        "in_progress",
+        "finalizing",
+        "completed",
+        "expired",
+        "cancelling",
+        "cancelled",
+    ]
     output_file_id: str | None = None
     error_file_id: str | None = None
     created_at: int

@@ -89,7 +89,7 @@ CHAT_FIELDS = FieldTable(
     },
     refusals={
         "audio": Refusal("is not served: this server answers in text"),
-        "modalities": Refusal("other than [\"text\"] is not served", (None, ["text"])),
+        "modalities": Refusal('other than ["text"] is not served', (None, ["text"])),
         "functions": Refusal("(deprecated) is not served; send tools"),
         "function_call": Refusal("(deprecated) is not served; send tool_choice"),
         "reasoning_effort": Refusal(
@@ -148,8 +148,9 @@ RESPONSES_FIELDS = FieldTable(
         "parallel_tool_calls": Refusal("needs tools, which are not served here", (None,)),
         "max_tool_calls": Refusal("needs tools, which are not served here"),
         "include": Refusal(_NOT_YET, (None, [])),
-        "truncation": Refusal("auto " + _NOT_YET + " (an input too long is a 400)",
-                              (None, "disabled")),
+        "truncation": Refusal(
+            "auto " + _NOT_YET + " (an input too long is a 400)", (None, "disabled")
+        ),
         "top_logprobs": Refusal(_NOT_YET, (None, 0)),
         "prompt": Refusal("(a stored prompt template) is not served; send instructions"),
         "conversation": Refusal("is not served; chain responses with previous_response_id"),

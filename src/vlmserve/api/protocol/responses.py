@@ -104,8 +104,9 @@ def completion_body(
     }
 
 
-def delta_of(text: str, reasoning: str, tool_calls: list[dict[str, Any]] | None
-             ) -> dict[str, Any] | None:  # fmt: skip
+def delta_of(
+    text: str, reasoning: str, tool_calls: list[dict[str, Any]] | None
+) -> dict[str, Any] | None:
     """One chunk's ``delta`` (None when it carries nothing)."""
     delta: dict[str, Any] = {}
     if reasoning:

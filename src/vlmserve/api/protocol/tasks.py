@@ -29,9 +29,11 @@ class TaskOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str | None = Field(
-        default=None, min_length=1, max_length=512,
+        default=None,
+        min_length=1,
+        max_length=512,
         description="Model name, alias or role:<role>; default: role extract, else chat",
-    )  # fmt: skip
+    )
     max_tokens: int | None = Field(default=None, ge=1, description="default: the task's budget")
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     json_schema: dict[str, Any] | None = Field(
@@ -61,9 +63,11 @@ class ExtractRequest(TaskOptions):
 
 class EntitiesRequest(ExtractRequest):
     entity_types: list[str] | None = Field(
-        default=None, min_length=1, max_length=64,
+        default=None,
+        min_length=1,
+        max_length=64,
         description="restrict `type` to these (default: PERSON, ORGANIZATION, LOCATION, ...)",
-    )  # fmt: skip
+    )
 
     @field_validator("entity_types")
     @classmethod

@@ -59,13 +59,20 @@ async def chat_completions(
                 param="session_id",
             )
         resumable = _resumable(request, body, resuming=True)
-        return await sse_response(chat.sessions, session_id, after, resumable=resumable,
-                                  tenant=tenant_of(owner))  # fmt: skip
+        return await sse_response(
+            chat.sessions, session_id, after, resumable=resumable, tenant=tenant_of(owner)
+        )
     if body.stream:
         session_id, token = await chat.start_stream(body, request_id, owner)
         resumable = _resumable(request, body, resuming=False)
-        return await sse_response(chat.sessions, session_id, -1, resumable=resumable,
-                                  tenant=tenant_of(owner), resume_token=token)  # fmt: skip
+        return await sse_response(
+            chat.sessions,
+            session_id,
+            -1,
+            resumable=resumable,
+            tenant=tenant_of(owner),
+            resume_token=token,
+        )
     try:
         answer = await run_until_disconnect(request, chat.complete(body, request_id, owner=owner))
     except ClientGone:

@@ -17,15 +17,20 @@ router = APIRouter(tags=["files"], route_class=StrictJSONRoute)
 _UPLOAD_FORM = {
     "requestBody": {
         "required": True,
-        "content": {"multipart/form-data": {"schema": {
-            "type": "object", "required": ["file", "purpose"],
-            "properties": {
-                "file": {"type": "string", "format": "binary"},
-                "purpose": {"type": "string", "enum": ["batch", "vision", "user_data"]},
-            },
-        }}},
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": ["batch", "vision", "user_data"]},
+                    },
+                }
+            }
+        },
     }
-}  # fmt: skip
+}
 
 
 @router.post("/v1/files", openapi_extra=_UPLOAD_FORM)
@@ -33,8 +38,9 @@ async def upload_file(request: Request, files: FilesDep, owner: OwnerDep) -> Fil
     """Upload a file (multipart ``file`` + ``purpose``), up to VLMSERVE_FILES_MAX_BYTES and the
     key's VLMSERVE_FILES_QUOTA_BYTES: over either is a 413 before the file is stored."""
     headers = request.headers
-    made = await files.upload(owner, headers.get("content-type"),
-                              headers.get("content-length"), request.stream())  # fmt: skip
+    made = await files.upload(
+        owner, headers.get("content-type"), headers.get("content-length"), request.stream()
+    )
     return FileObject.model_validate(made)
 
 
@@ -66,6 +72,10 @@ async def file_content(files: FilesDep, owner: OwnerDep, file_id: str) -> Any:
     """The file's bytes as uploaded (a batch's output and error files: JSONL), as a download:
     never rendered or sniffed by a browser as a page of this origin."""
     row = files.get(owner, file_id)
-    return FileResponse(files.store.blob(row.id), media_type="application/octet-stream",
-                        filename=row.filename, content_disposition_type="attachment",
-                        headers={"X-Content-Type-Options": "nosniff"})
+    return FileResponse(
+        files.store.blob(row.id),
+        media_type="application/octet-stream",
+        filename=row.filename,
+        content_disposition_type="attachment",
+        headers={"X-Content-Type-Options": "nosniff"},
+    )

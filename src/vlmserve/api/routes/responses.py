@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 
 
 @router.post("/v1/responses", response_model=None)
-async def create_response(request: Request, responses: ResponsesDep, owner: OwnerDep,
-                          body: ResponsesRequest) -> Any:  # fmt: skip
+async def create_response(
+    request: Request, responses: ResponsesDep, owner: OwnerDep, body: ResponsesRequest
+) -> Any:
     """A response: JSON, or its events as SSE (``stream: true``); ``background: true`` answers
     at once and generates without a client."""
     request_id = request.state.request_id
@@ -44,9 +45,13 @@ async def create_response(request: Request, responses: ResponsesDep, owner: Owne
     response_id, token = await responses.start(body, request_id, owner)
     if body.stream:
         # a store: false response is not retrievable: no token, which would open nothing
-        return await response_sse(responses.manager(body.store), response_id, -1,
-                                  tenant=tenant_of(owner),
-                                  resume_token=token if body.store else None)  # fmt: skip
+        return await response_sse(
+            responses.manager(body.store),
+            response_id,
+            -1,
+            tenant=tenant_of(owner),
+            resume_token=token if body.store else None,
+        )
     if body.background:
         answer = await responses.retrieve(response_id, owner)
         return JSONResponse(answer, headers={HEADER: token})
@@ -76,8 +81,9 @@ async def retrieve_response(
         if not stream:  # the auth middleware lets no other token request in
             raise NotFound(f"no stored response {response_id!r}", code="response_not_found")
         record = await responses.by_token(response_id, token)
-        return await response_sse(responses.sessions, response_id, after,
-                                  stored_as=record.session_id)  # fmt: skip
+        return await response_sse(
+            responses.sessions, response_id, after, stored_as=record.session_id
+        )
     if not stream:
         return await responses.retrieve(response_id, owner)
     await responses.check_stored(response_id, owner)
@@ -109,5 +115,4 @@ async def list_input_items(
     """The input the response answered (the earlier turns of ``previous_response_id``
     included), as OpenAI's list of message items, newest first (``order=asc``: oldest)."""
     del include  # image URLs are always included; no other includable applies here
-    return await responses.input_items(response_id, owner, after=after, limit=limit,
-                                       order=order)  # fmt: skip
+    return await responses.input_items(response_id, owner, after=after, limit=limit, order=order)

@@ -32,9 +32,11 @@ async def _not_a_response(sessions: SessionManager, key: str, tenant: str) -> No
     for it as for an unknown id."""
     record = await sessions.store.get(scoped(tenant, key)) if key.startswith("resp_") else None
     if record is not None and record.request.get("kind") == "response":
-        raise NotFound(f"no stream {key!r}; a response is read with GET /v1/responses/{{id}} "
-                       "and cancelled with POST /v1/responses/{id}/cancel",
-                       code="session_not_found")  # fmt: skip
+        raise NotFound(
+            f"no stream {key!r}; a response is read with GET /v1/responses/{{id}} "
+            "and cancelled with POST /v1/responses/{id}/cancel",
+            code="session_not_found",
+        )
 
 
 async def by_token(sessions: SessionManager, name: str, token: str | None) -> SessionRecord:
@@ -58,15 +60,17 @@ async def _cancel(sessions: SessionManager, key: str, owner: str) -> dict[str, o
 
 
 @router.post("/v1/cancel/{session_id}")
-async def cancel_session(sessions: SessionsDep, owner: OwnerDep, session_id: str
-                         ) -> dict[str, object]:  # fmt: skip
+async def cancel_session(
+    sessions: SessionsDep, owner: OwnerDep, session_id: str
+) -> dict[str, object]:
     """Cancel a running generation by session id (or chat-completion id)."""
     return await _cancel(sessions, session_id, owner)
 
 
 @router.post("/v1/chat/completions/{completion_id}/cancel")
-async def cancel_completion(sessions: SessionsDep, owner: OwnerDep, completion_id: str
-                            ) -> dict[str, object]:  # fmt: skip
+async def cancel_completion(
+    sessions: SessionsDep, owner: OwnerDep, completion_id: str
+) -> dict[str, object]:
     """Cancel a running generation by its ``chatcmpl-...`` id."""
     return await _cancel(sessions, completion_id, owner)
 
@@ -94,8 +98,8 @@ async def resume_stream(
         record = await by_token(sessions, session_id, token)
         if record.request.get("kind") == "response":
             raise _no_stream(session_id)
-        return await sse_response(sessions, session_id, after, resumable=True,
-                                  stored_as=record.session_id)  # fmt: skip
+        return await sse_response(
+            sessions, session_id, after, resumable=True, stored_as=record.session_id
+        )
     await _not_a_response(sessions, session_id, tenant_of(owner))
-    return await sse_response(sessions, session_id, after, resumable=True,
-                              tenant=tenant_of(owner))  # fmt: skip
+    return await sse_response(sessions, session_id, after, resumable=True, tenant=tenant_of(owner))

@@ -32,24 +32,27 @@ async def _answer(request: Request, work: Any) -> Any:
 
 
 @router.post("/v1/extract/entities", response_model=None)
-async def extract_entities(request: Request, service: TasksDep, owner: OwnerDep,
-                           body: EntitiesRequest) -> Any:  # fmt: skip
+async def extract_entities(
+    request: Request, service: TasksDep, owner: OwnerDep, body: EntitiesRequest
+) -> Any:
     """Named entities ``{"entities": [{"text", "type"}], "model", "usage"}`` from text/media."""
     request.state.model = body.model
     return await _answer(request, service.entities(body, request.state.request_id, owner))
 
 
 @router.post("/v1/extract/triples", response_model=None)
-async def extract_triples(request: Request, service: TasksDep, owner: OwnerDep,
-                          body: TriplesRequest) -> Any:  # fmt: skip
+async def extract_triples(
+    request: Request, service: TasksDep, owner: OwnerDep, body: TriplesRequest
+) -> Any:
     """Knowledge triples ``{"triples": [{"subject", "predicate", "object"}], ...}``."""
     request.state.model = body.model
     return await _answer(request, service.triples(body, request.state.request_id, owner))
 
 
 @router.post("/v1/extract/id-card", response_model=None)
-async def extract_id_card(request: Request, service: TasksDep, owner: OwnerDep,
-                          body: IdCardRequest) -> Any:  # fmt: skip
+async def extract_id_card(
+    request: Request, service: TasksDep, owner: OwnerDep, body: IdCardRequest
+) -> Any:
     """A KTP photo (URL/data URL/base64) -> seed 003's fields, normalised and checked."""
     request.state.model = body.model
     return await _answer(request, service.id_card(body, request.state.request_id, owner))
@@ -62,7 +65,8 @@ async def validate_id_card_fields(body: IdCardValidateRequest) -> dict[str, Any]
 
 
 @router.post("/ktp-ocr/", response_model=None)
-async def ktp_ocr(request: Request, service: TasksDep, owner: OwnerDep,
-                  file: UploadFile = File(...)) -> Any:  # fmt: skip
+async def ktp_ocr(
+    request: Request, service: TasksDep, owner: OwnerDep, file: UploadFile = File(...)
+) -> Any:
     """Seed 003: multipart ``file`` (a KTP photo) -> the card's fields as JSON."""
     return await _answer(request, service.ktp_upload(file, request.state.request_id, owner))

@@ -48,8 +48,15 @@ def interactive_waiting(models: ModelManager, batch_lines: int) -> bool:
 
 
 class BatchesService:
-    def __init__(self, files: FilesService, endpoints: Endpoints, *, max_concurrency: int,
-                 models: ModelManager | None = None, max_unfinished: int = 16):  # fmt: skip
+    def __init__(
+        self,
+        files: FilesService,
+        endpoints: Endpoints,
+        *,
+        max_concurrency: int,
+        models: ModelManager | None = None,
+        max_unfinished: int = 16,
+    ):
         self.files = files
         self.store = files.store
         self.endpoints = endpoints
@@ -72,8 +79,9 @@ class BatchesService:
         return self._priority
 
     def _launch(self, owner: str, batch_id: str) -> None:
-        run = BatchRun(owner, batch_id, self.files, self.endpoints, self._priority_now(),
-                       on_line=self.on_line)  # fmt: skip
+        run = BatchRun(
+            owner, batch_id, self.files, self.endpoints, self._priority_now(), on_line=self.on_line
+        )
         task = asyncio.create_task(run.run(), name=f"batch {batch_id}")
         self._runs[batch_id] = (run, task)
         task.add_done_callback(lambda _: self._runs.pop(batch_id, None))
@@ -114,8 +122,9 @@ class BatchesService:
         if source.purpose != "batch":
             raise InvalidRequest(
                 f"file {source.id!r} has purpose {source.purpose!r}; a batch's input file is "
-                "uploaded with purpose 'batch'", param="input_file_id",
-            )  # fmt: skip
+                "uploaded with purpose 'batch'",
+                param="input_file_id",
+            )
         unfinished = self.store.unfinished_count(owner)
         if unfinished >= self.max_unfinished:
             raise InvalidRequest(
@@ -127,15 +136,27 @@ class BatchesService:
         now = int(time.time())
         window = self.window_seconds[body.completion_window]
         batch = {
-            "id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": body.endpoint,
-            "errors": None, "input_file_id": source.id,
-            "completion_window": body.completion_window, "status": "validating",
-            "output_file_id": None, "error_file_id": None, "created_at": now,
-            "in_progress_at": None, "expires_at": now + int(window), "finalizing_at": None,
-            "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
-            "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "id": f"batch_{uuid.uuid4().hex}",
+            "object": "batch",
+            "endpoint": body.endpoint,
+            "errors": None,
+            "input_file_id": source.id,
+            "completion_window": body.completion_window,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + int(window),
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": body.metadata,
-        }  # fmt: skip
+        }
         self.store.pin(batch["id"], source.id)  # deleting the file loses none of its lines
         self.store.put_batch(owner, batch, self.files.expires_at(now))
         self._launch(owner, batch["id"])
@@ -144,15 +165,21 @@ class BatchesService:
     def _get(self, owner: str, batch_id: str) -> dict[str, Any]:
         found = self.store.batch(batch_id, owner) if len(batch_id) <= 128 else None
         if found is None:
-            raise NotFound(f"no batch {batch_id!r} (unknown, expired, or another API key's)",
-                           param="batch_id", code="batch_not_found")  # fmt: skip
+            raise NotFound(
+                f"no batch {batch_id!r} (unknown, expired, or another API key's)",
+                param="batch_id",
+                code="batch_not_found",
+            )
         return self._counted(found[1])
 
     def _counted(self, batch: dict[str, Any]) -> dict[str, Any]:
         if batch["status"] in ("in_progress", "finalizing", "cancelling"):
             completed, failed = self.store.line_counts(batch["id"])
-            batch["request_counts"] = {**batch["request_counts"], "completed": completed,
-                                       "failed": failed}  # fmt: skip
+            batch["request_counts"] = {
+                **batch["request_counts"],
+                "completed": completed,
+                "failed": failed,
+            }
         return batch
 
     def retrieve(self, owner: str, batch_id: str) -> dict[str, Any]:
@@ -161,9 +188,13 @@ class BatchesService:
     def list(self, owner: str, limit: int, after: str | None) -> dict[str, Any]:
         rows = [self._counted(b) for b in self.store.batches(owner, limit + 1, after)]
         data = rows[:limit]
-        return {"object": "list", "data": data, "has_more": len(rows) > limit,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None}  # fmt: skip
+        return {
+            "object": "list",
+            "data": data,
+            "has_more": len(rows) > limit,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
 
     async def cancel(self, owner: str, batch_id: str) -> dict[str, Any]:
         """Stop dispatching lines; lines in flight are stopped; the results so far are kept

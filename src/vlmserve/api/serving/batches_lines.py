@@ -42,8 +42,7 @@ def _request_id() -> str:
 
 def ok_result(line: LineRequest, request_id: str, body: dict[str, Any]) -> LineResult:
     response = {"status_code": 200, "request_id": request_id, "body": body}
-    result = {"id": _request_id(), "custom_id": line.custom_id, "response": response,
-              "error": None}  # fmt: skip
+    result = {"id": _request_id(), "custom_id": line.custom_id, "response": response, "error": None}
     return LineResult(line.line, True, result)
 
 
@@ -51,17 +50,22 @@ def error_result(line: LineRequest, request_id: str, exc: VlmserveError) -> Line
     code = exc.code or exc.error_type
     body = error_body(exc.message, exc.error_type, code, exc.param)
     response = {"status_code": exc.status_code, "request_id": request_id, "body": body}
-    result = {"id": _request_id(), "custom_id": line.custom_id, "response": response,
-              "error": {"code": code, "message": exc.message}}  # fmt: skip
+    result = {
+        "id": _request_id(),
+        "custom_id": line.custom_id,
+        "response": response,
+        "error": {"code": code, "message": exc.message},
+    }
     return LineResult(line.line, False, result)
 
 
 def expired_result(line: LineRequest) -> LineResult:
     """A line the completion window ended before it ran (OpenAI's ``batch_expired`` entry)."""
-    error = {"code": "batch_expired", "message": "This request could not be executed before "
-             "the completion window expired."}  # fmt: skip
-    result = {"id": _request_id(), "custom_id": line.custom_id, "response": None,
-              "error": error}  # fmt: skip
+    error = {
+        "code": "batch_expired",
+        "message": "This request could not be executed before the completion window expired.",
+    }
+    result = {"id": _request_id(), "custom_id": line.custom_id, "response": None, "error": error}
     return LineResult(line.line, False, result)
 
 
@@ -71,8 +75,11 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
     param = ".".join(str(p) for p in first.get("loc", ()))
     reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     more = f" (and {len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
-    return InvalidRequest(f"{param}: {reason}{more}" if param else reason + more,
-                          param=param or None, code="invalid_value")  # fmt: skip
+    return InvalidRequest(
+        f"{param}: {reason}{more}" if param else reason + more,
+        param=param or None,
+        code="invalid_value",
+    )
 
 
 def _validate(model: type[BaseModel], body: Any) -> Any:
@@ -83,8 +90,7 @@ def _validate(model: type[BaseModel], body: Any) -> Any:
     except ValidationError as exc:
         raise _invalid(exc) from None
     if getattr(parsed, "stream", False) or getattr(parsed, "background", False):
-        raise InvalidRequest("a batch line cannot stream or run in the background",
-                             param="stream")  # fmt: skip
+        raise InvalidRequest("a batch line cannot stream or run in the background", param="stream")
     return parsed
 
 
@@ -93,27 +99,26 @@ class Endpoints:
 
     def __init__(self, chat: ChatService, responses: ResponsesService, worker: WorkerService):
         self._run: dict[str, Callable[[Any, str, str], Awaitable[dict[str, Any]]]] = {
-            "/v1/chat/completions": self._chat, "/v1/responses": self._responses,
+            "/v1/chat/completions": self._chat,
+            "/v1/responses": self._responses,
             "/v1/embeddings": self._embeddings,
-        }  # fmt: skip
+        }
         self.chat, self.responses, self.worker = chat, responses, worker
 
-    async def run(self, endpoint: str, body: Any, request_id: str, owner: str
-                  ) -> dict[str, Any]:  # fmt: skip
+    async def run(self, endpoint: str, body: Any, request_id: str, owner: str) -> dict[str, Any]:
         """The line's answer, as the batch's owner (their files, their stored responses)."""
         return await self._run[endpoint](body, request_id, owner)
 
     async def _chat(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
         parsed = _validate(ChatCompletionRequest, body)
         # as the owner: the prefix cache is salted by its key (no place of its per-key cap)
-        return await self.chat.complete(
-            parsed, request_id, priority=BATCH_PRIORITY, owner=owner
-        )
+        return await self.chat.complete(parsed, request_id, priority=BATCH_PRIORITY, owner=owner)
 
     async def _responses(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
         parsed = _validate(ResponsesRequest, body)
-        return await self.responses.complete_unstored(parsed, request_id, owner,
-                                                      priority=BATCH_PRIORITY)  # fmt: skip
+        return await self.responses.complete_unstored(
+            parsed, request_id, owner, priority=BATCH_PRIORITY
+        )
 
     async def _embeddings(self, body: Any, request_id: str, owner: str) -> dict[str, Any]:
         return await self.worker.embeddings(_validate(EmbeddingsRequest, body))

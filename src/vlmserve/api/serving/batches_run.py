@@ -81,9 +81,15 @@ class Priority:
 
 
 class BatchRun:
-    def __init__(self, owner: str, batch_id: str, files: FilesService, endpoints: Endpoints,
-                 priority: Priority, on_line: Callable[[str, str], None] | None = None
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self,
+        owner: str,
+        batch_id: str,
+        files: FilesService,
+        endpoints: Endpoints,
+        priority: Priority,
+        on_line: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.owner, self.batch_id = owner, batch_id
         self.files, self.store = files, files.store
         self.endpoints, self.priority = endpoints, priority
@@ -124,10 +130,17 @@ class BatchRun:
             raise
         except Exception as exc:  # a bug must not leave a batch in_progress for ever
             log.exception("batch %s failed", self.batch_id)
-            error = {"code": "internal_error", "message": f"the batch failed: {exc!r}",
-                     "param": None, "line": None}  # fmt: skip
-            self.update(status="failed", failed_at=int(time.time()),
-                        errors={"object": "list", "data": [error]})  # fmt: skip
+            error = {
+                "code": "internal_error",
+                "message": f"the batch failed: {exc!r}",
+                "param": None,
+                "line": None,
+            }
+            self.update(
+                status="failed",
+                failed_at=int(time.time()),
+                errors={"object": "list", "data": [error]},
+            )
 
     def _input(self, batch: dict[str, Any]) -> Path:
         """The batch's pinned input; a batch made before pinning reads the owner's file."""
@@ -142,16 +155,29 @@ class BatchRun:
             lines, errors = await asyncio.to_thread(scan_input, self.path, batch["endpoint"])
         except (VlmserveError, OSError) as exc:
             message = exc.message if isinstance(exc, VlmserveError) else "the input file is gone"
-            lines, errors = [], [{"code": "input_file_unavailable", "message": message,
-                                  "param": "input_file_id", "line": None}]
+            lines, errors = (
+                [],
+                [
+                    {
+                        "code": "input_file_unavailable",
+                        "message": message,
+                        "param": "input_file_id",
+                        "line": None,
+                    }
+                ],
+            )
         if errors:
-            self.update(status="failed", failed_at=int(time.time()),
-                        errors={"object": "list", "data": errors})
+            self.update(
+                status="failed",
+                failed_at=int(time.time()),
+                errors={"object": "list", "data": errors},
+            )
             return None
         if batch["status"] == "validating":
             counts = {"total": len(lines), "completed": 0, "failed": 0}
-            self.update(status="in_progress", in_progress_at=int(time.time()),
-                        request_counts=counts)
+            self.update(
+                status="in_progress", in_progress_at=int(time.time()), request_counts=counts
+            )
         return lines
 
     async def _admit(self, deadline: float) -> bool:
@@ -190,8 +216,11 @@ class BatchRun:
                 left = deadline - time.time()
                 if left <= 0:
                     return True
-                await asyncio.wait({*running, cancelled}, timeout=min(left, 1e9),
-                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                await asyncio.wait(
+                    {*running, cancelled},
+                    timeout=min(left, 1e9),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
             return False
         finally:
             cancelled.cancel()
@@ -224,8 +253,9 @@ class BatchRun:
                 return error_result(request, request_id, exc)
             except Exception:
                 log.exception("batch %s line %d failed", self.batch_id, request.line)
-                failure = VlmserveError("the request failed; the server log has the details",
-                                        code="internal_error")
+                failure = VlmserveError(
+                    "the request failed; the server log has the details", code="internal_error"
+                )
                 return error_result(request, request_id, failure)
         raise AssertionError("unreachable: the last attempt returns")
 
@@ -242,8 +272,10 @@ class BatchRun:
         batch = self.update(status="finalizing", finalizing_at=int(time.time()))
         ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
         stem = self.batch_id.removeprefix("batch_")
-        for ok, key, suffix in ((True, "output_file_id", "output"), (False, "error_file_id",
-                                                                      "error")):  # fmt: skip
+        for ok, key, suffix in (
+            (True, "output_file_id", "output"),
+            (False, "error_file_id", "error"),
+        ):
             file_id = f"file-{stem}-{suffix}"
             name = f"{self.batch_id}_{suffix}.jsonl"
             if await self.files.write_results(self.owner, file_id, name, self.batch_id, ok):

@@ -46,9 +46,13 @@ def _new_ids(model: str) -> CompletionIds:
 
 
 async def _emits(
-    chunks: AsyncIterator[Chunk], ids: CompletionIds, options: StreamOptions | None, first: bool,
-    n: int = 1, ended: dict[int, int] | None = None,
-) -> AsyncIterator[Emit]:  # fmt: skip
+    chunks: AsyncIterator[Chunk],
+    ids: CompletionIds,
+    options: StreamOptions | None,
+    first: bool,
+    n: int = 1,
+    ended: dict[int, int] | None = None,
+) -> AsyncIterator[Emit]:
     """Engine chunks -> OpenAI ``chat.completion.chunk`` events (token ids kept in meta),
     each under its choice's index, with its tokens' logprobs when asked for.
 
@@ -133,22 +137,38 @@ class ChatService:
         sessions.set_resumer(self.resume)
 
     async def open_generation(
-        self, body: ChatCompletionRequest, request_id: str, *, model: str | None = None,
-        resume_after: list[int] | None = None, priority: int = INTERACTIVE_PRIORITY,
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        *,
+        model: str | None = None,
+        resume_after: list[int] | None = None,
+        priority: int = INTERACTIVE_PRIORITY,
         owner: str = ANONYMOUS,
-    ) -> Generation:  # fmt: skip
+    ) -> Generation:
         """Lease, admit and prepare one generation (``generation.open_generation``)."""
         return await open_generation(
-            self.models, self.converter, self.metrics, body, request_id,
-            model=model, resume_after=resume_after, priority=priority, owner=owner,
+            self.models,
+            self.converter,
+            self.metrics,
+            body,
+            request_id,
+            model=model,
+            resume_after=resume_after,
+            priority=priority,
+            owner=owner,
             keys=self.keys,
-        )  # fmt: skip
+        )
 
-    async def complete(self, body: ChatCompletionRequest, request_id: str, *,
-                       priority: int = INTERACTIVE_PRIORITY, owner: str = ANONYMOUS,
-                       ) -> dict[str, Any]:  # fmt: skip
-        generation = await self.open_generation(body, request_id, priority=priority,
-                                                owner=owner)  # fmt: skip
+    async def complete(
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        *,
+        priority: int = INTERACTIVE_PRIORITY,
+        owner: str = ANONYMOUS,
+    ) -> dict[str, Any]:
+        generation = await self.open_generation(body, request_id, priority=priority, owner=owner)
         answer = Answer()
         try:
             async for chunk in generation.chunks:
@@ -158,8 +178,9 @@ class ChatService:
             generation.lease.release()
         return answer.body(_new_ids(generation.model_id))
 
-    async def start_stream(self, body: ChatCompletionRequest, request_id: str,
-                           owner: str = ANONYMOUS) -> tuple[str, str]:  # fmt: skip
+    async def start_stream(
+        self, body: ChatCompletionRequest, request_id: str, owner: str = ANONYMOUS
+    ) -> tuple[str, str]:
         """Validate and prepare (4xx before any byte is sent), then start the session in
         ``owner``'s namespace; its id and resume token (``resume_token.py``)."""
         session_id, tenant = body.session_id or uuid.uuid4().hex, tenant_of(owner)
@@ -175,14 +196,24 @@ class ChatService:
         token, token_alias = issue()
         try:
             ids = _new_ids(generation.model_id)
-            record = {"body": body.model_dump(mode="json"), "id": ids.id,
-                      "created": ids.created, "model": ids.model, "api_owner": owner}  # fmt: skip
+            record = {
+                "body": body.model_dump(mode="json"),
+                "id": ids.id,
+                "created": ids.created,
+                "model": ids.model,
+                "api_owner": owner,
+            }
             emits = _emits(generation.chunks, ids, body.stream_options, first=True, n=body.n)
             await self.sessions.start(
-                session_id, record, _leased([generation.lease], emits),
-                on_cancel=_on_cancel(ids), on_error=_on_error, aliases=[ids.id],
-                tenant=tenant, secret_aliases=[token_alias],
-            )  # fmt: skip
+                session_id,
+                record,
+                _leased([generation.lease], emits),
+                on_cancel=_on_cancel(ids),
+                on_error=_on_error,
+                aliases=[ids.id],
+                tenant=tenant,
+                secret_aliases=[token_alias],
+            )
         except BaseException:
             await generation.abandon()
             raise
@@ -206,26 +237,39 @@ class ChatService:
         except (KeyError, VlmserveError, ValueError) as exc:
             log.warning("cannot continue session %s: %s", record.session_id, exc)
             return None
-        chunks = opened[0][1].chunks if body.n == 1 else merge_choices(
-            [(i, generation.chunks) for i, generation in opened]
-        )  # fmt: skip
-        emits = _replay(finishes, _emits(chunks, ids, body.stream_options, first=not events,
-                                         n=body.n, ended=sent.completion))  # fmt: skip
+        chunks = (
+            opened[0][1].chunks
+            if body.n == 1
+            else merge_choices([(i, generation.chunks) for i, generation in opened])
+        )
+        emits = _replay(
+            finishes,
+            _emits(
+                chunks, ids, body.stream_options, first=not events, n=body.n, ended=sent.completion
+            ),
+        )
         leases = [generation.lease for _, generation in opened]
-        return Resumption(producer=_leased(leases, emits), on_cancel=_on_cancel(ids),
-                          on_error=_on_error)  # fmt: skip
+        return Resumption(
+            producer=_leased(leases, emits), on_cancel=_on_cancel(ids), on_error=_on_error
+        )
 
     async def _reopen(
-        self, record: SessionRecord, body: ChatCompletionRequest, events: list[Event],
+        self,
+        record: SessionRecord,
+        body: ChatCompletionRequest,
+        events: list[Event],
         sent: SentChoices,
-    ) -> list[tuple[int, Generation]]:  # fmt: skip
+    ) -> list[tuple[int, Generation]]:
         """Each unfinished choice as a generation of its own: ``n`` = 1 as stored; for ``n`` > 1
         ``n`` = 1, ``seed + i`` and that choice's own tokens as the prefix."""
         if body.n == 1:
             generation = await self.open_generation(
-                body, f"resume-{record.session_id}", model=record.request["model"],
-                resume_after=sent_token_ids(events), owner=_owner(record),
-            )  # fmt: skip
+                body,
+                f"resume-{record.session_id}",
+                model=record.request["model"],
+                resume_after=sent_token_ids(events),
+                owner=_owner(record),
+            )
             return [(0, generation)]
         opened: list[tuple[int, Generation]] = []
         try:
@@ -234,11 +278,18 @@ class ChatService:
                     continue
                 seed = None if body.seed is None else body.seed + i
                 alone = body.model_copy(update={"n": 1, "seed": seed})
-                opened.append((i, await self.open_generation(
-                    alone, f"resume-{record.session_id}-choice{i}",
-                    model=record.request["model"], resume_after=sent.tokens.get(i, []),
-                    owner=_owner(record),
-                )))  # fmt: skip
+                opened.append(
+                    (
+                        i,
+                        await self.open_generation(
+                            alone,
+                            f"resume-{record.session_id}-choice{i}",
+                            model=record.request["model"],
+                            resume_after=sent.tokens.get(i, []),
+                            owner=_owner(record),
+                        ),
+                    )
+                )
         except BaseException:
             for _, generation in opened:
                 await generation.abandon()
@@ -254,12 +305,16 @@ def _unsent_finishes(ids: CompletionIds, sent: SentChoices) -> list[Emit]:
     """The finish chunks of choices that had ended (their last text chunk was stored, with
     how they end in its meta) when the stream was cut, in index order."""
     return [
-        Emit(choice_chunk(ids, i, {}, reason), meta={
-            "finish_reason": reason, "prompt_tokens": sent.prompt_tokens,
-            "completion_tokens": sent.completion[i],
-        })
+        Emit(
+            choice_chunk(ids, i, {}, reason),
+            meta={
+                "finish_reason": reason,
+                "prompt_tokens": sent.prompt_tokens,
+                "completion_tokens": sent.completion[i],
+            },
+        )
         for i, reason in sorted(sent.unsent_finish.items())
-    ]  # fmt: skip
+    ]
 
 
 def _usage_owed(ids: CompletionIds, options: StreamOptions | None, sent: SentChoices) -> list[Emit]:

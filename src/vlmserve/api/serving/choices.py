@@ -104,9 +104,14 @@ class Answer:
             last = choice.last
             if last is None or last.finish_reason is None:
                 raise VlmserveError("generation ended without a result")
-            one = completion_body(ids, "".join(choice.text), last.finish_reason.value,
-                                  self.counts.body(), reasoning="".join(choice.reasoning) or None,
-                                  tool_calls=choice.calls or None)  # fmt: skip
+            one = completion_body(
+                ids,
+                "".join(choice.text),
+                last.finish_reason.value,
+                self.counts.body(),
+                reasoning="".join(choice.reasoning) or None,
+                tool_calls=choice.calls or None,
+            )
             entry = one["choices"][0]
             entry["index"] = index
             if choice.logprobs is None:

@@ -89,9 +89,11 @@ def response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
     rf = body.response_format
     if forced is not None:
         if rf is not None and rf.type != "text":
-            raise InvalidRequest("response_format cannot be combined with tool_choice "
-                                 f"{body.tool_choice!r}; the answer is the tool call",
-                                 param="response_format")  # fmt: skip
+            raise InvalidRequest(
+                "response_format cannot be combined with tool_choice "
+                f"{body.tool_choice!r}; the answer is the tool call",
+                param="response_format",
+            )
         return forced
     if rf is None or rf.type == "text":
         return None
@@ -100,8 +102,9 @@ def response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
 
 def _forced_tools(body: ChatCompletionRequest) -> dict[str, Any] | None:
     if body.tool_choice is not None and not body.tools:
-        raise InvalidRequest("tool_choice needs tools; send the function definitions in `tools`",
-                             param="tool_choice")  # fmt: skip
+        raise InvalidRequest(
+            "tool_choice needs tools; send the function definitions in `tools`", param="tool_choice"
+        )
     if not body.tools or body.tool_choice in (None, "auto", "none"):
         return None
     parallel = body.parallel_tool_calls is not False
@@ -161,9 +164,12 @@ def _video_part(video: VideoFrames) -> VideoPart:
     frames, Qwen2.5-VL/Qwen3-VL/SmolVLM, read it)."""
     if not video.frame_indices:
         return VideoPart(frames=video.frames, fps=video.fps)
-    return VideoPart(frames=video.frames, fps=source_fps(video),
-                     frame_indices=list(video.frame_indices),
-                     total_frames=video.source_frames)  # fmt: skip
+    return VideoPart(
+        frames=video.frames,
+        fps=source_fps(video),
+        frame_indices=list(video.frame_indices),
+        total_frames=video.source_frames,
+    )
 
 
 def _check_frames(messages: list[ChatMessageIn]) -> None:
@@ -279,9 +285,13 @@ class Converter:
     async def _message(self, index: int, message: ChatMessageIn) -> ChatMessage:
         role = "system" if message.role == "developer" else message.role
         calls = [c.model_dump(mode="json") for c in message.tool_calls or []] or None
-        out = ChatMessage(role=role, content=[], tool_calls=calls,
-                          tool_call_id=message.tool_call_id,
-                          reasoning=message.earlier_reasoning)  # fmt: skip
+        out = ChatMessage(
+            role=role,
+            content=[],
+            tool_calls=calls,
+            tool_call_id=message.tool_call_id,
+            reasoning=message.earlier_reasoning,
+        )
         if isinstance(message.content, str):
             out.content = [TextPart(message.content)]
         elif message.content is not None:

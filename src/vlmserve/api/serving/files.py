@@ -50,9 +50,12 @@ class FilesService:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> FilesService:
-        return cls(FilesStore(settings.files_path), max_bytes=settings.files_max_bytes,
-                   quota_bytes=settings.files_quota_bytes,
-                   ttl=settings.files_ttl_seconds)  # fmt: skip
+        return cls(
+            FilesStore(settings.files_path),
+            max_bytes=settings.files_max_bytes,
+            quota_bytes=settings.files_quota_bytes,
+            ttl=settings.files_ttl_seconds,
+        )
 
     def expires_at(self, now: int) -> int | None:
         return now + int(self.ttl) if self.ttl else None
@@ -60,8 +63,10 @@ class FilesService:
     # -- limits -----------------------------------------------------------------------------
 
     def _too_large(self) -> str:
-        return (f"the file is larger than {self.max_bytes} bytes (VLMSERVE_FILES_MAX_BYTES); "
-                "split it into smaller files")  # fmt: skip
+        return (
+            f"the file is larger than {self.max_bytes} bytes (VLMSERVE_FILES_MAX_BYTES); "
+            "split it into smaller files"
+        )
 
     def used(self, owner: str) -> int:
         """Bytes the owner stores or is uploading now (``used_bytes`` and the uploads in
@@ -75,7 +80,8 @@ class FilesService:
             f"results and uploads in progress) to {_mib(used + adding)}, over its quota of "
             f"{_mib(self.quota_bytes)} (VLMSERVE_FILES_QUOTA_BYTES); delete files "
             "(DELETE /v1/files/{id}) first",
-            param="file", code="files_quota_exceeded",
+            param="file",
+            code="files_quota_exceeded",
         )
 
     def check_length(self, owner: str, content_length: str | None) -> None:
@@ -95,7 +101,8 @@ class FilesService:
             raise InvalidRequest(
                 f"this API key stores {_mib(used)} (files and batch results), its whole quota "
                 f"of {_mib(self.quota_bytes)} (VLMSERVE_FILES_QUOTA_BYTES); delete files "
-                "(DELETE /v1/files/{id}) first", code="files_quota_exceeded",
+                "(DELETE /v1/files/{id}) first",
+                code="files_quota_exceeded",
             )
 
     def _charger(self, owner: str) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -130,8 +137,13 @@ class FilesService:
 
     # -- create -----------------------------------------------------------------------------
 
-    async def upload(self, owner: str, content_type: str | None, content_length: str | None,
-                     body: AsyncIterator[bytes]) -> dict[str, Any]:
+    async def upload(
+        self,
+        owner: str,
+        content_type: str | None,
+        content_length: str | None,
+        body: AsyncIterator[bytes],
+    ) -> dict[str, Any]:
         self.sweep()
         self.check_length(owner, content_length)
         file_id = new_file_id()
@@ -160,8 +172,9 @@ class FilesService:
         self.store.add_file(row)
         return row
 
-    async def write_results(self, owner: str, file_id: str, filename: str, batch_id: str,
-                            ok: bool) -> bool:
+    async def write_results(
+        self, owner: str, file_id: str, filename: str, batch_id: str, ok: bool
+    ) -> bool:
         """A file the server makes from a batch's stored output (``ok``) or error lines: JSONL,
         purpose batch_output, written row by row in a worker thread; False when there are no
         such lines. It counts towards the owner's quota but is always written."""
@@ -181,8 +194,11 @@ class FilesService:
     def get(self, owner: str, file_id: str, param: str | None = None) -> FileRow:
         row = self.store.file(owner, file_id) if len(file_id) <= 128 else None
         if row is None:
-            raise NotFound(f"no file {file_id!r} (unknown, deleted, expired, or another API "
-                           "key's)", param=param, code="file_not_found")  # fmt: skip
+            raise NotFound(
+                f"no file {file_id!r} (unknown, deleted, expired, or another API key's)",
+                param=param,
+                code="file_not_found",
+            )
         return row
 
     def retrieve(self, owner: str, file_id: str) -> dict[str, Any]:
@@ -196,13 +212,18 @@ class FilesService:
         self.get(owner, file_id, param)
         return self.store.blob(file_id).read_text("utf-8", errors="replace")
 
-    def list(self, owner: str, purpose: str | None, limit: int, after: str | None,
-             order: str) -> dict[str, Any]:  # fmt: skip
+    def list(
+        self, owner: str, purpose: str | None, limit: int, after: str | None, order: str
+    ) -> dict[str, Any]:
         rows = self.store.files(owner, purpose, limit + 1, after, order == "desc")
         data = [r.to_wire() for r in rows[:limit]]
-        return {"object": "list", "data": data, "has_more": len(rows) > limit,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None}  # fmt: skip
+        return {
+            "object": "list",
+            "data": data,
+            "has_more": len(rows) > limit,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
 
     def delete(self, owner: str, file_id: str) -> dict[str, Any]:
         self.get(owner, file_id)

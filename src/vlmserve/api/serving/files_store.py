@@ -62,10 +62,16 @@ class FileRow:
     def to_wire(self) -> dict[str, Any]:
         """OpenAI's ``file`` object."""
         return {
-            "id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
-            "expires_at": self.expires_at, "filename": self.filename, "purpose": self.purpose,
-            "status": "processed", "status_details": None,
-        }  # fmt: skip
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+        }
 
 
 @dataclass(slots=True)
@@ -145,9 +151,16 @@ class FilesStore:
     def add_file(self, row: FileRow) -> None:
         self.db().execute(
             "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (row.id, row.owner, row.filename, row.purpose, row.bytes, row.created_at,
-             row.expires_at),
-        )  # fmt: skip
+            (
+                row.id,
+                row.owner,
+                row.filename,
+                row.purpose,
+                row.bytes,
+                row.created_at,
+                row.expires_at,
+            ),
+        )
 
     def file(self, owner: str, file_id: str) -> FileRow | None:
         if not self.exists():
@@ -163,8 +176,9 @@ class FilesStore:
         )
         return FileRow(*found) if found else None
 
-    def files(self, owner: str, purpose: str | None, limit: int, after: str | None,
-              descending: bool) -> list[FileRow]:  # fmt: skip
+    def files(
+        self, owner: str, purpose: str | None, limit: int, after: str | None, descending: bool
+    ) -> list[FileRow]:
         if not self.exists():
             return []
         sql = "SELECT * FROM files WHERE owner = ? AND (expires_at IS NULL OR expires_at > ?)"
@@ -174,8 +188,10 @@ class FilesStore:
         if after:
             op = "<" if descending else ">"
             # the cursor only among the owner's files: another key's id pages as an unknown one
-            sql += (f" AND (created_at, id) {op} (SELECT created_at, id FROM files WHERE id = ? "
-                    "AND owner = ?)")
+            sql += (
+                f" AND (created_at, id) {op} (SELECT created_at, id FROM files WHERE id = ? "
+                "AND owner = ?)"
+            )
             args += [after, owner]
         order = "DESC" if descending else "ASC"
         sql += f" ORDER BY created_at {order}, id {order} LIMIT ?"
@@ -194,7 +210,8 @@ class FilesStore:
             return 0
         row = self.db().execute(
             "SELECT SUM(LENGTH(CAST(l.result AS BLOB)) + 1) FROM batch_lines l JOIN batches b "
-            f"ON b.id = l.batch_id WHERE b.owner = ? AND b.status IN {_UNFINISHED}", (owner,)
+            f"ON b.id = l.batch_id WHERE b.owner = ? AND b.status IN {_UNFINISHED}",
+            (owner,),
         )
         return self.file_bytes(owner) + int(row.fetchone()[0] or 0)
 
@@ -227,13 +244,21 @@ class FilesStore:
     def put_batch(self, owner: str, batch: dict[str, Any], expires_at: int | None) -> None:
         self.db().execute(
             "INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?, ?, ?)",
-            (batch["id"], owner, batch["status"], batch["created_at"], expires_at,
-             json.dumps(batch)),
-        )  # fmt: skip
+            (
+                batch["id"],
+                owner,
+                batch["status"],
+                batch["created_at"],
+                expires_at,
+                json.dumps(batch),
+            ),
+        )
 
     def save_batch(self, batch: dict[str, Any]) -> None:
-        self.db().execute("UPDATE batches SET status = ?, data = ? WHERE id = ?",
-                          (batch["status"], json.dumps(batch), batch["id"]))  # fmt: skip
+        self.db().execute(
+            "UPDATE batches SET status = ?, data = ? WHERE id = ?",
+            (batch["status"], json.dumps(batch), batch["id"]),
+        )
 
     def batch(self, batch_id: str, owner: str | None = None) -> tuple[str, dict[str, Any]] | None:
         """(owner, the stored batch object) or None (unknown, or another owner's)."""
@@ -253,8 +278,10 @@ class FilesStore:
             return []
         sql, args = "SELECT data FROM batches WHERE owner = ?", [owner]
         if after:
-            sql += (" AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ? "
-                    "AND owner = ?)")
+            sql += (
+                " AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ? "
+                "AND owner = ?)"
+            )
             args += [after, owner]
         sql += " ORDER BY created_at DESC, id DESC LIMIT ?"
         return [json.loads(r[0]) for r in self.db().execute(sql, (*args, limit))]

@@ -105,7 +105,9 @@ def _boundary(content_type: str | None) -> bytes:
 
 
 async def receive_upload(
-    content_type: str | None, body: AsyncIterator[bytes], dest: Path,
+    content_type: str | None,
+    body: AsyncIterator[bytes],
+    dest: Path,
     charge: Callable[[int], None],
 ) -> Upload:
     """Stream the form into ``dest`` (the ``file`` part's bytes), each piece offered to
@@ -115,18 +117,27 @@ async def receive_upload(
     try:
         with open_private(dest) as out:
             reader = _Reader(out, charge)
-            parser = MultipartParser(boundary, {
-                "on_part_begin": reader.on_part_begin, "on_part_data": reader.on_part_data,
-                "on_part_end": reader.on_part_end, "on_header_field": reader.on_header_field,
-                "on_header_value": reader.on_header_value, "on_header_end": reader.on_header_end,
-                "on_headers_finished": reader.on_headers_finished, "on_end": reader.on_end,
-            })  # type: ignore[arg-type]  # fmt: skip
+            parser = MultipartParser(
+                boundary,
+                {
+                    "on_part_begin": reader.on_part_begin,
+                    "on_part_data": reader.on_part_data,
+                    "on_part_end": reader.on_part_end,
+                    "on_header_field": reader.on_header_field,
+                    "on_header_value": reader.on_header_value,
+                    "on_header_end": reader.on_header_end,
+                    "on_headers_finished": reader.on_headers_finished,
+                    "on_end": reader.on_end,
+                },
+            )  # type: ignore[arg-type]
             async for chunk in body:
                 parser.write(chunk)
             parser.finalize()
         if not reader.ended:
-            raise InvalidRequest("the upload ended before the form's closing boundary (cut "
-                                 "off?); send it again", code="incomplete_upload")
+            raise InvalidRequest(
+                "the upload ended before the form's closing boundary (cut off?); send it again",
+                code="incomplete_upload",
+            )
         if not reader.upload.has_file:
             raise InvalidRequest("the form has no 'file' field", param="file")
         ok = True

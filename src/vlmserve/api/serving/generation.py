@@ -146,11 +146,18 @@ def _chunk(data: str) -> dict[str, Any] | None:
 
 
 async def open_generation(
-    models: ModelManager, converter: Converter, metrics: Metrics | None,
-    body: ChatCompletionRequest, request_id: str, *, model: str | None = None,
-    resume_after: list[int] | None = None, priority: int = INTERACTIVE_PRIORITY,
-    owner: str = ANONYMOUS, keys: KeyPolicy | None = None,
-) -> Generation:  # fmt: skip
+    models: ModelManager,
+    converter: Converter,
+    metrics: Metrics | None,
+    body: ChatCompletionRequest,
+    request_id: str,
+    *,
+    model: str | None = None,
+    resume_after: list[int] | None = None,
+    priority: int = INTERACTIVE_PRIORITY,
+    owner: str = ANONYMOUS,
+    keys: KeyPolicy | None = None,
+) -> Generation:
     """Lease, admit and prepare (every 4xx/429/503 raises here). ``resume_after``: tokens an
     earlier run already sent; the engine continues after them (``ValueError`` for a proxied
     model, whose tokens are the upstream's). ``priority``: the engine's admission class
@@ -189,8 +196,9 @@ async def open_generation(
     return Generation(lease, prepared, _admitted(release, chunks), release)
 
 
-async def _engine_request(converter: Converter, backend: Backend, body: ChatCompletionRequest,
-                          request_id: str) -> GenerateRequest:  # fmt: skip
+async def _engine_request(
+    converter: Converter, backend: Backend, body: ChatCompletionRequest, request_id: str
+) -> GenerateRequest:
     """The engine request. A proxied model gets the wire body as is: its media are neither
     fetched nor decoded here (only ``Converter.check``'s limits apply)."""
     if not backend.proxied:
@@ -203,9 +211,12 @@ async def _engine_request(converter: Converter, backend: Backend, body: ChatComp
             param="n" if body.n > 1 else "logprobs",
         )
     return GenerateRequest(
-        request_id, [], converter.sampling(body), response_format=response_format(body),
+        request_id,
+        [],
+        converter.sampling(body),
+        response_format=response_format(body),
         raw=body.model_dump(mode="json", exclude_unset=True),
-    )  # fmt: skip
+    )
 
 
 def _nothing() -> None:
@@ -232,7 +243,10 @@ async def _observed(
         if chunk.finish_reason is not None and metrics is not None:
             total = time.perf_counter() - started
             metrics.observe_generation(
-                model, prompt_tokens=chunk.prompt_tokens, output_tokens=chunk.completion_tokens,
-                ttft=total if first is None else first, total=total,
-            )  # fmt: skip
+                model,
+                prompt_tokens=chunk.prompt_tokens,
+                output_tokens=chunk.completion_tokens,
+                ttft=total if first is None else first,
+                total=total,
+            )
         yield chunk

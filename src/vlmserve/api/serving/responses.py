@@ -98,13 +98,19 @@ def output_text(response: dict[str, Any]) -> str:
 
 
 class ResponsesService:
-    def __init__(self, chat: ChatService, chat_resumer: Resumer | None = None,
-                 files: FilesService | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        chat: ChatService,
+        chat_resumer: Resumer | None = None,
+        files: FilesService | None = None,
+    ) -> None:
         self.chat = chat
         self.sessions = chat.sessions
-        self.unstored = SessionManager(MemoryStore(ttl=self.sessions.ttl),
-                                       ring_size=self.sessions.options.ring_size,
-                                       ttl=self.sessions.ttl)  # fmt: skip
+        self.unstored = SessionManager(
+            MemoryStore(ttl=self.sessions.ttl),
+            ring_size=self.sessions.options.ring_size,
+            ttl=self.sessions.ttl,
+        )
         self.files = files  # for input_image file_id; None: only URLs
         # One resumer per SessionManager: ours continues responses, the chat one the rest.
         self._chat_resumer = chat_resumer
@@ -112,15 +118,17 @@ class ResponsesService:
 
     # -- create ---------------------------------------------------------------------------
 
-    async def _conversation(self, body: ResponsesRequest, owner: str
-                            ) -> tuple[list[dict[str, Any]], list[list[int | str]]]:  # fmt: skip
+    async def _conversation(
+        self, body: ResponsesRequest, owner: str
+    ) -> tuple[list[dict[str, Any]], list[list[int | str]]]:
         """Earlier turns (``previous_response_id``: its input and its answer) + this input, and
         where in it images came from files (``[message, part, file_id]``)."""
         history: list[dict[str, Any]] = []
         files: list[list[int | str]] = []
         if body.previous_response_id:
-            record, rlog = await self._load(body.previous_response_id, owner,
-                                            "previous_response_id")  # fmt: skip
+            record, rlog = await self._load(
+                body.previous_response_id, owner, "previous_response_id"
+            )
             previous = rlog.snapshot(record.state)
             if previous["status"] in ("queued", "in_progress"):
                 raise InvalidRequest(
@@ -137,8 +145,9 @@ class ResponsesService:
         files += [[len(history) + int(i), j, f] for i, j, f in attached]
         return [*history, *input_messages(body)], files
 
-    async def start(self, body: ResponsesRequest, request_id: str, owner: str = ANONYMOUS
-                    ) -> tuple[str, str]:  # fmt: skip
+    async def start(
+        self, body: ResponsesRequest, request_id: str, owner: str = ANONYMOUS
+    ) -> tuple[str, str]:
         """Validate, prepare (every 4xx before a byte is sent), then run it as a session in
         ``owner``'s namespace; its id and resume token (``resume_token.py``)."""
         check_supported(body, strict=getattr(self.chat.converter.settings, "strict_fields", False))
@@ -150,19 +159,28 @@ class ResponsesService:
             raise remap(exc) from None
         response_id = new_response_id()
         request = {
-            "kind": KIND, "store": body.store, "background": body.background,
-            "api_owner": owner, "message_id": new_message_id(),
-            "turns_from": len(chat_body.messages) - len(conversation), "input_files": files,
+            "kind": KIND,
+            "store": body.store,
+            "background": body.background,
+            "api_owner": owner,
+            "message_id": new_message_id(),
+            "turns_from": len(chat_body.messages) - len(conversation),
+            "input_files": files,
             "body": chat_body.model_dump(mode="json"),
             "response": base_response(body, response_id, generation.model_id),
-        }  # fmt: skip
+        }
         rlog = ResponseLog.restore(request, [])
         token, token_alias = issue()
         try:
             session = await self.manager(body.store).start(
-                response_id, request, produce(rlog, generation), on_cancel=rlog.on_cancel,
-                on_error=rlog.on_error, tenant=tenant_of(owner), secret_aliases=[token_alias],
-            )  # fmt: skip
+                response_id,
+                request,
+                produce(rlog, generation),
+                on_cancel=rlog.on_cancel,
+                on_error=rlog.on_error,
+                tenant=tenant_of(owner),
+                secret_aliases=[token_alias],
+            )
         except BaseException:
             await generation.abandon()
             raise
@@ -186,20 +204,25 @@ class ResponsesService:
             await session.wait()
         return await self.retrieve(response_id, owner)
 
-    async def complete_unstored(self, body: ResponsesRequest, request_id: str,
-                                owner: str = ANONYMOUS, *, priority: int = INTERACTIVE_PRIORITY,
-                                ) -> dict[str, Any]:  # fmt: skip
+    async def complete_unstored(
+        self,
+        body: ResponsesRequest,
+        request_id: str,
+        owner: str = ANONYMOUS,
+        *,
+        priority: int = INTERACTIVE_PRIORITY,
+    ) -> dict[str, Any]:
         """``store: false``, not streamed: ChatService's JSON answer, as a Response."""
         check_supported(body, strict=getattr(self.chat.converter.settings, "strict_fields", False))
         conversation, _ = await self._conversation(body, owner)
         chat_body = seeded(to_chat_request(body, conversation), self.sessions.durable)
         try:
-            answer = await self.chat.complete(chat_body, request_id, priority=priority,
-                                              owner=owner)  # fmt: skip
+            answer = await self.chat.complete(chat_body, request_id, priority=priority, owner=owner)
         except VlmserveError as exc:
             raise remap(exc) from None
-        rlog = ResponseLog(base_response(body, new_response_id(), answer["model"]),
-                           new_message_id())  # fmt: skip
+        rlog = ResponseLog(
+            base_response(body, new_response_id(), answer["model"]), new_message_id()
+        )
         choice = answer["choices"][0]
         rlog.answered(choice["message"]["content"] or "", choice["message"].get("reasoning"))
         counts = answer["usage"]
@@ -212,8 +235,9 @@ class ResponsesService:
         ttl = self.sessions.ttl
         return bool(ttl) and record.state in FINAL_STATES and record.updated_at < time.time() - ttl
 
-    async def _record(self, response_id: str, owner: str, param: str | None = None
-                      ) -> SessionRecord:  # fmt: skip
+    async def _record(
+        self, response_id: str, owner: str, param: str | None = None
+    ) -> SessionRecord:
         store, tenant = self.sessions.store, tenant_of(owner)
         record = None
         if response_id.startswith("resp_") and len(response_id) <= 64:
@@ -263,8 +287,9 @@ class ResponsesService:
             events = list(session.ring)
         return events
 
-    async def _current(self, response_id: str, owner: str, param: str | None = None
-                       ) -> SessionRecord:  # fmt: skip
+    async def _current(
+        self, response_id: str, owner: str, param: str | None = None
+    ) -> SessionRecord:
         """The stored record, after continuing the response here if it was orphaned."""
         record = await self._record(response_id, owner, param)
         if record.state is SessionState.RUNNING and self.sessions.get(record.session_id) is None:
@@ -272,8 +297,9 @@ class ResponsesService:
             record = await self._record(response_id, owner, param)
         return record
 
-    async def _load(self, response_id: str, owner: str, param: str | None = None
-                    ) -> tuple[SessionRecord, ResponseLog]:  # fmt: skip
+    async def _load(
+        self, response_id: str, owner: str, param: str | None = None
+    ) -> tuple[SessionRecord, ResponseLog]:
         record = await self._current(response_id, owner, param)
         return record, ResponseLog.restore(record.request, await self._events(record))
 
@@ -299,8 +325,15 @@ class ResponsesService:
         """404 unless stored (and the caller's); an orphaned one (a restart) continues here."""
         await self._current(response_id, owner)
 
-    async def input_items(self, response_id: str, owner: str, *, after: str | None = None,
-                          limit: int = 20, order: str = "desc") -> dict[str, Any]:  # fmt: skip
+    async def input_items(
+        self,
+        response_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: str = "desc",
+    ) -> dict[str, Any]:
         """The conversation the response answered (earlier turns included), OpenAI's page."""
         record = await self._record(response_id, owner)
         return list_page(input_items(response_id, record.request), after, limit, order)
@@ -315,9 +348,14 @@ class ResponsesService:
         await self._record(response_id, owner)
         await self.sessions.cancel(response_id, tenant_of(owner))
         with contextlib.suppress(InvalidRequest):  # InvalidRequest: deleted meanwhile
-            await self.sessions.start(_tombstone(response_id), {"kind": "deleted"}, _no_events(),
-                                      on_cancel=list, on_error=lambda exc: [],
-                                      tenant=tenant_of(owner))  # fmt: skip
+            await self.sessions.start(
+                _tombstone(response_id),
+                {"kind": "deleted"},
+                _no_events(),
+                on_cancel=list,
+                on_error=lambda exc: [],
+                tenant=tenant_of(owner),
+            )
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     # -- restart --------------------------------------------------------------------------

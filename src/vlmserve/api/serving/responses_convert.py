@@ -58,11 +58,13 @@ def check_supported(body: ResponsesRequest, *, strict: bool = False) -> None:
         raise UnsupportedFeature("tools are not supported by /v1/responses here", param="tools")
     choice = body.tool_choice
     if choice is not None and choice not in ("none", "auto"):
-        raise UnsupportedFeature("tool_choice needs tools, which are not supported",
-                                 param="tool_choice")  # fmt: skip
+        raise UnsupportedFeature(
+            "tool_choice needs tools, which are not supported", param="tool_choice"
+        )
     if body.background and not body.store:
-        raise InvalidRequest("background responses must be stored; leave store at true",
-                             param="store")  # fmt: skip
+        raise InvalidRequest(
+            "background responses must be stored; leave store at true", param="store"
+        )
 
 
 def _part(where: str, part: BaseModel) -> dict[str, Any]:
@@ -73,12 +75,16 @@ def _part(where: str, part: BaseModel) -> dict[str, Any]:
     if isinstance(part, InputImagePart):
         if part.image_url:
             return {"type": "image_url", "image_url": {"url": part.image_url}}
-        message = ("input_image needs image_url (a URL or a data URL) or file_id (a file "
-                   "uploaded to /v1/files with purpose 'vision' or 'user_data')")  # fmt: skip
+        message = (
+            "input_image needs image_url (a URL or a data URL) or file_id (a file "
+            "uploaded to /v1/files with purpose 'vision' or 'user_data')"
+        )
         raise InvalidRequest(message, param=where)
     if isinstance(part, InputFilePart):
-        raise UnsupportedFeature("input_file parts are not supported; send text, input_image "
-                                 "or input_video parts", param=where)  # fmt: skip
+        raise UnsupportedFeature(
+            "input_file parts are not supported; send text, input_image or input_video parts",
+            param=where,
+        )
     return part.model_dump(mode="json", exclude_none=True)  # input_video, video_url: chat's own
 
 
@@ -107,8 +113,9 @@ def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
     if fmt.type == "json_object":
         return {"type": "json_object"}
     if fmt.schema_ is None:
-        raise InvalidRequest("text.format.schema is required for type 'json_schema'",
-                             param="text.format.schema")  # fmt: skip
+        raise InvalidRequest(
+            "text.format.schema is required for type 'json_schema'", param="text.format.schema"
+        )
     spec: dict[str, Any] = {"name": fmt.name or "response", "schema": fmt.schema_}
     if fmt.strict is not None:
         spec["strict"] = fmt.strict
@@ -123,8 +130,9 @@ def _first_problem(exc: ValidationError) -> tuple[str, str]:
     return str(error.get("msg", "invalid value")).removeprefix("Value error, "), where
 
 
-def to_chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]
-                    ) -> ChatCompletionRequest:  # fmt: skip
+def to_chat_request(
+    body: ResponsesRequest, conversation: list[dict[str, Any]]
+) -> ChatCompletionRequest:
     """The chat request for ``conversation`` (earlier turns + this input), instructions first."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     fields: dict[str, Any] = {

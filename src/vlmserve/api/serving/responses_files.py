@@ -101,13 +101,16 @@ async def _file_url(files: FilesService, row: FileRow, where: str) -> str:
     data = await asyncio.to_thread(files.store.blob(row.id).read_bytes)
     mime = image_mime(data[:16], row.filename)
     if mime is None:
-        raise InvalidRequest(f"file {row.id!r} ({row.filename!r}) is not an image (PNG, JPEG, "
-                             "GIF, WebP or BMP)", param=where)
+        raise InvalidRequest(
+            f"file {row.id!r} ({row.filename!r}) is not an image (PNG, JPEG, GIF, WebP or BMP)",
+            param=where,
+        )
     return data_url(data, mime)
 
 
-async def attach_files(body: ResponsesRequest, owner: str, files: FilesService | None,
-                       limits: MediaLimits) -> list[list[int | str]]:
+async def attach_files(
+    body: ResponsesRequest, owner: str, files: FilesService | None, limits: MediaLimits
+) -> list[list[int | str]]:
     """Give every ``input_image`` with only a ``file_id`` the file's data URL (in place);
     returns ``[message index, part index, file_id]`` of each, for ``input_items``."""
     count, refs = _media_parts(body)
@@ -116,8 +119,10 @@ async def attach_files(body: ResponsesRequest, owner: str, files: FilesService |
         return []
     if files is None:
         i, j, _ = refs[0]
-        raise InvalidRequest("input_image file_id needs the Files API, which is not set up "
-                             "here; send image_url", param=f"input[{i}].content[{j}]")
+        raise InvalidRequest(
+            "input_image file_id needs the Files API, which is not set up here; send image_url",
+            param=f"input[{i}].content[{j}]",
+        )
     rows: dict[str, tuple[FileRow, str]] = {}
     for i, j, part in refs:
         file_id, where = str(part.file_id), f"input[{i}].content[{j}]"

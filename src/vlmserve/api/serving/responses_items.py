@@ -29,10 +29,13 @@ def _part(role: str, part: dict[str, Any], file_id: str | None) -> dict[str, Any
         return {"type": "input_text", "text": part.get("text", "")}
     if kind == "image_url":
         if file_id is not None:
-            return {"type": "input_image", "detail": "auto", "file_id": file_id,
-                    "image_url": None}  # fmt: skip
-        return {"type": "input_image", "detail": "auto", "file_id": None,
-                "image_url": _url(part.get("image_url"))}  # fmt: skip
+            return {"type": "input_image", "detail": "auto", "file_id": file_id, "image_url": None}
+        return {
+            "type": "input_image",
+            "detail": "auto",
+            "file_id": None,
+            "image_url": _url(part.get("image_url")),
+        }
     return {k: v for k, v in part.items() if v is not None}  # input_video, video_url: ours
 
 
@@ -51,24 +54,38 @@ def input_items(response_id: str, request: dict[str, Any]) -> list[dict[str, Any
     for i, message in enumerate(messages):
         role = message.get("role", "user")
         mine = {j: f for (m, j), f in files.items() if m == i}
-        items.append({"id": f"msg_{stem}_{i}", "type": "message", "role": role,
-                      "status": "completed",
-                      "content": _content(role, message.get("content"), mine)})  # fmt: skip
+        items.append(
+            {
+                "id": f"msg_{stem}_{i}",
+                "type": "message",
+                "role": role,
+                "status": "completed",
+                "content": _content(role, message.get("content"), mine),
+            }
+        )
     return items
 
 
-def list_page(items: list[dict[str, Any]], after: str | None, limit: int, order: str
-              ) -> dict[str, Any]:  # fmt: skip
+def list_page(
+    items: list[dict[str, Any]], after: str | None, limit: int, order: str
+) -> dict[str, Any]:
     """OpenAI's cursor page over ``items`` (oldest first): ``order`` ``desc`` (OpenAI's
     default) lists the newest first; ``after`` is the id of the last item already seen."""
     ordered = list(reversed(items)) if order == "desc" else list(items)
     if after is not None:
         ids = [item["id"] for item in ordered]
         if after not in ids:
-            raise InvalidRequest(f"after={after!r} is not an input item of this response",
-                                 param="after", code="invalid_cursor")  # fmt: skip
+            raise InvalidRequest(
+                f"after={after!r} is not an input item of this response",
+                param="after",
+                code="invalid_cursor",
+            )
         ordered = ordered[ids.index(after) + 1 :]
     data = ordered[:limit]
-    return {"object": "list", "data": data, "has_more": len(ordered) > limit,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None}  # fmt: skip
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": len(ordered) > limit,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }

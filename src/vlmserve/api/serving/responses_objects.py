@@ -40,8 +40,12 @@ FINAL_EVENTS = {
 }
 _FINAL_TYPES = frozenset(FINAL_EVENTS.values())
 _PREAMBLE = ("response.created", "response.in_progress")
-_STATUS = {FinishReason.STOP: "completed", FinishReason.LENGTH: "incomplete",
-           FinishReason.CANCELLED: "cancelled", FinishReason.ERROR: "failed"}  # fmt: skip
+_STATUS = {
+    FinishReason.STOP: "completed",
+    FinishReason.LENGTH: "incomplete",
+    FinishReason.CANCELLED: "cancelled",
+    FinishReason.ERROR: "failed",
+}
 
 
 def new_response_id() -> str:
@@ -66,19 +70,33 @@ def base_response(body: ResponsesRequest, response_id: str, model: str) -> dict[
     """The response object before any output: what ``response.created`` carries."""
     fmt = body.text.format if body.text and body.text.format else None
     return {
-        "id": response_id, "object": "response", "created_at": int(time.time()),
-        "status": "queued" if body.background else "in_progress", "background": body.background,
-        "error": None, "incomplete_details": None, "instructions": body.instructions,
-        "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
-        "model": model, "output": [], "parallel_tool_calls": False,
-        "previous_response_id": body.previous_response_id, "store": body.store,
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "queued" if body.background else "in_progress",
+        "background": body.background,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {},
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": False,
+        "previous_response_id": body.previous_response_id,
+        "store": body.store,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
-        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
-                 else {"type": "text"}},
-        "tool_choice": "none", "tools": [], "truncation": "disabled", "usage": None,
-        "user": body.user, "completed_at": None,
-    }  # fmt: skip
+        "text": {
+            "format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+        },
+        "tool_choice": "none",
+        "tools": [],
+        "truncation": "disabled",
+        "usage": None,
+        "user": body.user,
+        "completed_at": None,
+    }
 
 
 def _part(text: str) -> dict[str, Any]:
@@ -163,17 +181,30 @@ class ResponseLog:
 
     def _item(self, status: str, text: str | None = None) -> dict[str, Any]:
         content = [] if text is None else [_part(text)]
-        return {"id": self.message_id, "type": "message", "status": status,
-                "role": "assistant", "content": content}  # fmt: skip
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
 
     def _reasoning_item(self, status: str, text: str | None = None) -> dict[str, Any]:
         content = [] if text is None else [{"type": "reasoning_text", "text": text}]
-        return {"id": self.reasoning_id, "type": "reasoning", "status": status, "summary": [],
-                "content": content}  # fmt: skip
+        return {
+            "id": self.reasoning_id,
+            "type": "reasoning",
+            "status": status,
+            "summary": [],
+            "content": content,
+        }
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self.message_id, "output_index": self._message_index(),
-                "content_index": 0}  # fmt: skip
+        return {
+            "item_id": self.message_id,
+            "output_index": self._message_index(),
+            "content_index": 0,
+        }
 
     def _reasoning_where(self) -> dict[str, Any]:
         return {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
@@ -191,9 +222,11 @@ class ResponseLog:
         if not self._opened("reasoning") or self._closed("reasoning"):
             return []
         where = self._reasoning_where()
-        emits = [] if "response.reasoning_text.done" in self.sent else [
-            self._emit("response.reasoning_text.done", **where, text=self.reasoning)
-        ]  # fmt: skip
+        emits = (
+            []
+            if "response.reasoning_text.done" in self.sent
+            else [self._emit("response.reasoning_text.done", **where, text=self.reasoning)]
+        )
         item = self._reasoning_item("completed", self.reasoning)
         return [*emits, self._emit("response.output_item.done", output_index=0, item=item)]
 
@@ -201,8 +234,13 @@ class ResponseLog:
         if self._opened("message"):
             return []
         emits = self._close_reasoning()
-        emits.append(self._emit("response.output_item.added", output_index=self._message_index(),
-                                item=self._item("in_progress")))  # fmt: skip
+        emits.append(
+            self._emit(
+                "response.output_item.added",
+                output_index=self._message_index(),
+                item=self._item("in_progress"),
+            )
+        )
         emits.append(self._emit("response.content_part.added", **self._where(), part=_part("")))
         return emits
 
@@ -210,19 +248,37 @@ class ResponseLog:
         """Reasoning text: the reasoning item's delta (the item opens with the first)."""
         emits = []
         if not self._opened("reasoning"):
-            emits.append(self._emit("response.output_item.added", output_index=0,
-                                    item=self._reasoning_item("in_progress")))  # fmt: skip
+            emits.append(
+                self._emit(
+                    "response.output_item.added",
+                    output_index=0,
+                    item=self._reasoning_item("in_progress"),
+                )
+            )
         self.reasoning += text
-        emits.append(self._emit("response.reasoning_text.delta", {"token_ids": token_ids},
-                                **self._reasoning_where(), delta=text))  # fmt: skip
+        emits.append(
+            self._emit(
+                "response.reasoning_text.delta",
+                {"token_ids": token_ids},
+                **self._reasoning_where(),
+                delta=text,
+            )
+        )
         return emits
 
     def delta(self, text: str, token_ids: list[int]) -> list[Emit]:
         """Answer text: the message's delta (the message opens with the first)."""
         emits = self._open_message()
         self.text += text
-        emits.append(self._emit("response.output_text.delta", {"token_ids": token_ids},
-                                **self._where(), delta=text, logprobs=[]))  # fmt: skip
+        emits.append(
+            self._emit(
+                "response.output_text.delta",
+                {"token_ids": token_ids},
+                **self._where(),
+                delta=text,
+                logprobs=[],
+            )
+        )
         return emits
 
     def answered(self, text: str, reasoning: str | None) -> None:
@@ -243,17 +299,22 @@ class ResponseLog:
         emits = self._open_message()  # an empty answer is still a message
         closing = {  # each only once (a stream continued after a restart may have sent some)
             "response.output_text.done": lambda: self._emit(
-                "response.output_text.done", **self._where(), text=self.text, logprobs=[]),
+                "response.output_text.done", **self._where(), text=self.text, logprobs=[]
+            ),
             "response.content_part.done": lambda: self._emit(
-                "response.content_part.done", **self._where(), part=_part(self.text)),
+                "response.content_part.done", **self._where(), part=_part(self.text)
+            ),
             "response.output_item.done:message": lambda: self._emit(
-                "response.output_item.done", output_index=self._message_index(),
-                item=self._item(item_status, self.text)),
-        }  # fmt: skip
+                "response.output_item.done",
+                output_index=self._message_index(),
+                item=self._item(item_status, self.text),
+            ),
+        }
         return [*emits, *(make() for kind, make in closing.items() if kind not in self.sent)]
 
-    def response(self, status: str, usage_: dict[str, Any] | None = None,
-                 error: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    def response(
+        self, status: str, usage_: dict[str, Any] | None = None, error: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         """The response object now (the terminal event's, once there is one)."""
         if self.final is not None:
             return self.final
@@ -262,17 +323,25 @@ class ResponseLog:
         output = []
         if self._opened("reasoning"):
             closed = done or self._closed("reasoning")
-            output.append(self._reasoning_item("completed" if closed else "in_progress",
-                                               self.reasoning))  # fmt: skip
+            output.append(
+                self._reasoning_item("completed" if closed else "in_progress", self.reasoning)
+            )
         if self._opened("message"):
             output.append(self._item(item_status if done else "in_progress", self.text))
         details = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {**self.base, "status": status, "output": output, "usage": usage_,
-                "error": error, "incomplete_details": details,
-                "completed_at": int(time.time()) if status == "completed" else None}  # fmt: skip
+        return {
+            **self.base,
+            "status": status,
+            "output": output,
+            "usage": usage_,
+            "error": error,
+            "incomplete_details": details,
+            "completed_at": int(time.time()) if status == "completed" else None,
+        }
 
-    def _end(self, status: str, usage_: dict[str, Any] | None = None,
-             error: dict[str, str] | None = None) -> list[Emit]:  # fmt: skip
+    def _end(
+        self, status: str, usage_: dict[str, Any] | None = None, error: dict[str, str] | None = None
+    ) -> list[Emit]:
         if self.final is not None:
             return []
         item_status = "completed" if status == "completed" else "incomplete"
@@ -288,8 +357,9 @@ class ResponseLog:
         """The closing events a stream cut short while ending had not stored yet."""
         if self.closing is None:
             return []
-        return self._end(self.closing["status"], self.closing.get("usage"),
-                         self.closing.get("error"))  # fmt: skip
+        return self._end(
+            self.closing["status"], self.closing.get("usage"), self.closing.get("error")
+        )
 
     def finish(self, chunk: Chunk) -> list[Emit]:
         """The closing events after the engine's last chunk."""
@@ -301,9 +371,11 @@ class ResponseLog:
         """How the engine's last chunk ends the response (the closing events' meta, also
         kept with that chunk's own text events: ``end_again`` reads it back)."""
         assert chunk.finish_reason is not None
-        return {"status": _STATUS[chunk.finish_reason], "error": None,
-                "usage": usage(chunk.prompt_tokens, chunk.completion_tokens,
-                               chunk.cached_tokens)}  # fmt: skip
+        return {
+            "status": _STATUS[chunk.finish_reason],
+            "error": None,
+            "usage": usage(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens),
+        }
 
     def on_cancel(self) -> list[Emit]:
         return self._end("cancelled")
@@ -316,10 +388,16 @@ class ResponseLog:
         if self.final is not None:
             return self.final
         if state is SessionState.RUNNING:
-            return self.response("in_progress" if "response.in_progress" in self.sent
-                                 else self.base["status"])  # fmt: skip
+            return self.response(
+                "in_progress" if "response.in_progress" in self.sent else self.base["status"]
+            )
         if state is SessionState.CANCELLED:
             return self.response("cancelled")
         error = self.foreign_error or {"message": "the response ended without a result"}
-        return self.response("failed", error={"code": str(error.get("code") or "server_error"),
-                                              "message": str(error.get("message"))})  # fmt: skip
+        return self.response(
+            "failed",
+            error={
+                "code": str(error.get("code") or "server_error"),
+                "message": str(error.get("message")),
+            },
+        )

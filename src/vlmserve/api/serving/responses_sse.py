@@ -27,9 +27,15 @@ _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def _error_data(event: Event) -> str:
     error = json.loads(event.data).get("error") or {}
-    return sse_json({"type": "error", "sequence_number": event.index,
-                     "code": error.get("code"), "message": error.get("message", "stream error"),
-                     "param": error.get("param")})  # fmt: skip
+    return sse_json(
+        {
+            "type": "error",
+            "sequence_number": event.index,
+            "code": error.get("code"),
+            "message": error.get("message", "stream error"),
+            "param": error.get("param"),
+        }
+    )
 
 
 def encode_response_event(event: Event) -> bytes:
@@ -48,15 +54,20 @@ async def _opened(sessions: SessionManager, name: str, after: int, tenant: str) 
         raise InvalidRequest(message, param="starting_after", code=exc.code) from None
 
 
-async def response_sse(sessions: SessionManager, response_id: str, after: int, *,
-                       tenant: str = "", stored_as: str | None = None,
-                       resume_token: str | None = None) -> Response:  # fmt: skip
+async def response_sse(
+    sessions: SessionManager,
+    response_id: str,
+    after: int,
+    *,
+    tenant: str = "",
+    stored_as: str | None = None,
+    resume_token: str | None = None,
+) -> Response:
     """Events with ``sequence_number > after`` (ahead of those made so far: once they are),
     then live ones; 204 when none can follow. ``response_id`` in ``tenant``'s namespace, or
     ``stored_as`` (found by its resume token); ``resume_token``: a new response's token, in
     the ``X-Resume-Token`` header and its first event."""
-    events = await _opened(sessions, stored_as or response_id, after,
-                           "" if stored_as else tenant)  # fmt: skip
+    events = await _opened(sessions, stored_as or response_id, after, "" if stored_as else tenant)
     headers = {**_HEADERS, "X-Session-ID": response_id}
     if resume_token is not None:
         headers[HEADER] = resume_token

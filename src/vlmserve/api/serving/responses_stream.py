@@ -40,17 +40,21 @@ async def produce(log: ResponseLog, generation: Generation) -> AsyncIterator[Emi
         generation.lease.release()
 
 
-async def resumption(chat: ChatService, request: dict[str, Any], events: list[Event],
-                     session_id: str) -> Resumption:  # fmt: skip
+async def resumption(
+    chat: ChatService, request: dict[str, Any], events: list[Event], session_id: str
+) -> Resumption:
     """Continue a stored response after a restart, after exactly the tokens already sent (or,
     cut short while ending, with the closing events it had not stored yet)."""
     log = ResponseLog.restore(request, events)
     if log.closing is not None or log.final is not None:
         return Resumption(_replay(log.end_again()), log.on_cancel, log.on_error)
     body = ChatCompletionRequest.model_validate(request["body"])
-    generation = await chat.open_generation(body, f"resume-{session_id}",
-                                            resume_after=sent_token_ids(events),
-                                            owner=request.get("api_owner", ANONYMOUS))  # fmt: skip
+    generation = await chat.open_generation(
+        body,
+        f"resume-{session_id}",
+        resume_after=sent_token_ids(events),
+        owner=request.get("api_owner", ANONYMOUS),
+    )
     return Resumption(produce(log, generation), log.on_cancel, log.on_error)
 
 

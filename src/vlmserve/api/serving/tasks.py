@@ -91,19 +91,23 @@ def _invalid(
     if finish == "length":
         hint = f"the answer was cut off at max_tokens={max_tokens}; raise max_tokens"
     else:
-        hint = ("the model's server may not enforce response_format json_schema "
-                "(constrained decoding); check its version")  # fmt: skip
+        hint = (
+            "the model's server may not enforce response_format json_schema "
+            "(constrained decoding); check its version"
+        )
     shown = text if len(text) <= 200 else text[:200] + "…"
-    return OutputInvalid(f"the {prompt.name} answer is unusable: {problem}; {hint}. "
-                         f"The answer began: {shown!r}")  # fmt: skip
+    return OutputInvalid(
+        f"the {prompt.name} answer is unusable: {problem}; {hint}. The answer began: {shown!r}"
+    )
 
 
 async def read_upload(file: UploadFile, limit: int, param: str = "file") -> bytes:
     """An uploaded file's bytes, refused (413) past ``limit`` before anything is decoded."""
     too_large = PayloadTooLarge(
         f"the uploaded file is larger than {limit} bytes (VLMSERVE_MAX_MEDIA_BYTES); "
-        "send a smaller or more compressed image", param=param,
-    )  # fmt: skip
+        "send a smaller or more compressed image",
+        param=param,
+    )
     if file.size is not None and file.size > limit:
         raise too_large
     chunks, size = [], 0
@@ -138,19 +142,26 @@ class TaskService:
     ) -> ChatCompletionRequest:
         said = prompt.instruction if not text else f"Text:\n{text}\n\n{prompt.instruction}"
         context = self.chat.converter.settings.max_model_len
-        return ChatCompletionRequest.model_validate({
-            "model": opts.model or f"role:{DEFAULT_ROLE}",
-            "messages": [
-                {"role": "system", "content": prompt.system},
-                {"role": "user", "content": [*parts, {"type": "text", "text": said}]},
-            ],
-            "max_tokens": opts.max_tokens or min(prompt.max_tokens, max(1, context // 2)),
-            "temperature": opts.temperature,
-            "response_format": prompt.response_format(),
-        })  # fmt: skip
+        return ChatCompletionRequest.model_validate(
+            {
+                "model": opts.model or f"role:{DEFAULT_ROLE}",
+                "messages": [
+                    {"role": "system", "content": prompt.system},
+                    {"role": "user", "content": [*parts, {"type": "text", "text": said}]},
+                ],
+                "max_tokens": opts.max_tokens or min(prompt.max_tokens, max(1, context // 2)),
+                "temperature": opts.temperature,
+                "response_format": prompt.response_format(),
+            }
+        )
 
-    async def _ask(self, prompt: TaskPrompt, wire: ChatCompletionRequest, request_id: str,
-                   owner: str = ANONYMOUS) -> Answer:  # fmt: skip
+    async def _ask(
+        self,
+        prompt: TaskPrompt,
+        wire: ChatCompletionRequest,
+        request_id: str,
+        owner: str = ANONYMOUS,
+    ) -> Answer:
         completion = await self.chat.complete(wire, request_id, owner=owner)
         choice = completion["choices"][0]
         text, finish = choice["message"]["content"] or "", choice.get("finish_reason") or ""
@@ -165,8 +176,9 @@ class TaskService:
             raise _invalid(prompt, text, finish, problem, budget)
         return Answer(data, completion)
 
-    async def _extract(self, prompt: TaskPrompt, body: ExtractRequest, request_id: str,
-                       owner: str) -> Answer:  # fmt: skip
+    async def _extract(
+        self, prompt: TaskPrompt, body: ExtractRequest, request_id: str, owner: str
+    ) -> Answer:
         _require_input(body)
         wire = self._wire(prompt, body, _media_parts(body), body.text)
         try:
@@ -176,24 +188,28 @@ class TaskService:
             _media_param(exc, [f"images[{i}]" for i in range(len(body.images))] + [clip])
             raise
 
-    async def entities(self, body: EntitiesRequest, request_id: str, owner: str = ANONYMOUS
-                       ) -> dict[str, Any]:  # fmt: skip
+    async def entities(
+        self, body: EntitiesRequest, request_id: str, owner: str = ANONYMOUS
+    ) -> dict[str, Any]:
         types = body.entity_types or list(DEFAULT_ENTITY_TYPES)
         prompt = entities_prompt(types, body.json_schema, body.max_items or MAX_ENTITIES)
         return _shaped(await self._extract(prompt, body, request_id, owner), body, "entities")
 
-    async def triples(self, body: TriplesRequest, request_id: str, owner: str = ANONYMOUS
-                      ) -> dict[str, Any]:  # fmt: skip
+    async def triples(
+        self, body: TriplesRequest, request_id: str, owner: str = ANONYMOUS
+    ) -> dict[str, Any]:
         prompt = triples_prompt(body.json_schema, body.max_items or MAX_TRIPLES)
         return _shaped(await self._extract(prompt, body, request_id, owner), body, "triples")
 
-    async def id_card(self, body: IdCardRequest, request_id: str, owner: str = ANONYMOUS
-                      ) -> dict[str, Any]:  # fmt: skip
+    async def id_card(
+        self, body: IdCardRequest, request_id: str, owner: str = ANONYMOUS
+    ) -> dict[str, Any]:
         prompt = id_card_prompt(body.json_schema)
         parts = [{"type": "image_url", "image_url": {"url": body.image}}]
         try:
-            answer = await self._ask(prompt, self._wire(prompt, body, parts, None), request_id,
-                                     owner)  # fmt: skip
+            answer = await self._ask(
+                prompt, self._wire(prompt, body, parts, None), request_id, owner
+            )
         except VlmserveError as exc:
             _media_param(exc, ["image"])
             raise
@@ -201,8 +217,9 @@ class TaskService:
             return {"result": answer.data, **answer.envelope()}
         return {**id_card_body(answer.data), **answer.envelope()}
 
-    async def ktp_upload(self, file: UploadFile, request_id: str, owner: str = ANONYMOUS
-                         ) -> dict[str, Any]:  # fmt: skip
+    async def ktp_upload(
+        self, file: UploadFile, request_id: str, owner: str = ANONYMOUS
+    ) -> dict[str, Any]:
         """Seed 003's ``/ktp-ocr/``: a multipart photo, size-checked before decoding."""
         data = await read_upload(file, self.chat.converter.settings.max_media_bytes)
         body = IdCardRequest(image=base64.b64encode(data).decode())

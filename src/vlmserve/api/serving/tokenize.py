@@ -43,9 +43,7 @@ def _refuse(body: TokenizeRequest, strict: bool) -> None:
     CHAT_FIELDS.check(body.model_extra or {}, strict=strict)
 
 
-async def _chat_request(
-    converter: Converter, body: TokenizeRequest, model: str
-) -> GenerateRequest:
+async def _chat_request(converter: Converter, body: TokenizeRequest, model: str) -> GenerateRequest:
     chat = ChatCompletionRequest(
         model=model,
         messages=body.messages or [],

@@ -163,8 +163,13 @@ class BatchEngine(EngineGauges, EngineLifecycle):
 
     def _sequence(self, prepared: Prepared, loop: Any, queue: Any, index: int) -> Sequence:
         req = prepared.request
-        seq = Sequence(prepared, loop, queue, req.sampling.max_tokens - len(req.prefix_token_ids),
-                       priority=req.priority)  # fmt: skip
+        seq = Sequence(
+            prepared,
+            loop,
+            queue,
+            req.sampling.max_tokens - len(req.prefix_token_ids),
+            priority=req.priority,
+        )
         seq.index = index
         seq.run = OutputTracker(
             prepared, self.tokenizer, lambda chunk: self._emit(seq, chunk), index
@@ -183,8 +188,10 @@ class BatchEngine(EngineGauges, EngineLifecycle):
                 self.step()
                 busy = len(self.scheduler.running) >= _BUSY_ROWS
                 now = time.perf_counter()
-                if not busy or self.steps % self.stream_interval == 0 or (
-                    now - flushed >= GROUP_WAIT_S
+                if (
+                    not busy
+                    or self.steps % self.stream_interval == 0
+                    or (now - flushed >= GROUP_WAIT_S)
                 ):
                     self._flush()
                     flushed = now

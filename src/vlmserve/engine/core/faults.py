@@ -118,8 +118,7 @@ def retry_alone(
     that went through and their tokens. If every row of a batch of two or more fails alone,
     the engine is broken, not the requests: ``EngineStateError`` (unless each of them ran
     out of memory: memory is short, the engine is not broken)."""
-    log.warning("a batched step of %d rows failed (%r); retrying each row alone",
-                len(items), cause)  # fmt: skip
+    log.warning("a batched step of %d rows failed (%r); retrying each row alone", len(items), cause)
     kept: list[_Item] = []
     tokens: list[int] = []
     culprits = short = 0

@@ -77,9 +77,14 @@ class KVBudget:
 
     @classmethod
     def plan(
-        cls, requested: int | None, block_bytes: int, block_size: int, device: torch.device,
-        utilization: float = GPU_MEMORY_UTILIZATION, reserve: int = 0,
-    ) -> KVBudget:  # fmt: skip
+        cls,
+        requested: int | None,
+        block_bytes: int,
+        block_size: int,
+        device: torch.device,
+        utilization: float = GPU_MEMORY_UTILIZATION,
+        reserve: int = 0,
+    ) -> KVBudget:
         """``requested`` bytes (None or 0: ``auto_budget`` less ``reserve``, the profiled
         activation peak) -> whole blocks. At least two (the null block and one), else a
         ``ValueError`` naming the setting."""
@@ -114,8 +119,9 @@ class KVBudget:
         )
 
 
-def _too_small(budget: int, block_bytes: int, block_size: int, device: torch.device,
-               reserve: int) -> str:  # fmt: skip
+def _too_small(
+    budget: int, block_bytes: int, block_size: int, device: torch.device, reserve: int
+) -> str:
     settings = _SETTING + (f", or {_GPU_SETTING}" if device.type == "cuda" else "")
     reserved = f" (after {_mib(reserve)} MiB kept for a prefill's activations)" if reserve else ""
     return (

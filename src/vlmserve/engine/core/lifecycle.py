@@ -117,8 +117,12 @@ class EngineLifecycle:
             live = [*self._live]
             self._live.clear()
             self._inbox.clear()
-        log.error("%s: the engine failed; ending its %d requests", self.model_id, len(live),
-                  exc_info=cause)  # fmt: skip
+        log.error(
+            "%s: the engine failed; ending its %d requests",
+            self.model_id,
+            len(live),
+            exc_info=cause,
+        )
         if self._on_fatal is not None and not self._closed:  # closing: no reload wanted
             try:  # first, so that a client retrying at once finds the model failed
                 self._on_fatal(cause, live[0].loop if live else None)

@@ -45,10 +45,14 @@ def whole_blocks(blocks: torch.Tensor | None, start: int, end: int) -> int:
 
 class KVPaging:
     def __init__(
-        self, runner: DecoderRunner, kv_cache_bytes: int | None, block_size: int,
-        utilization: float = GPU_MEMORY_UTILIZATION, max_prefill_tokens: int = 0,
+        self,
+        runner: DecoderRunner,
+        kv_cache_bytes: int | None,
+        block_size: int,
+        utilization: float = GPU_MEMORY_UTILIZATION,
+        max_prefill_tokens: int = 0,
         prefix_caching: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``kv_cache_bytes`` None: the automatic budget, less (on CUDA) the activations of
         a ``max_prefill_tokens`` prefill (``profile.activation_peak``)."""
         self.runner = runner
@@ -57,9 +61,13 @@ class KVPaging:
         if not kv_cache_bytes and max_prefill_tokens > 0:
             reserve = activation_peak(runner, max_prefill_tokens, block_size)
         self.budget = KVBudget.plan(
-            kv_cache_bytes, runner.block_bytes(block_size), block_size, runner.device,
-            utilization=utilization, reserve=reserve,
-        )  # fmt: skip
+            kv_cache_bytes,
+            runner.block_bytes(block_size),
+            block_size,
+            runner.device,
+            utilization=utilization,
+            reserve=reserve,
+        )
         runner.allocate_cache(self.budget.num_blocks, block_size)
         self.blocks = BlockManager(self.budget.num_blocks, block_size, prefix_caching)
 
@@ -100,8 +108,12 @@ class KVPaging:
         positions = row.positions
         if positions is None:
             positions = torch.arange(total, device=row.embeds.device).expand(3, total)
-        part = PrefillRow(row.embeds[start:end], positions[:, start:end], cached=start,
-                          table=list(seq.block_table) if start else None)  # fmt: skip
+        part = PrefillRow(
+            row.embeds[start:end],
+            positions[:, start:end],
+            cached=start,
+            table=list(seq.block_table) if start else None,
+        )
         if row.blocks is not None:  # Gemma 3: the image blocks of every key up to ``end``
             part.blocks = row.blocks[:end]
         if row.visual is not None and row.deepstack is not None:  # Qwen3-VL: this part's

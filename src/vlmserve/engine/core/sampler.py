@@ -46,8 +46,10 @@ class Sampler:
         scores = logits[wants].log_softmax(dim=1) if wants and raw else None  # [b, V] copy
         self._constrain(logits, seqs)
         if wants and not raw:
-            temps = [1.0 if seqs[i].sampling.greedy else seqs[i].sampling.sampling_temperature
-                     for i in wants]  # fmt: skip
+            temps = [
+                1.0 if seqs[i].sampling.greedy else seqs[i].sampling.sampling_temperature
+                for i in wants
+            ]
             scores = (logits[wants] / logits.new_tensor(temps)[:, None]).log_softmax(dim=1)
         picked = logits.argmax(dim=1)  # greedy rows, and the fallback of the others
         drawn = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
@@ -92,8 +94,9 @@ class Sampler:
         """scores: [b, V], the sampled rows only (a copy: scaled in place) -> (tokens [b],
         drawable [b]). Temperature, then top-k and top-p, then one inverse-CDF draw."""
         scores.div_(scores.new_tensor([s.sampling.sampling_temperature for s in seqs])[:, None])
-        scores = _top_k_top_p(scores, [s.sampling.top_k for s in seqs],
-                              [s.sampling.top_p for s in seqs])  # fmt: skip
+        scores = _top_k_top_p(
+            scores, [s.sampling.top_k for s in seqs], [s.sampling.top_p for s in seqs]
+        )
         return _inverse_cdf(scores.softmax(dim=1), self._uniforms(scores, seqs))
 
     def _uniforms(self, scores: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -59,8 +59,11 @@ class Scheduler:
         place = len(self.waiting)
         while place > 0:
             other = self.waiting[place - 1]
-            if (other.priority <= seq.priority or other.overtaken >= self.max_overtakes
-                    or other.preempted):  # fmt: skip  # a preempted row keeps the front
+            if (
+                other.priority <= seq.priority
+                or other.overtaken >= self.max_overtakes
+                or other.preempted
+            ):  # a preempted row keeps the front
                 break
             place -= 1
         for i in range(place, len(self.waiting)):

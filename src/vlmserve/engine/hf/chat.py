@@ -163,9 +163,11 @@ class HFChatBackend(HFModel):
         """Decoding / waiting rows and KV use from the engine; the fallback path decodes one
         request at a time."""
         out = BackendStats(
-            vision_cache=self.vision_cache_stats(), processor_cache=self.processor_cache_stats(),
-            engine_failures=self.engine_failures, last_engine_error=self.last_engine_error,
-        )  # fmt: skip
+            vision_cache=self.vision_cache_stats(),
+            processor_cache=self.processor_cache_stats(),
+            engine_failures=self.engine_failures,
+            last_engine_error=self.last_engine_error,
+        )
         self._memory_stats(out)
         engine = self.engine
         if engine is None:
@@ -237,8 +239,9 @@ class HFChatBackend(HFModel):
         """How this answer is read back (None: plain text); a resumed request's already sent
         tokens advance the parsers first."""
         request = prepared.request
-        parsers = OutputParsers.build(request.output, self._reasoning, self.config.tool_call_parser,
-                                      prepared.prompt_text)  # fmt: skip
+        parsers = OutputParsers.build(
+            request.output, self._reasoning, self.config.tool_call_parser, prepared.prompt_text
+        )
         if not parsers.active:
             return None
         if request.prefix_token_ids:

@@ -178,8 +178,9 @@ class HFEmbedBackend(HFModel):
         except Exception as exc:
             if len(groups) == 1:
                 return [exc]
-            log.info("a batch of %d embedding requests failed (%s); running each alone",
-                     len(groups), exc)  # fmt: skip
+            log.info(
+                "a batch of %d embedding requests failed (%s); running each alone", len(groups), exc
+            )
             return [self._embed_alone(group) for group in groups]
         offsets = itertools.accumulate((len(group) for group in groups), initial=0)
         return [vectors[start:end] for start, end in itertools.pairwise(offsets)]

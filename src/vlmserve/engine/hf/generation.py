@@ -223,8 +223,15 @@ def run_generation(
         _generate_one(model, tokenizer, prepared, emit, cancel, device, index)
 
 
-def _generate_one(model: Any, tokenizer: Any, prepared: Prepared, emit: Callable[[Chunk], None],
-                  cancel: threading.Event, device: torch.device, index: int) -> None:  # fmt: skip
+def _generate_one(
+    model: Any,
+    tokenizer: Any,
+    prepared: Prepared,
+    emit: Callable[[Chunk], None],
+    cancel: threading.Event,
+    device: torch.device,
+    index: int,
+) -> None:
     req = prepared.request
     run = OutputTracker(prepared, tokenizer, emit, index)
     guide = None
@@ -241,8 +248,15 @@ def _generate_one(model: Any, tokenizer: Any, prepared: Prepared, emit: Callable
     run.finish(cancel.is_set(), _eos_ids(model), guide is not None and guide.done)
 
 
-def _generate(model: Any, prepared: Prepared, run: OutputTracker, guide: _Guide | None,
-              cancel: threading.Event, device: torch.device, max_new: int) -> None:  # fmt: skip
+def _generate(
+    model: Any,
+    prepared: Prepared,
+    run: OutputTracker,
+    guide: _Guide | None,
+    cancel: threading.Event,
+    device: torch.device,
+    max_new: int,
+) -> None:
     req = prepared.request
     inputs = {  # tensors only (the processor cache adds its keys, a list)
         k: v.to(device) for k, v in prepared.inputs.items() if isinstance(v, torch.Tensor)

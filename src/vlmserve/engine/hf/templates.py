@@ -44,7 +44,8 @@ def install_chat_template(processor: Any, template: str, model: str) -> None:
     try:
         text = processor.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # jinja's errors have no common base: any failure is the template's
-        raise ConfigError(f"the chat template given for {model!r} does not render a simple "
-                          f"conversation: {exc}") from exc  # fmt: skip
+        raise ConfigError(
+            f"the chat template given for {model!r} does not render a simple conversation: {exc}"
+        ) from exc
     if "Hi" not in text:
         raise ConfigError(f"the chat template given for {model!r} drops the user's text")

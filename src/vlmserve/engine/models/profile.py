@@ -36,8 +36,11 @@ def dummy_prefill(runner: DecoderRunner, tokens: int, block_size: int) -> torch.
     runner.allocate_cache(blocks, block_size)
     try:
         ids = torch.zeros(tokens, dtype=torch.long, device=runner.device)
-        row = PrefillRow(embeds=runner.embed(ids), positions=None,
-                         slots=list(range(block_size, block_size + tokens)))  # fmt: skip
+        row = PrefillRow(
+            embeds=runner.embed(ids),
+            positions=None,
+            slots=list(range(block_size, block_size + tokens)),
+        )
         with torch.inference_mode():
             return runner.prefill([row])
     finally:
@@ -61,6 +64,9 @@ def activation_peak(runner: DecoderRunner, tokens: int, block_size: int) -> int:
     torch.cuda.synchronize(device)
     peak = max(0, torch.cuda.max_memory_allocated(device) - before - kv)
     torch.cuda.empty_cache()
-    log.info("a prefill of %d tokens takes %.1f MiB of activations: kept out of the KV budget",
-             tokens, peak / 2**20)  # fmt: skip
+    log.info(
+        "a prefill of %d tokens takes %.1f MiB of activations: kept out of the KV budget",
+        tokens,
+        peak / 2**20,
+    )
     return peak

@@ -103,8 +103,12 @@ class EngineProcClient(Backend):
         self.load_seconds = time.perf_counter() - started
         self._memory = self._ready.memory_bytes
         self.state = ModelState.READY
-        log.info("%s: engine process %d ready in %.1f s", self.model_id, self._proc.pid,
-                 self.load_seconds)  # fmt: skip
+        log.info(
+            "%s: engine process %d ready in %.1f s",
+            self.model_id,
+            self._proc.pid,
+            self.load_seconds,
+        )
 
     def _start(self) -> None:
         """``python -m vlmserve.engine.proc`` on one end of a socket pair: a fresh interpreter
@@ -113,14 +117,19 @@ class EngineProcClient(Backend):
         with theirs:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "vlmserve.engine.proc", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=_same_package_env(),
-            )  # fmt: skip
+                pass_fds=(theirs.fileno(),),
+                env=_same_package_env(),
+            )
         self._conn = Connection(ours.detach())
         level = logging.getLogger("vlmserve").getEffectiveLevel()
         self._sender = Sender(self._conn, f"engine-send-{self.model_id}")
         self._sender.send((self.factory, level))  # what the engine process builds
-        threading.Thread(target=read_forever, args=(self._conn, self._receive), daemon=True,
-                         name=f"engine-read-{self.model_id}").start()  # fmt: skip
+        threading.Thread(
+            target=read_forever,
+            args=(self._conn, self._receive),
+            daemon=True,
+            name=f"engine-read-{self.model_id}",
+        ).start()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)
@@ -152,8 +161,10 @@ class EngineProcClient(Backend):
         limit = self._ready.max_queued if self._ready is not None else 0
         waiting = sum(1 for s in self._streams.values() if not s.started) + self._reserved
         if limit and waiting >= limit:
-            raise Overloaded(f"{waiting} requests are already waiting for {self.model_id!r} "
-                             "(VLMSERVE_MAX_QUEUED_REQUESTS); retry later")  # fmt: skip
+            raise Overloaded(
+                f"{waiting} requests are already waiting for {self.model_id!r} "
+                "(VLMSERVE_MAX_QUEUED_REQUESTS); retry later"
+            )
         self._reserved += 1
         released = False
 
@@ -268,8 +279,9 @@ class EngineProcClient(Backend):
             return
         reason = f"its engine process exited (exit code {_exit_code(self._proc)})"
         if self._boot is not None and not self._boot.done():
-            self._boot.set_exception(ServiceUnavailable(f"model {self.model_id!r}: {reason} "
-                                                        "while loading"))  # fmt: skip
+            self._boot.set_exception(
+                ServiceUnavailable(f"model {self.model_id!r}: {reason} while loading")
+            )
             return
         log.error("%s: %s", self.model_id, reason)
         self._failed(reason)
@@ -282,10 +294,14 @@ class EngineProcClient(Backend):
         self._failures += 1
         self._last_error = reason
         self.state, self.error = ModelState.FAILED, f"engine failed: {reason}"
-        self._fail_all(ServiceUnavailable(
-            f"model {self.model_id!r} stopped: {reason}; it is being reloaded, retry in a "
-            "few seconds", retry_after=10, code="engine_failed",
-        ))  # fmt: skip
+        self._fail_all(
+            ServiceUnavailable(
+                f"model {self.model_id!r} stopped: {reason}; it is being reloaded, retry in a "
+                "few seconds",
+                retry_after=10,
+                code="engine_failed",
+            )
+        )
         if self._on_failure is not None:
             self._on_failure(self._loop)
 
@@ -308,8 +324,9 @@ class EngineProcClient(Backend):
         return self._memory if self.state is ModelState.READY else 0
 
     def stats(self) -> BackendStats:
-        return replace(self._stats, engine_failures=self._failures,
-                       last_engine_error=self._last_error)  # fmt: skip
+        return replace(
+            self._stats, engine_failures=self._failures, last_engine_error=self._last_error
+        )
 
     def describe(self) -> dict[str, Any]:
         proc = self._proc

@@ -60,11 +60,16 @@ class EngineCore:
         self.backend = backend
         backend.watch_failures(lambda _: self.loop.call_soon_threadsafe(self._failed))
         config = getattr(backend, "config", None)
-        ready = Ready(backend.capabilities(), backend.memory_bytes, backend.load_seconds,
-                      int(getattr(config, "max_queued", 0)))  # fmt: skip
+        ready = Ready(
+            backend.capabilities(),
+            backend.memory_bytes,
+            backend.load_seconds,
+            int(getattr(config, "max_queued", 0)),
+        )
         self.conn.send([("ready", ready)])
-        reader = threading.Thread(target=read_forever, args=(self.conn, self._receive),
-                                  name="engine-reader", daemon=True)  # fmt: skip
+        reader = threading.Thread(
+            target=read_forever, args=(self.conn, self._receive), name="engine-reader", daemon=True
+        )
         reader.start()
         stats = self.loop.create_task(self._stats())
         await self.closing.wait()

@@ -185,5 +185,13 @@ def _create(value: list[Any]) -> Create:
     times = (created_at, updated_at)
     if not isinstance(last_index, int) or not all(isinstance(t, (int, float)) for t in times):
         raise TypeError("not a new session")
-    return (sid, request, state, float(created_at), float(updated_at), last_index, owner,
-            tuple(aliases))  # fmt: skip
+    return (
+        sid,
+        request,
+        state,
+        float(created_at),
+        float(updated_at),
+        last_index,
+        owner,
+        tuple(aliases),
+    )

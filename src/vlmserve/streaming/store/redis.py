@@ -125,8 +125,11 @@ class RedisStore:
                 if self._due(session_id, event, now):
                     self._queue_touch(pipe, session_id, {"last_index": str(event.index)}, event)
                 else:
-                    pipe.xadd(self._key("events", session_id), _event_fields(event),
-                              id=_entry_id(event.index))  # fmt: skip
+                    pipe.xadd(
+                        self._key("events", session_id),
+                        _event_fields(event),
+                        id=_entry_id(event.index),
+                    )
                 spans.append(len(pipe.command_stack) - before)
             results = await pipe.execute(raise_on_error=False)
         out: list[BaseException | None] = []

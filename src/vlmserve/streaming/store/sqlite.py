@@ -184,8 +184,12 @@ class SQLiteStore:
         """A background copy ended; one that failed is logged and tried again later."""
         self._flushes.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("could not copy journaled events into %s; trying again in %.0f s",
-                      self.path, _RETRY_AFTER, exc_info=task.exception())  # fmt: skip
+            log.error(
+                "could not copy journaled events into %s; trying again in %.0f s",
+                self.path,
+                _RETRY_AFTER,
+                exc_info=task.exception(),
+            )
             if self._timer is None:
                 self._flush_soon(_RETRY_AFTER)
 
@@ -301,6 +305,13 @@ def _has_table(conn: sqlite3.Connection, name: str) -> bool:
 
 
 def _create_entry(record: SessionRecord) -> Create:
-    return (record.session_id, dump_request(record.request), record.state.value,
-            record.created_at, record.updated_at, record.last_index, record.owner,
-            tuple(record.aliases))  # fmt: skip
+    return (
+        record.session_id,
+        dump_request(record.request),
+        record.state.value,
+        record.created_at,
+        record.updated_at,
+        record.last_index,
+        record.owner,
+        tuple(record.aliases),
+    )

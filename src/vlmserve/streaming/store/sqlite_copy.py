@@ -52,10 +52,12 @@ def copy_entries(conn: sqlite3.Connection, entries: list[Entry], touch: list[str
     per = _rows_per_insert(conn)
     with conn:
         for sid, *columns, aliases in _creates(entries):
-            conn.execute("INSERT OR IGNORE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)",
-                         (sid, *columns))  # fmt: skip
-            conn.executemany("INSERT OR IGNORE INTO aliases VALUES (?, ?)",
-                             [(alias, sid) for alias in aliases])  # fmt: skip
+            conn.execute(
+                "INSERT OR IGNORE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)", (sid, *columns)
+            )
+            conn.executemany(
+                "INSERT OR IGNORE INTO aliases VALUES (?, ?)", [(alias, sid) for alias in aliases]
+            )
         for part in _chunks(events_of(entries), per):
             conn.execute(_insert_sql(len(part)), [value for row in part for value in row])
         for sid, column, value, at in _updates(entries):

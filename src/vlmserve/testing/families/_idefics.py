@@ -42,9 +42,11 @@ def config_parts(vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
     """The config class's ``vision_config``, ``text_config``, ``scale_factor``, token ids."""
     text = text_config(vocab_size, model_type="llama", hidden_act="silu")
     text.update(
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     vision = {
         "hidden_size": SPEC.vision_embed_dim,
         "intermediate_size": 2 * SPEC.vision_embed_dim,

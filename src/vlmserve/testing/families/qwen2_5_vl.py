@@ -43,9 +43,14 @@ def _write(out: Path) -> None:
 
     tokenizer = family_tokenizer(eos=EOS_TOKEN, pad=PAD_TOKEN)
     eos, pad, image, video, start, end = token_ids(
-        tokenizer, EOS_TOKEN, PAD_TOKEN, "<|image_pad|>", "<|video_pad|>",
-        "<|vision_start|>", "<|vision_end|>",
-    )  # fmt: skip
+        tokenizer,
+        EOS_TOKEN,
+        PAD_TOKEN,
+        "<|image_pad|>",
+        "<|video_pad|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+    )
     config = Qwen2_5_VLConfig(
         text_config=_text(len(tokenizer), pad, eos),
         vision_config=_vision(),

@@ -28,8 +28,13 @@ FAMILY = "qwen3_vl"
 PATCH = 16
 # Qwen3 chat/reasoning tokens the template writes (added tokens in the real tokenizer).
 _EXTRA = (
-    "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-)  # fmt: skip
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
 
 
 def build(out_dir: Path | None = None) -> Path:
@@ -55,9 +60,14 @@ def _write(out: Path) -> None:
 
     tokenizer = family_tokenizer(extra=_EXTRA, eos=EOS_TOKEN, pad=PAD_TOKEN)
     eos, pad, image, video, start, end = token_ids(
-        tokenizer, EOS_TOKEN, PAD_TOKEN, "<|image_pad|>", "<|video_pad|>",
-        "<|vision_start|>", "<|vision_end|>",
-    )  # fmt: skip
+        tokenizer,
+        EOS_TOKEN,
+        PAD_TOKEN,
+        "<|image_pad|>",
+        "<|video_pad|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+    )
     config = Qwen3VLConfig(
         text_config=_text(len(tokenizer), pad, eos),
         vision_config=_vision(),
