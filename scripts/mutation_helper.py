@@ -44,7 +44,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/unit/api/test_resume_token.py",
     ],
     "src/vlmserve/api/resume_token.py": ["tests/unit/api/test_resume_token.py"],
-    "src/vlmserve/api/serving/keys.py": ["tests/unit/api/test_key_policy.py"],
+    "src/vlmserve/api/common/keys.py": ["tests/unit/api/test_key_policy.py"],
     "src/vlmserve/gateway/passthrough*.py": [
         "tests/unit/gateway/test_passthrough_relay.py",
         "tests/integration/test_gateway_passthrough.py",

@@ -192,7 +192,7 @@ class Settings(BaseSettings):
     max_n: int = Field(default=8, ge=1)
     # a request field this server does not know: False = accepted and named in the log (as
     # vLLM does), True = a 400 naming it. Fields that change the answer and are not served
-    # are a 400 either way (api/protocol/fields.py)
+    # are a 400 either way (api/common/fields.py)
     strict_fields: bool = False
 
     # --- auth and metrics ----------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_a_stored_two_choice_stream_continues_choice_by_choice(
 
 
 def test_sent_by_choice_reads_each_choices_tokens_and_ends() -> None:
-    from vlmserve.api.serving.generation import sent_by_choice
+    from vlmserve.api.common.generation import sent_by_choice
     from vlmserve.streaming import Event
 
     def chunk(index: int, reason: str | None = None) -> str:

@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from support import MODEL, LiveServer, make_settings
 from vlmserve.api.app import build_app
-from vlmserve.api.serving.worker import caption_messages
+from vlmserve.api.endpoints.worker.service import caption_messages
 from vlmserve.config import ModelConfig, Settings
 from vlmserve.registry.build import hf_handle
 from vlmserve.registry.manager import LifecyclePolicy, ModelHandle, ModelManager

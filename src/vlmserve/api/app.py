@@ -18,6 +18,18 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from vlmserve.api.auth import AuthMiddleware
 from vlmserve.api.docs import install_offline_docs
+from vlmserve.api.endpoints.admin import router as admin
+from vlmserve.api.endpoints.batches import router as batches
+from vlmserve.api.endpoints.chat import router as chat
+from vlmserve.api.endpoints.embeddings import router as embeddings
+from vlmserve.api.endpoints.files import router as files
+from vlmserve.api.endpoints.gateway import router as gateway
+from vlmserve.api.endpoints.responses import router as responses
+from vlmserve.api.endpoints.streams import router as streams
+from vlmserve.api.endpoints.system import router as system
+from vlmserve.api.endpoints.tasks import router as tasks
+from vlmserve.api.endpoints.tokenize import router as tokenize
+from vlmserve.api.endpoints.worker import router as worker
 from vlmserve.api.errors import ERROR_RESPONSES, install_error_handlers
 from vlmserve.api.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from vlmserve.api.middleware import (
@@ -26,20 +38,6 @@ from vlmserve.api.middleware import (
     RequestIdMiddleware,
 )
 from vlmserve.api.resume_token import redact_tokens
-from vlmserve.api.routes import (
-    admin,
-    batches,
-    chat,
-    embeddings,
-    files,
-    gateway,
-    responses,
-    streams,
-    system,
-    tasks,
-    tokenize,
-    worker,
-)
 from vlmserve.api.services import Services
 from vlmserve.api.telemetry import fastapi_telemetry
 from vlmserve.api.ui import install_console

@@ -13,16 +13,16 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from vlmserve.api.auth import ANONYMOUS
+from vlmserve.api.common.convert import Converter
+from vlmserve.api.common.keys import KeyPolicy
+from vlmserve.api.endpoints.batches.lines import Endpoints
+from vlmserve.api.endpoints.batches.service import BatchesService
+from vlmserve.api.endpoints.chat.service import ChatService
+from vlmserve.api.endpoints.files.service import FilesService
+from vlmserve.api.endpoints.responses.service import ResponsesService
+from vlmserve.api.endpoints.tasks.service import TaskService
+from vlmserve.api.endpoints.worker.service import WorkerService
 from vlmserve.api.metrics import Metrics
-from vlmserve.api.serving.batches import BatchesService
-from vlmserve.api.serving.batches_lines import Endpoints
-from vlmserve.api.serving.chat import ChatService
-from vlmserve.api.serving.convert import Converter
-from vlmserve.api.serving.files import FilesService
-from vlmserve.api.serving.keys import KeyPolicy
-from vlmserve.api.serving.responses import ResponsesService
-from vlmserve.api.serving.tasks import TaskService
-from vlmserve.api.serving.worker import WorkerService
 from vlmserve.config import Settings
 from vlmserve.registry.manager import ModelManager
 from vlmserve.streaming import SessionManager

@@ -7,7 +7,7 @@ OpenAI wire (the default; what OpenAI and vLLM send, what every client parses):
     data: <line 2>           (one data line per line of the payload)
     <blank line>
 
-Resumable wire (clients that ask for it, see ``vlmserve.api.serving.sse``):
+Resumable wire (clients that ask for it, see ``vlmserve.api.common.sse``):
     id: <session_id>:<index>
     event: <type>            (only when the event has a type, i.e. ``error``)
     data: <line 1>

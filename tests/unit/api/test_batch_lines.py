@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vlmserve.api.serving.batches_input import read_request, scan_input
+from vlmserve.api.endpoints.batches.input import read_request, scan_input
 
 CHAT = "/v1/chat/completions"
 

@@ -1,4 +1,4 @@
-"""The table of undeclared request fields (``api/protocol/fields.py``) and its README listing."""
+"""The table of undeclared request fields (``api/common/fields.py``) and its README listing."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vlmserve.api.protocol.chat import ChatCompletionRequest
-from vlmserve.api.protocol.fields import CHAT_FIELDS, RESPONSES_FIELDS, FieldTable
-from vlmserve.api.protocol.responses_api import ResponsesRequest
+from vlmserve.api.common.fields import CHAT_FIELDS, RESPONSES_FIELDS, FieldTable
+from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest
+from vlmserve.api.endpoints.responses.protocol import ResponsesRequest
 from vlmserve.errors import InvalidRequest, UnsupportedFeature
 
 README = Path(__file__).resolve().parents[3] / "README.md"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vlmserve.api.auth import ANONYMOUS, owner_of
-from vlmserve.api.serving.keys import KeyedLease, KeyPolicy
+from vlmserve.api.common.keys import KeyedLease, KeyPolicy
 from vlmserve.config import Settings
 from vlmserve.errors import Overloaded
 

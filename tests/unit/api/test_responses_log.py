@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from vlmserve.api.protocol.responses_api import ResponsesRequest
-from vlmserve.api.serving.responses_objects import ResponseLog, base_response
-from vlmserve.api.serving.responses_sse import encode_response_event
+from vlmserve.api.endpoints.responses.objects import ResponseLog, base_response
+from vlmserve.api.endpoints.responses.protocol import ResponsesRequest
+from vlmserve.api.endpoints.responses.sse import encode_response_event
 from vlmserve.engine.types import Chunk, FinishReason
 from vlmserve.streaming import DONE, Emit, Event, SessionState, error_emit
 

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from vlmserve.api.protocol.responses import CompletionIds, chunk_json
+from vlmserve.api.endpoints.chat.objects import CompletionIds, chunk_json
 from vlmserve.streaming.events import Event
 from vlmserve.streaming.sse import encode_event
 

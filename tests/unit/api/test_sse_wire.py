@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from fastapi.responses import StreamingResponse
 
-from vlmserve.api.serving.sse import accepts_event_stream, sse_response
+from vlmserve.api.common.sse import accepts_event_stream, sse_response
 from vlmserve.streaming import Emit, MemoryStore, SessionManager, error_emit
 
 ERROR = json.dumps(

@@ -1,0 +1,1 @@
+"""Pieces every endpoint that runs the chat model shares: generation, conversion, SSE, keys."""

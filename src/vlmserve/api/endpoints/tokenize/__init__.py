@@ -1,0 +1,1 @@
+"""The ``tokenize`` endpoints."""

@@ -1,1 +1,0 @@
-"""Wire models (pydantic, OpenAI shapes); converted to engine dataclasses in one place."""

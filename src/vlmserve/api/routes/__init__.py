@@ -1,1 +1,0 @@
-"""Thin routers: parse, call the serving layer, pick JSON or SSE."""

@@ -1,1 +1,0 @@
-"""Serving logic behind the routers."""
