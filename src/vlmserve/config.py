@@ -199,6 +199,8 @@ class Settings(BaseSettings):
     api_keys: list[str] = Field(default_factory=list)  # Bearer keys for /v1/*; empty: open
     admin_keys: list[str] = Field(default_factory=list)  # for /admin/*; empty: admin closed
     metrics_public: bool = True
+    # every single-choice answer carries its timings (vLLM's --enable-per-request-metrics)
+    per_request_metrics: bool = False
     # with API keys: "key" salts prefix-cache blocks by key (no key shares cached blocks with
     # another), "global" shares them between keys
     prefix_cache_scope: Literal["key", "global"] = "key"

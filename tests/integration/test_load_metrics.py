@@ -50,7 +50,7 @@ class _Streams:
             seen = 0
             async for line in response.aiter_lines():
                 seen += line.startswith("data: ")
-                if seen == 2:  # the role chunk comes before the engine; the 2nd is decoded
+                if seen == 1:  # the first chunk carries the first token: decoding now
                     started.set()
                     await self.release.wait()
                     return
@@ -85,12 +85,12 @@ async def test_three_decoding_streams_are_running_not_waiting(
     assert _value(text, "vlmserve_num_requests_running", model=MODEL) == 3
     assert _value(text, "vlmserve_num_requests_waiting", model=MODEL) == 0
     assert _value(text, "vlmserve_queue_depth", model=MODEL) == 0
-    assert _value(text, "vllm:num_requests_running", model_name=MODEL) == 3
-    assert _value(text, "vllm:num_requests_waiting", model_name=MODEL) == 0
+    assert _value(text, "vllm:num_requests_running", model_name=MODEL, engine="0") == 3
+    assert _value(text, "vllm:num_requests_waiting", model_name=MODEL, engine="0") == 0
     # KV blocks in use: three short streams hold a sliver of the default budget
-    assert 0 < _value(text, "vllm:kv_cache_usage_perc", model_name=MODEL) < 0.01
+    assert 0 < _value(text, "vllm:kv_cache_usage_perc", model_name=MODEL, engine="0") < 0.01
     assert _value(text, "vlmserve_kv_cache_usage_ratio", model=MODEL) == _value(
-        text, "vllm:kv_cache_usage_perc", model_name=MODEL
+        text, "vllm:kv_cache_usage_perc", model_name=MODEL, engine="0"
     )
     assert _value(text, "vlmserve_kv_cache_bytes", model=MODEL) > 0
     # the streams are counted under their route, not "unmatched"
@@ -118,14 +118,14 @@ async def test_requests_beyond_the_slots_are_waiting(two_slot_server: LiveServer
             streams.start(1)
             for _ in range(300):  # until the third request reached the engine's queue
                 text = (await client.get("/metrics")).text
-                if _value(text, "vllm:num_requests_waiting", model_name=MODEL) == 1:
+                if _value(text, "vllm:num_requests_waiting", model_name=MODEL, engine="0") == 1:
                     break
                 await asyncio.sleep(0.02)
         finally:
             await streams.close()
-    assert _value(text, "vllm:num_requests_waiting", model_name=MODEL) == 1
-    assert _value(text, "vllm:num_requests_running", model_name=MODEL) == 2
-    assert 0 < _value(text, "vllm:kv_cache_usage_perc", model_name=MODEL) < 0.01
+    assert _value(text, "vllm:num_requests_waiting", model_name=MODEL, engine="0") == 1
+    assert _value(text, "vllm:num_requests_running", model_name=MODEL, engine="0") == 2
+    assert 0 < _value(text, "vllm:kv_cache_usage_perc", model_name=MODEL, engine="0") < 0.01
 
 
 async def test_step_time_by_phase_and_memory_are_exported(

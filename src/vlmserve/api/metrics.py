@@ -27,6 +27,7 @@ from prometheus_client.exposition import generate_latest
 from starlette.responses import Response
 
 from vlmserve.api.metrics_http import MetricsMiddleware
+from vlmserve.api.metrics_vllm import VllmSeries
 
 __all__ = ["MODEL_STATES", "Metrics", "MetricsMiddleware", "metrics_endpoint"]
 
@@ -111,20 +112,7 @@ class Metrics:
             ["model"],
         )
         self._seen: dict[tuple[str, str], int] = {}  # running totals read at the last scrape
-        self._add_vllm_aliases()
-
-    def _add_vllm_aliases(self) -> None:
-        """The names Kubernetes inference routers read (Gateway API Inference Extension, llm-d,
-        vLLM production-stack): same values, vLLM's names and ``model_name`` label."""
-
-        def alias(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, ["model_name"], registry=self.registry)
-
-        self.vllm_running = alias("vllm:num_requests_running", "requests decoding")
-        self.vllm_waiting = alias("vllm:num_requests_waiting", "requests waiting")
-        self.vllm_cache_usage = alias(
-            "vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (KV blocks in use)"
-        )
+        self.vllm = VllmSeries(self.registry)  # the same figures under vLLM's names
 
     def _add_generation_series(self) -> None:
         make = self._make
@@ -236,28 +224,31 @@ class Metrics:
         for gauge, value in ((self.running, running), (self.waiting, waiting)):
             gauge.labels(model=model).set(value)
         self.cache_usage.labels(model=model).set(usage)
-        self.vllm_running.labels(model_name=model).set(running)
-        self.vllm_waiting.labels(model_name=model).set(waiting)
-        self.vllm_cache_usage.labels(model_name=model).set(usage)
+        self.vllm.set_load(model, running, waiting, usage)
 
     def set_kv_cache(
         self, model: str, *, preemptions: int, nbytes: int, prefix: tuple[int, int] = (0, 0)
     ) -> None:
         """The engine's running totals of preemptions and of prefix-cache (queried, hit)
         tokens, and its KV cache size."""
-        self._add_total("preemptions", model, preemptions)
-        self._add_total("prefix_queries", model, prefix[0])
-        self._add_total("prefix_hits", model, prefix[1])
+        self.vllm.add_totals(
+            model,
+            self._add_total("preemptions", model, preemptions),
+            self._add_total("prefix_queries", model, prefix[0]),
+            self._add_total("prefix_hits", model, prefix[1]),
+        )
         self.kv_cache_bytes.labels(model=model).set(nbytes)
 
-    def _add_total(self, counter: str, model: str, total: int) -> None:
+    def _add_total(self, counter: str, model: str, total: int) -> int:
         """The counter attribute ``counter`` fed from an engine's running total: only
-        increases are added (a reloaded engine starts again from 0)."""
+        increases are added (a reloaded engine starts again from 0); the increase."""
         key = (counter, model)
         seen = self._seen.get(key, 0)
-        if total > seen:
-            getattr(self, counter).labels(model=model).inc(total - seen)
         self._seen[key] = total
+        if total <= seen:
+            return 0
+        getattr(self, counter).labels(model=model).inc(total - seen)
+        return total - seen
 
     def set_engine(
         self,
@@ -303,6 +294,13 @@ class Metrics:
         decode = total - ttft
         if output_tokens > 1 and decode >= 0:
             self.observe_time_per_output_token(model, decode / (output_tokens - 1))
+
+    def observe_finished(self, model: str, done: dict[str, Any]) -> None:
+        """One finished request under vLLM's names (``VllmSeries.observe_request``)."""
+        self.vllm.observe_request(model, done)
+
+    def observe_inter_token(self, model: str, seconds: float, tokens: int) -> None:
+        self.vllm.observe_itl(model, seconds, tokens)
 
     # -- model lifecycle --
     def set_model_state(self, model: str, state: str | Enum) -> None:

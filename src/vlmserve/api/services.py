@@ -60,7 +60,14 @@ class Services:
     def build(cls, settings: Settings, models: ModelManager, sessions: SessionManager) -> Services:
         metrics = Metrics()
         converter = Converter.from_settings(settings, metrics)
-        chat = ChatService(models, converter, sessions, metrics, KeyPolicy.from_settings(settings))
+        chat = ChatService(
+            models,
+            converter,
+            sessions,
+            metrics,
+            KeyPolicy.from_settings(settings),
+            per_request_metrics=settings.per_request_metrics,
+        )
         worker = WorkerService(models, converter)
         files = FilesService.from_settings(settings)
         # one resumer per manager; files: input_image file_id

@@ -153,6 +153,11 @@ HELP = {
         "only within a key, or between keys.",
     ),
     "ui": (SERVER, "Serve the web console at / (--no-ui: the API only)."),
+    "per_request_metrics": (
+        SERVER,
+        "Every single-choice answer carries its timings (`metrics`, as vLLM's "
+        "--enable-per-request-metrics); one request asks with include_metrics.",
+    ),
     "max_num_seqs": (
         ENGINE,
         "Sequences decoded together (continuous batching); 1 = one at a time.",
@@ -291,6 +296,9 @@ def command(
     strict_fields: Annotated[Bool, _opt("strict_fields", "--strict-fields")] = None,
     lazy_load: Annotated[Bool, _opt("load_on_startup", "--lazy-load")] = None,
     no_ui: Annotated[Bool, _opt("ui", "--no-ui")] = None,
+    per_request_metrics: Annotated[
+        Bool, _opt("per_request_metrics", "--per-request-metrics")
+    ] = None,
     keep_alive: Annotated[Float, _opt("keep_alive")] = None,
     max_loaded_models: Annotated[Int, _opt("max_loaded_models")] = None,
     persist_sessions: Annotated[Bool, _opt("persist_sessions", "--persist-sessions")] = None,

@@ -214,6 +214,9 @@ class Chunk:
     logprobs: list[dict[str, Any]] | None = None
     index: int = 0  # the choice this chunk belongs to (``n`` > 1)
     cached_tokens: int | None = None  # prompt tokens from the prefix cache (None: not caching)
+    # On a finish chunk: where the request's time went, in seconds by phase. The engine fills
+    # queue, vision, prefill, decode; the API adds media and e2e. None: not timed.
+    timings: dict[str, float] | None = None
 
     def merged(self, then: Chunk) -> Chunk:
         """This chunk followed by ``then`` (same choice) as one chunk."""
@@ -231,6 +234,7 @@ class Chunk:
             logprobs=logprobs,
             cached_tokens=then.cached_tokens,
             index=self.index,
+            timings=then.timings or self.timings,
         )
 
 

@@ -142,9 +142,9 @@ def test_engine_side_series_move() -> None:
     assert value(text, "vlmserve_num_requests_waiting", model="tiny") == 3
     assert value(text, "vlmserve_num_requests_running", model="tiny") == 2
     assert value(text, "vlmserve_kv_cache_usage_ratio", model="tiny") == 0.25
-    assert value(text, "vllm:num_requests_waiting", model_name="tiny") == 3
-    assert value(text, "vllm:num_requests_running", model_name="tiny") == 2
-    assert value(text, "vllm:kv_cache_usage_perc", model_name="tiny") == 0.25
+    assert value(text, "vllm:num_requests_waiting", model_name="tiny", engine="0") == 3
+    assert value(text, "vllm:num_requests_running", model_name="tiny", engine="0") == 2
+    assert value(text, "vllm:kv_cache_usage_perc", model_name="tiny", engine="0") == 0.25
     assert value(text, "vlmserve_prompt_tokens_total", model="tiny") == 10
     assert value(text, "vlmserve_output_tokens_total", model="tiny") == 5
     assert value(text, "vlmserve_time_to_first_token_seconds_count", model="tiny") == 1

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.common.convert import Converter, response_format
 from vlmserve.api.common.keys import KeyedLease, KeyPolicy
+from vlmserve.api.common.timings import RequestClock
 from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest
 from vlmserve.api.metrics import Metrics
 from vlmserve.engine.protocol import Backend
@@ -164,6 +165,7 @@ async def open_generation(
     (``BATCH_PRIORITY`` for batch lines). ``owner``'s key salts the prefix cache and holds one
     of its places (``keys.py``; a continued generation or a batch line takes none: batches
     have their own concurrency)."""
+    clock = RequestClock()
     needs = converter.needs(body)
     keys = keys or KeyPolicy()
     interactive = resume_after is None and priority == INTERACTIVE_PRIORITY
@@ -186,13 +188,15 @@ async def open_generation(
         if not backend.proxied:
             request.cache_salt = keys.salt(owner, request.cache_salt)
         prepared = await backend.prepare(request)
+        clock.prepared = time.perf_counter()
     except BaseException:
         release()
         if prepared is not None:
             await lease.backend.discard(prepared)
         lease.release()
         raise
-    chunks = _observed(backend.generate(prepared), metrics, backend.model_id)
+    asked = _Asked(body.max_tokens or 0, body.n)
+    chunks = _observed(backend.generate(prepared), metrics, backend.model_id, clock, asked)
     return Generation(lease, prepared, _admitted(release, chunks), release)
 
 
@@ -232,21 +236,66 @@ async def _admitted(
         yield chunk
 
 
+@dataclass(slots=True, frozen=True)
+class _Asked:
+    """What the request asked for, as vLLM's histograms of request parameters count it."""
+
+    max_tokens: int
+    n: int
+
+
 async def _observed(
-    chunks: AsyncIterator[Chunk], metrics: Metrics | None, model: str
+    chunks: AsyncIterator[Chunk],
+    metrics: Metrics | None,
+    model: str,
+    clock: RequestClock,
+    asked: _Asked,
 ) -> AsyncIterator[Chunk]:
-    """Pass chunks through, recording time to first token, token counts and duration."""
+    """Pass chunks through, recording time to first token, token counts and duration; a
+    finish chunk leaves with the request's timings (``timings.py``)."""
     started, first = time.perf_counter(), None
     async for chunk in chunks:
-        if first is None and (chunk.token_ids or chunk.text or chunk.reasoning):
-            first = time.perf_counter() - started
-        if chunk.finish_reason is not None and metrics is not None:
-            total = time.perf_counter() - started
-            metrics.observe_generation(
-                model,
-                prompt_tokens=chunk.prompt_tokens,
-                output_tokens=chunk.completion_tokens,
-                ttft=total if first is None else first,
-                total=total,
-            )
+        now = time.perf_counter()
+        tokens = len(chunk.token_ids)
+        if tokens or chunk.text or chunk.reasoning:
+            gap = clock.tokens(now)
+            if first is None:
+                first = now - started
+            elif metrics is not None and tokens:
+                metrics.observe_inter_token(model, gap, tokens)
+        if chunk.finish_reason is not None:
+            chunk.timings = clock.phases(chunk.timings, now)
+            if metrics is not None:
+                _record(metrics, model, chunk, clock, asked, now, started, first)
         yield chunk
+
+
+def _record(
+    metrics: Metrics,
+    model: str,
+    chunk: Chunk,
+    clock: RequestClock,
+    asked: _Asked,
+    now: float,
+    started: float,
+    first: float | None,
+) -> None:
+    """One finished choice, under our names and vLLM's."""
+    total = now - started
+    metrics.observe_generation(
+        model,
+        prompt_tokens=chunk.prompt_tokens,
+        output_tokens=chunk.completion_tokens,
+        ttft=total if first is None else first,
+        total=total,
+    )
+    done = {
+        "prompt_tokens": chunk.prompt_tokens,
+        "output_tokens": chunk.completion_tokens,
+        "finish_reason": chunk.finish_reason.value if chunk.finish_reason else "error",
+        "max_tokens": asked.max_tokens or chunk.completion_tokens,
+        "n": asked.n,
+        "ttft": clock.time_to_first_token(now),
+        "timings": chunk.timings,
+    }
+    metrics.observe_finished(model, done)

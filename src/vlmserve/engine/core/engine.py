@@ -275,7 +275,10 @@ class BatchEngine(EngineGauges, EngineLifecycle):
                 self._finish(seq)
                 continue
             try:
+                started = time.perf_counter()
+                seq.scheduled_at = seq.scheduled_at or started
                 built = self.embedder.build(seq.prepared.inputs, seq.slot)
+                seq.vision_s += time.perf_counter() - started
                 seq.rope_delta = built.rope_delta
                 seq.prefilled = seq.cached  # the prompt is computed from here on
                 if not seq.output_ids:  # a recomputed row keeps its RNG, grammar, penalty
@@ -359,9 +362,11 @@ class BatchEngine(EngineGauges, EngineLifecycle):
 
     def _advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
         """Record each row's new token, stream it, and retire rows that are done."""
+        now = time.perf_counter()
         for seq, token in zip(seqs, tokens, strict=True):
             if token == NOT_SAMPLED and (seq.output_ids or seq.chunk_row is not None):
                 continue  # recomputing after a preemption, or prefilling: nothing new yet
+            seq.first_at, seq.last_at = seq.first_at or now, now
             try:
                 done = self._accept(seq, token)
             except Exception as exc:  # the grammar refused a token, an id out of range
@@ -424,6 +429,8 @@ class BatchEngine(EngineGauges, EngineLifecycle):
     def _emit(self, seq: Sequence, chunk: Chunk) -> None:
         if seq.grammar_done and chunk.finish_reason is not None and not seq.cancelled:
             chunk.finish_reason = FinishReason.STOP  # the grammar is complete
+        if chunk.finish_reason is not None:
+            chunk.timings = seq.timings()
         self.tokens_generated += len(chunk.token_ids)
         self._outbox.put(seq, chunk)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,27 @@ class Sequence:
     chunk_row: Any = None
     prefilled: int = 0
     chunk_end: int = 0
+    # where its time goes (time.perf_counter()): queued, first admitted, first and last token,
+    # and the seconds its prompt spent embedding (vision tower included)
+    queued_at: float = field(default_factory=time.perf_counter)
+    scheduled_at: float = 0.0
+    first_at: float = 0.0
+    last_at: float = 0.0
+    vision_s: float = 0.0
+
+    def timings(self) -> dict[str, float]:
+        """Seconds by phase (``Chunk.timings``): queue (waiting for admission), vision
+        (embedding the prompt), prefill (the rest until the first token), decode (first to
+        last token). They add up to the time from submission to the last token."""
+        now = time.perf_counter()
+        scheduled = self.scheduled_at or now
+        first = self.first_at or max(self.last_at, scheduled)
+        return {
+            "queue": scheduled - self.queued_at,
+            "vision": self.vision_s,
+            "prefill": max(0.0, first - scheduled - self.vision_s),
+            "decode": (self.last_at - first) if self.last_at else 0.0,
+        }
 
     @property
     def prompt_len(self) -> int:

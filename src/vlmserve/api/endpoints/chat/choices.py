@@ -91,10 +91,13 @@ class Answer:
 
     choices: dict[int, _Choice] = field(default_factory=dict)
     counts: Usage = field(default_factory=Usage)
+    timings: dict[str, float] | None = None  # choice 0's (``Chunk.timings``)
 
     def add(self, chunk: Chunk) -> None:
         self.choices.setdefault(chunk.index, _Choice()).add(chunk)
         self.counts.add(chunk)
+        if chunk.timings is not None and chunk.index == 0:
+            self.timings = chunk.timings
 
     def body(self, ids: CompletionIds) -> dict[str, Any]:
         """The ``chat.completion`` (``completion_body``'s shape, one entry per choice)."""
@@ -139,6 +142,9 @@ def choice_chunk(
     finish_reason: str | None = None,
     usage_: dict[str, int] | None = None,
     logprobs: list[dict[str, Any]] | None = None,
+    metrics: dict[str, Any] | None = None,
 ) -> str:
     """A ``chat.completion.chunk`` for choice ``index`` (``protocol.responses.chunk_json``)."""
-    return chunk_json(ids, delta, finish_reason, usage_, index=index, logprobs=logprobs)
+    return chunk_json(
+        ids, delta, finish_reason, usage_, index=index, logprobs=logprobs, metrics=metrics
+    )

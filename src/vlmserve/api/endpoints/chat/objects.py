@@ -39,9 +39,10 @@ def chunk_json(
     *,
     index: int = 0,
     logprobs: list[dict[str, Any]] | None = None,
+    metrics: dict[str, Any] | None = None,
 ) -> str:
     """A ``chat.completion.chunk`` for choice ``index`` (``delta`` None: a usage-only chunk
-    with no choices)."""
+    with no choices, which may carry the request's ``metrics``)."""
     choices = []
     if delta is not None:
         lp = None if logprobs is None else {"content": logprobs}
@@ -55,6 +56,8 @@ def chunk_json(
     }
     if usage_ is not None:
         body["usage"] = usage_
+    if metrics is not None:
+        body["metrics"] = metrics
     return sse_json(body)
 
 

@@ -192,6 +192,8 @@ class ChatCompletionRequest(BaseModel):
     # vLLM's: a secret that keeps this request's prefix-cache entries apart from other
     # tenants' (only requests with the same salt share cached blocks)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # per-request timings in the answer (``api/common/timings.py``); None: the server's choice
+    include_metrics: bool | None = None
 
     @field_validator("stop")
     @classmethod

@@ -13,6 +13,7 @@ from vlmserve.api.common.sse import (
     run_until_disconnect,
     sse_response,
 )
+from vlmserve.api.common.timings import server_timing
 from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest
 from vlmserve.api.endpoints.chat.service import tenant_of
 from vlmserve.api.json_response import json_response
@@ -74,7 +75,12 @@ async def chat_completions(
             resume_token=token,
         )
     try:
-        answer = await run_until_disconnect(request, chat.complete(body, request_id, owner=owner))
+        answer, timings = await run_until_disconnect(
+            request, chat.complete_timed(body, request_id, owner=owner)
+        )
     except ClientGone:
         return Response(status_code=499)
-    return await json_response(answer)
+    response = await json_response(answer)
+    if timings is not None:
+        response.headers["Server-Timing"] = server_timing(timings)
+    return response

@@ -20,6 +20,7 @@ from vlmserve.api.common.generation import (
     sent_token_ids,
 )
 from vlmserve.api.common.keys import KeyPolicy
+from vlmserve.api.common.timings import metrics_object
 from vlmserve.api.endpoints.chat.choices import Answer, Usage, choice_chunk
 from vlmserve.api.endpoints.chat.objects import CompletionIds, chunk_json, delta_of, usage
 from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest, StreamOptions
@@ -45,42 +46,64 @@ def _new_ids(model: str) -> CompletionIds:
     return CompletionIds(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
 
 
+_ROLE = {"role": "assistant"}
+
+
 async def _emits(
     chunks: AsyncIterator[Chunk],
     ids: CompletionIds,
     options: StreamOptions | None,
-    first: bool,
+    roles: set[int],
     n: int = 1,
     ended: dict[int, int] | None = None,
+    timed: bool = False,
 ) -> AsyncIterator[Emit]:
     """Engine chunks -> OpenAI ``chat.completion.chunk`` events (token ids kept in meta),
     each under its choice's index, with its tokens' logprobs when asked for.
 
+    ``roles``: the choices whose first chunk is still to be sent; as vLLM, that chunk is the
+    first token's, with the assistant role in its delta (so a client that times the first
+    chunk times the first token); a choice that ends with no token gets the role alone first.
     ``stream_options``: ``include_usage`` adds a final usage-only chunk (OpenAI; with
-    ``n`` > 1 once, after every choice finished, completion tokens summed);
-    ``continuous_usage_stats`` puts the running usage on every content chunk too (vLLM).
-    ``ended``: choices of a continued stream that had finished before it stopped, with their
-    completion tokens (they count in the usage chunk but produce nothing more).
+    ``n`` > 1 once, after every choice finished, completion tokens summed), with the request's
+    ``metrics`` when ``timed`` (``timings.py``); ``continuous_usage_stats`` puts the running
+    usage on every content chunk too (vLLM). ``ended``: choices of a continued stream that had
+    finished before it stopped, with their completion tokens (they count in the usage chunk
+    but produce nothing more).
     """
     include_usage = bool(options and options.include_usage)
     running = bool(options and options.continuous_usage_stats)
-    if first:
-        for index in range(n):
-            yield Emit(choice_chunk(ids, index, {"role": "assistant", "content": ""}))
+    roles = set(roles)
     counts, finished = Usage(completion=dict(ended or {})), len(ended or {})
+    timings: dict[str, float] | None = None
     async for c in chunks:
         counts.add(c)
         ending = _ending(c)  # in the meta: a stream cut right here is ended on resume
         if c.text or c.token_ids or c.reasoning or c.tool_calls:
             now = usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens) if running else None
             delta = delta_of(c.text, c.reasoning, c.tool_calls) or {"content": ""}
+            if c.index in roles:
+                roles.discard(c.index)
+                delta = {**_ROLE, **delta}
             content = choice_chunk(ids, c.index, delta, usage_=now, logprobs=c.logprobs)
             yield Emit(content, meta={"token_ids": c.token_ids, **ending})
         if c.finish_reason is not None:
+            if c.index in roles:
+                roles.discard(c.index)
+                yield Emit(choice_chunk(ids, c.index, {**_ROLE, "content": ""}))
             finished += 1
+            timings = c.timings if c.index == 0 else timings
             yield Emit(choice_chunk(ids, c.index, {}, c.finish_reason.value), meta=ending)
             if include_usage and finished >= n:
-                yield Emit(choice_chunk(ids, 0, None, usage_=counts.body()))
+                metrics = _metrics(timings, counts) if timed else None
+                yield Emit(choice_chunk(ids, 0, None, usage_=counts.body(), metrics=metrics))
+
+
+def _metrics(timings: dict[str, float] | None, counts: Usage) -> dict[str, Any] | None:
+    """The ``metrics`` of a single-choice answer (None: not timed)."""
+    if timings is None or len(counts.completion) != 1:
+        return None
+    return metrics_object(timings, counts.completion.get(0, 0))
 
 
 def _ending(chunk: Chunk) -> dict[str, Any]:
@@ -128,13 +151,20 @@ class ChatService:
         sessions: SessionManager,
         metrics: Metrics | None = None,
         keys: KeyPolicy | None = None,
+        per_request_metrics: bool = False,
     ):
         self.models = models
         self.converter = converter
         self.sessions = sessions
         self.metrics = metrics
         self.keys = keys or KeyPolicy()
+        self.per_request_metrics = per_request_metrics  # every answer carries its timings
         sessions.set_resumer(self.resume)
+
+    def timed(self, body: ChatCompletionRequest) -> bool:
+        """Whether the answer carries its ``metrics`` (single-choice answers only, as vLLM)."""
+        wanted = self.per_request_metrics if body.include_metrics is None else body.include_metrics
+        return wanted and body.n == 1
 
     async def open_generation(
         self,
@@ -168,6 +198,18 @@ class ChatService:
         priority: int = INTERACTIVE_PRIORITY,
         owner: str = ANONYMOUS,
     ) -> dict[str, Any]:
+        answer, _ = await self.complete_timed(body, request_id, priority=priority, owner=owner)
+        return answer
+
+    async def complete_timed(
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        *,
+        priority: int = INTERACTIVE_PRIORITY,
+        owner: str = ANONYMOUS,
+    ) -> tuple[dict[str, Any], dict[str, float] | None]:
+        """The ``chat.completion`` (with its ``metrics`` when ``timed``) and its timings."""
         generation = await self.open_generation(body, request_id, priority=priority, owner=owner)
         answer = Answer()
         try:
@@ -176,7 +218,10 @@ class ChatService:
         finally:
             generation.release_place()
             generation.lease.release()
-        return answer.body(_new_ids(generation.model_id))
+        out = answer.body(_new_ids(generation.model_id))
+        if self.timed(body) and answer.timings is not None:
+            out["metrics"] = metrics_object(answer.timings, out["usage"]["completion_tokens"])
+        return out, answer.timings
 
     async def start_stream(
         self, body: ChatCompletionRequest, request_id: str, owner: str = ANONYMOUS
@@ -203,7 +248,14 @@ class ChatService:
                 "model": ids.model,
                 "api_owner": owner,
             }
-            emits = _emits(generation.chunks, ids, body.stream_options, first=True, n=body.n)
+            emits = _emits(
+                generation.chunks,
+                ids,
+                body.stream_options,
+                set(range(body.n)),
+                n=body.n,
+                timed=self.timed(body),
+            )
             await self.sessions.start(
                 session_id,
                 record,
@@ -245,7 +297,13 @@ class ChatService:
         emits = _replay(
             finishes,
             _emits(
-                chunks, ids, body.stream_options, first=not events, n=body.n, ended=sent.completion
+                chunks,
+                ids,
+                body.stream_options,
+                {i for i in range(body.n) if i not in sent.tokens},
+                n=body.n,
+                ended=sent.completion,
+                timed=self.timed(body),
             ),
         )
         leases = [generation.lease for _, generation in opened]

@@ -150,6 +150,7 @@ def to_chat_request(
         "response_format": _response_format(body),
         "user": body.user,
         "cache_salt": body.cache_salt,
+        "include_metrics": body.include_metrics,
     }
     try:
         return ChatCompletionRequest.model_validate(

@@ -129,6 +129,7 @@ class ResponseLog:
     final: dict[str, Any] | None = None  # the response object of the terminal event
     closing: dict[str, Any] | None = None  # how it was ending (a closing event's meta)
     foreign_error: dict[str, Any] | None = None  # a session error event (server_restart, gap)
+    metrics: dict[str, Any] | None = None  # the request's timings, once it ended (when asked)
 
     @classmethod
     def restore(cls, request: dict[str, Any], events: list[Event]) -> ResponseLog:
@@ -329,7 +330,7 @@ class ResponseLog:
         if self._opened("message"):
             output.append(self._item(item_status if done else "in_progress", self.text))
         details = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {
+        out = {
             **self.base,
             "status": status,
             "output": output,
@@ -338,6 +339,7 @@ class ResponseLog:
             "incomplete_details": details,
             "completed_at": int(time.time()) if status == "completed" else None,
         }
+        return out if self.metrics is None else {**out, "metrics": self.metrics}
 
     def _end(
         self, status: str, usage_: dict[str, Any] | None = None, error: dict[str, str] | None = None

@@ -157,6 +157,7 @@ class ResponsesRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # vLLM's
+    include_metrics: bool | None = None  # the response's timings (``api/common/timings.py``)
 
     @field_validator("input", mode="before")
     @classmethod

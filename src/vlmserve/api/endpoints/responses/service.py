@@ -175,7 +175,7 @@ class ResponsesService:
             session = await self.manager(body.store).start(
                 response_id,
                 request,
-                produce(rlog, generation),
+                produce(rlog, generation, self.chat.timed(chat_body)),
                 on_cancel=rlog.on_cancel,
                 on_error=rlog.on_error,
                 tenant=tenant_of(owner),
@@ -227,6 +227,7 @@ class ResponsesService:
         rlog.answered(choice["message"]["content"] or "", choice["message"].get("reasoning"))
         counts = answer["usage"]
         status = _FINISH_STATUS.get(choice["finish_reason"], "failed")
+        rlog.metrics = answer.get("metrics")
         return rlog.response(status, usage(counts["prompt_tokens"], counts["completion_tokens"]))
 
     # -- stored responses -----------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 
 from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.common.generation import Generation, sent_token_ids
+from vlmserve.api.common.timings import metrics_object
 from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest
 from vlmserve.api.endpoints.chat.service import ChatService
 from vlmserve.api.endpoints.responses.objects import ResponseLog
@@ -17,8 +18,11 @@ from vlmserve.streaming import Emit, Event, Resumption
 __all__ = ["produce", "resumption"]
 
 
-async def produce(log: ResponseLog, generation: Generation) -> AsyncIterator[Emit]:
-    """The response's events; the model lease is held until the last one."""
+async def produce(
+    log: ResponseLog, generation: Generation, timed: bool = False
+) -> AsyncIterator[Emit]:
+    """The response's events; the model lease is held until the last one. ``timed``: the
+    final response carries the request's ``metrics`` (``timings.py``)."""
     try:
         for emit in log.preamble():
             yield emit
@@ -33,6 +37,8 @@ async def produce(log: ResponseLog, generation: Generation) -> AsyncIterator[Emi
             if chunk.finish_reason is not None:  # a stream cut after its text ends on resume
                 closing = {"closing": log.ending(chunk)}
                 emits = [replace(e, meta={**(e.meta or {}), **closing}) for e in emits]
+                if timed and chunk.timings is not None:
+                    log.metrics = metrics_object(chunk.timings, chunk.completion_tokens)
                 emits += log.finish(chunk)
             for emit in emits:
                 yield emit
