@@ -63,12 +63,15 @@ async def sse_response(
     tenant: str = "",
     stored_as: str | None = None,
     resume_token: str | None = None,
+    fresh: bool = False,
 ) -> Response:
     """Replay after ``after`` then follow live (an ``after`` ahead of the events produced so
     far waits for them). Unknown sessions raise (-> 404) before any byte; nothing left to send
     is a 204. ``session_id`` is the name the client knows, in ``tenant``'s namespace (or
     ``stored_as``, the session's stored name, found by its resume token); ``resume_token``: a
-    new stream's token, in the ``X-Resume-Token`` header and the first event."""
+    new stream's token, in the ``X-Resume-Token`` header and the first event. ``fresh``: a
+    stream started by this request, whose events are all to come (its first is the first
+    token's, after the prefill): the headers go out now, without waiting for it."""
     headers = {**SSE_HEADERS, "X-Session-ID": session_id}
     if resume_token is not None:
         headers[HEADER] = resume_token
@@ -76,22 +79,26 @@ async def sse_response(
         events = sessions.listen(session_id, after, tenant)
     else:
         events = sessions.listen(stored_as, after)
-    try:
-        first = await anext(events)
-    except StopAsyncIteration:  # at or past the end of an ended session
-        await events.aclose()
-        return Response(status_code=204, headers=headers)
+    first: Event | None = None
+    if not fresh:
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:  # at or past the end of an ended session
+            await events.aclose()
+            return Response(status_code=204, headers=headers)
 
     def encode(event: Event) -> bytes:
         return encode_event(session_id, event) if resumable else encode_data(event)
 
     async def body() -> AsyncIterator[bytes]:
-        last = first
         try:
-            if resume_token is not None and first.index == 0:
-                yield encode(replace(first, data=with_token(first.data, resume_token)))
+            last = first if first is not None else await anext(events, None)
+            if last is None:  # nothing stored (a started session always ends with an event)
+                return
+            if resume_token is not None and last.index == 0:
+                yield encode(replace(last, data=with_token(last.data, resume_token)))
             else:
-                yield encode(first)
+                yield encode(last)
             async for last in events:
                 yield encode(last)
         finally:

@@ -73,6 +73,7 @@ async def chat_completions(
             resumable=resumable,
             tenant=tenant_of(owner),
             resume_token=token,
+            fresh=True,
         )
     try:
         answer, timings = await run_until_disconnect(
