@@ -12,6 +12,7 @@ import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vlmserve.api.common.timings import arrived_now
 from vlmserve.api.errors import error_body, internal_error_body
 
 __all__ = ["BodyLimitMiddleware", "ErrorShieldMiddleware", "RequestIdMiddleware"]
@@ -66,6 +67,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        arrived_now()  # per-request timings start here (common/timings.py)
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
         rid = given if _SAFE_ID.match(given) else os.urandom(16).hex()  # uuid4's cost, less
         scope.setdefault("state", {})["request_id"] = rid

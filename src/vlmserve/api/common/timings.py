@@ -5,7 +5,8 @@ vLLM (``--enable-per-request-metrics``) answers a top-level ``metrics`` object w
 to last token), ``queue_time_ms``, ``mean_itl_ms`` and ``tokens_per_second`` (all tokens over
 admission to last token), on non-streamed answers and on a stream's final usage chunk, for
 single-choice requests. The same object is answered here, with what an image request needs
-on top: ``media_ms`` (media fetched and decoded, prompt templated and preprocessed),
+on top: ``media_ms`` (the body read and validated, media fetched and decoded, the prompt
+templated and preprocessed),
 ``vision_ms`` (the prompt embedded, vision tower included), ``prefill_ms`` (the rest until the
 first token) and ``e2e_ms`` (arrival to last token, as the server saw it). ``media_ms +
 queue_time_ms + vision_ms + prefill_ms + generation_time_ms`` is the request's time in the
@@ -18,20 +19,48 @@ answer always carries them as a ``Server-Timing`` header (durations in milliseco
 
 from __future__ import annotations
 
+import asyncio
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PHASES", "RequestClock", "metrics_object", "server_timing"]
+__all__ = ["PHASES", "RequestClock", "arrived_now", "metrics_object", "server_timing"]
 
 PHASES = ("media", "queue", "vision", "prefill", "decode", "e2e")
+# When the HTTP request being served arrived, and the task serving it (set by the outermost
+# middleware): its body's reading and validation count in ``media``. Other tasks (a batch's
+# lines, a resumed stream) inherit the value but not the task: their clock starts when the
+# generation is opened.
+ARRIVED: ContextVar[tuple[asyncio.Task[Any] | None, float] | None] = ContextVar(
+    "vlmserve_arrived", default=None
+)
+
+
+def arrived_now() -> None:
+    """Mark the HTTP request of the current task as arrived (the middleware calls it)."""
+    ARRIVED.set((_task(), time.perf_counter()))
+
+
+def _task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
+
+
+def _arrived() -> float:
+    arrived = ARRIVED.get()
+    if arrived is None or arrived[0] is not _task():
+        return time.perf_counter()
+    return arrived[1]
 
 
 @dataclass(slots=True)
 class RequestClock:
     """The API's side of a generation's timeline (``time.perf_counter()``)."""
 
-    opened: float = field(default_factory=time.perf_counter)  # the request arrived
+    opened: float = field(default_factory=_arrived)  # the request arrived
     prepared: float = 0.0  # media fetched and decoded, prompt built: the engine may start
     first: float = 0.0  # first token received
     last: float = 0.0  # latest token received
