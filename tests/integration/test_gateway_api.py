@@ -287,3 +287,26 @@ async def test_tokenize_and_detokenize_answer_upstream(
     tokens = r.json()["tokens"]
     back = await gateway.post("/detokenize", json={"model": "gw-tiny", "tokens": tokens})
     assert back.json()["prompt"].endswith("hello<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("session", [None, "gw-first"], ids=["passed-through", "gateway-session"])
+async def test_the_first_chunk_through_the_gateway_carries_the_first_token_and_the_role(
+    gateway: httpx.AsyncClient, session: str | None
+) -> None:
+    """Passed through (the worker's bytes) or re-encoded by the gateway's own session."""
+    body = chat(stream=True, max_tokens=3, ignore_eos=True)
+    if session is not None:
+        body["session_id"] = session  # a client's own name: the gateway's full path
+    r = await gateway.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.headers["x-session-id"]
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and "content" in deltas[0]
+    assert not any("role" in d for d in deltas[1:])
+    text = "".join(d.get("content") or "" for d in deltas)
+    assert (
+        text
+        == (
+            await gateway.post("/v1/chat/completions", json=chat(max_tokens=3, ignore_eos=True))
+        ).json()["choices"][0]["message"]["content"]
+    )
