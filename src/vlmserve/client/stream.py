@@ -15,16 +15,20 @@ from vlmserve.client.stats import RequestRecord
 __all__ = ["carries_token", "stream_chat"]
 
 
+_OUTPUT = ("content", "reasoning_content", "reasoning", "tool_calls")
+
+
 def carries_token(chunk: dict[str, Any]) -> bool:
     """Whether a ``chat.completion.chunk`` holds generated output (its text may be empty while a
-    multi-byte character is held back); the role-only opener and the finish chunk don't."""
+    multi-byte character is held back); the role-only opener (vLLM's, some servers') and the
+    finish chunk don't. A first chunk with the role and the first token (vlmserve's) does."""
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return False
     delta = choices[0].get("delta") or {}
-    if "role" in delta and not delta.get("content"):
+    if "role" in delta and not any(delta.get(k) for k in _OUTPUT):
         return False
-    return any(k in delta for k in ("content", "reasoning_content", "reasoning", "tool_calls"))
+    return any(k in delta for k in _OUTPUT)
 
 
 async def _events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:

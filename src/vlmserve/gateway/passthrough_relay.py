@@ -25,25 +25,33 @@ _ANSWER_HEADERS = (
     "x-session-id",
     "retry-after",
 )
+_FINISH = re.compile(rb'"finish_reason":"([a-z_]{1,32})"')
 _USAGE = re.compile(rb'"usage":\{"prompt_tokens":(\d+),"completion_tokens":(\d+)')
-_TOKEN = re.compile(rb'"delta":\{"(?:content|reasoning_content|reasoning)":"[^"]')
+# a delta whose first output field is not empty (after the role, on a stream's first chunk)
+_TOKEN = re.compile(
+    rb'"delta":\{(?:"role":"assistant",)?"(?:content|reasoning_content|reasoning)":"[^"]'
+)
 
 
 class Observed:
     """The generation metrics of a passed request, from its bytes: the time to its first
     content token, and its token counts from the usage the answer ends with (a streamed
-    client that asked for no usage chunk leaves only the TTFT)."""
+    client that asked for no usage chunk leaves only the TTFT); under vLLM's names too, with
+    its finish reason, prefill as the time to the first token and decode as the rest."""
 
-    __slots__ = ("first", "metrics", "model", "started", "usage")
+    __slots__ = ("finish", "first", "metrics", "model", "started", "usage")
 
     def __init__(self, metrics: Metrics, model: str) -> None:
         self.metrics, self.model = metrics, model
         self.started, self.first = time.perf_counter(), None
         self.usage: tuple[bytes, bytes] | None = None  # the last (prompt, completion) seen
+        self.finish = "stop"
 
     def __call__(self, events: bytes) -> None:
         if self.first is None and _TOKEN.search(events):
             self.first = time.perf_counter() - self.started
+        if b'"finish_reason":"' in events and (reasons := _FINISH.findall(events)):
+            self.finish = reasons[-1].decode()
         if b'"usage":{' in events and (counts := _USAGE.findall(events)):
             self.usage = counts[-1]
 
@@ -58,6 +66,17 @@ class Observed:
         self.metrics.observe_generation(
             self.model, prompt_tokens=prompt, output_tokens=output, ttft=ttft, total=total
         )
+        phases = {"media": 0.0, "queue": 0.0, "vision": 0.0, "prefill": ttft}
+        done = {
+            "prompt_tokens": prompt,
+            "output_tokens": output,
+            "finish_reason": self.finish,
+            "max_tokens": output,  # the passed body is not read: what it produced
+            "n": 1,
+            "ttft": ttft,
+            "timings": {**phases, "decode": total - ttft, "e2e": total},
+        }
+        self.metrics.observe_finished(self.model, done)
 
 
 async def unless_gone(work: Coroutine[Any, Any, None], receive: Receive) -> None:

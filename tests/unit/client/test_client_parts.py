@@ -84,6 +84,7 @@ def test_only_chunks_with_generated_output_count_as_tokens() -> None:
 
     assert not carries_token(chunk({"role": "assistant", "content": ""}))  # the opener
     assert carries_token(chunk({"role": "assistant", "content": "Hi"}))
+    assert carries_token(chunk({"role": "assistant", "reasoning_content": "hm"}))  # a first
     assert carries_token(chunk({"content": ""}))  # a token whose bytes are held back
     assert carries_token(chunk({"reasoning_content": "hm"}))
     assert not carries_token(chunk({}))  # the finish chunk

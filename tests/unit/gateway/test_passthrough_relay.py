@@ -200,9 +200,13 @@ def test_the_metrics_of_a_passed_request_come_from_its_bytes() -> None:
     assert streamed.first is None  # the role chunk is not a token
     streamed(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n')
     assert streamed.first is not None
+    streamed(b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n')
     streamed(b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}\n\n')
     streamed(b"data: [DONE]\n\n")  # the usage chunk and [DONE] in reads of their own
     streamed.finished()
+    first = Observed(metrics, "gw")  # a vlmserve worker's first chunk: the role and a token
+    first(b'data: {"choices":[{"delta":{"role":"assistant","content":"Hi"}}]}\n\n')
+    assert first.first is not None
     whole = Observed(metrics, "gw")
     whole(
         b'{"choices":[{"message":{}}],"usage":{"prompt_tokens":5,"completion_tokens":2,'
@@ -213,6 +217,18 @@ def test_the_metrics_of_a_passed_request_come_from_its_bytes() -> None:
     assert 'vlmserve_output_tokens_total{model="gw"} 5.0' in text
     assert 'vlmserve_prompt_tokens_total{model="gw"} 12.0' in text
     assert 'vlmserve_time_to_first_token_seconds_count{model="gw"} 2.0' in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {
+        (s.name, frozenset(s.labels.items()) - {("model_name", "gw"), ("engine", "0")}): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }  # and under vLLM's names
+    assert samples[("vllm:generation_tokens_total", frozenset())] == 5
+    for reason in ("length", "stop"):
+        key = frozenset({("finished_reason", reason)})
+        assert samples[("vllm:request_success_total", key)] == 1
+    assert samples[("vllm:e2e_request_latency_seconds_count", frozenset())] == 2
 
 
 async def test_a_whole_answer_is_read_before_its_status_goes_out() -> None:
