@@ -60,7 +60,7 @@ def test_openai_client_json_and_stream_agree(served: ServerProcess, tiny_dir: Pa
         if chunk.usage is not None:
             streamed_usage = chunk.usage
         for choice in chunk.choices:
-            if choice.delta.content is not None and choice.delta.role is None:
+            if choice.delta.content is not None:  # the first carries the role with its token
                 pieces.append(choice.delta.content)
                 token_chunks += choice.finish_reason is None
     assert "".join(pieces) == full.choices[0].message.content
