@@ -28,7 +28,13 @@ __all__ = ["FINISHED_REASONS", "VllmSeries", "finished_reason", "token_buckets"]
 LABELS = ("model_name", "engine")
 ENGINE = "0"
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
-_REASONS = {"stop": "stop", "tool_calls": "stop", "length": "length", "cancelled": "abort"}
+_REASONS = {
+    "stop": "stop",
+    "tool_calls": "stop",
+    "length": "length",
+    "cancelled": "abort",
+    "repetition": "repetition",  # vLLM's repetition_detection
+}
 
 
 def _floats(values: str) -> tuple[float, ...]:
