@@ -2,7 +2,7 @@
 
 The engine is built exactly as ``vlmserve serve`` builds it (``registry.build.hf_backend``
 from the model's ``[[models]]`` entry and the server settings), so batching, the KV budget,
-caches and parsers behave the same. The replica speaks ``deploy/wire.py`` to its ingress
+caches and parsers behave the same. The replica speaks ``ray_serve/wire.py`` to its ingress
 through a deployment handle: requests arrive already decoded (the ingress fetched and decoded
 the media under its policy), and chunks go back as they are produced.
 
@@ -24,9 +24,9 @@ from ray import serve
 from ray.serve import metrics
 
 from vlmserve.config import Settings
-from vlmserve.deploy.wire import CHUNK, ERROR, READY, encode_error
 from vlmserve.engine.types import EmbedInput, GenerateRequest, ModelState
 from vlmserve.errors import ConfigError, VlmserveError
+from vlmserve.ray_serve.wire import CHUNK, ERROR, READY, encode_error
 
 __all__ = ["ModelReplica"]
 

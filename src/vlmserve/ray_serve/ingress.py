@@ -21,8 +21,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from vlmserve.config import Settings
-from vlmserve.deploy.backend import RayBackend
-from vlmserve.deploy.wire import serves_of
+from vlmserve.ray_serve.backend import RayBackend
+from vlmserve.ray_serve.wire import serves_of
 from vlmserve.registry.manager import LifecyclePolicy, ModelHandle, ModelManager
 
 __all__ = ["REPLICA_HEADER", "Ingress", "ReplicaHeader"]

@@ -32,11 +32,11 @@ from ray import exceptions as ray_errors
 from ray.serve import exceptions as serve_errors
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from vlmserve.deploy.wire import CHUNK, ERROR, READY, decode_error
 from vlmserve.engine.choices import merge_choices
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import Chunk, EmbedInput, GenerateRequest, ModelState, Serves
 from vlmserve.errors import Overloaded, ServiceUnavailable
+from vlmserve.ray_serve.wire import CHUNK, ERROR, READY, decode_error
 
 __all__ = ["RayBackend"]
 
