@@ -41,7 +41,7 @@ from vlmserve.streaming.events import Emit
 from vlmserve.streaming.manager import SessionManager
 from vlmserve.streaming.store.memory import MemoryStore
 from vlmserve.streaming.store.sqlite import SQLiteStore
-from vlmserve.streaming.store.sqlite_copy import copy_entries
+from vlmserve.streaming.store.sqlite.copy import copy_entries
 
 DATA = json.dumps(
     {

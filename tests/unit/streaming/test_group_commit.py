@@ -20,7 +20,7 @@ import redis
 from vlmserve.errors import InvalidRequest
 from vlmserve.streaming import Event, RedisStore, SessionRecord, SessionState, SQLiteStore
 from vlmserve.streaming.store.group import GroupCommit
-from vlmserve.streaming.store.journal import read_rows
+from vlmserve.streaming.store.sqlite.journal import read_rows
 
 
 def record(sid: str) -> SessionRecord:

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from vlmserve.streaming import Event, SessionRecord, SessionState, SQLiteStore
-from vlmserve.streaming.store import sqlite as sqlite_module
-from vlmserve.streaming.store import sqlite_copy
-from vlmserve.streaming.store.journal import read_rows
+from vlmserve.streaming.store.sqlite import copy as sqlite_copy
+from vlmserve.streaming.store.sqlite import store as sqlite_module
+from vlmserve.streaming.store.sqlite.journal import read_rows
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,7 @@ committing every engine step to SQLite before publishing it (group commit, the d
 cost +50-70 us, a thread hop and a WAL transaction of whole pages per step.
 
 New sessions, state changes and heartbeats are journaled and copied like events (session 18;
-``sqlite_copy.py``): before, a new session was a transaction of its own before its stream
+``copy.py``): before, a new session was a transaction of its own before its stream
 could start, and each state change a thread hop and a transaction, once per request at its
 end. A new session's names are checked against the tables first, in groups (a burst of new
 streams: one thread hop, one query per session) and held from then until its row is copied,
@@ -41,11 +41,17 @@ from typing import TypeVar
 
 from vlmserve.private import private_db, private_dir
 from vlmserve.streaming.events import Event, SessionRecord, SessionState
-from vlmserve.streaming.store import sqlite_copy
 from vlmserve.streaming.store.base import already_exists, dump_meta, dump_request, load_meta
 from vlmserve.streaming.store.group import GroupCommit
-from vlmserve.streaming.store.journal import Create, Entry, EventJournal, JournalFile, is_create
-from vlmserve.streaming.store.sqlite_sessions import lookup, taken_names
+from vlmserve.streaming.store.sqlite import copy as sqlite_copy
+from vlmserve.streaming.store.sqlite.journal import (
+    Create,
+    Entry,
+    EventJournal,
+    JournalFile,
+    is_create,
+)
+from vlmserve.streaming.store.sqlite.sessions import lookup, taken_names
 
 __all__ = ["SQLiteStore"]
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import TypeVar
 
-from vlmserve.streaming.store.journal import (
+from vlmserve.streaming.store.sqlite.journal import (
     UPDATED_COLUMNS,
     Create,
     Entry,

@@ -1,6 +1,6 @@
 """The SQLite store's sessions and aliases tables: whether a name is taken, and lookups.
 
-Called on the store's own thread (``sqlite.py``) with its one connection.
+Called on the store's own thread (``store.py``) with its one connection.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A stream's event is durable once the operating system holds it: a process killed
 ``kill -9`` loses nothing the kernel was given (a power cut may lose the newest, as SQLite's
 ``synchronous=NORMAL`` may). One ``write()`` of one line per event does that on the event
 loop's thread in a few microseconds; the store copies the lines into SQLite later, many at
-once (``sqlite.py``). Committing each engine step to SQLite before sending it cost a thread
+once (``store.py``). Committing each engine step to SQLite before sending it cost a thread
 hop and a WAL transaction of whole pages per step: +50-70 us of CPU per event over the
 memory store, against +14-28 us with the journal, measured in turn (issue 22).
 
