@@ -141,7 +141,8 @@ class Settings(BaseSettings):
     # the RAM (docs/engine.md), on GPU what --gpu-memory-utilization leaves after the weights
     kv_cache_memory: int = Field(default=0, ge=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    enable_prefix_caching: bool = False  # reuse the K/V of a prompt's cached full blocks
+    # reuse the K/V of a prompt's cached full blocks (vLLM's default too)
+    enable_prefix_caching: bool = True
     # CUDA: decode attention reads the paged cache in place (a Triton kernel) and each step
     # replays a CUDA graph. Off until a GPU run has shown it correct: decode gathers blocks
     cuda_graphs: bool = False

@@ -175,7 +175,7 @@ HELP = {
     "enable_prefix_caching": (
         ENGINE,
         "Reuse the K/V of prompts' cached full blocks (a shared "
-        "system prompt, the same image again): less prefill.",
+        "system prompt, the same image again): less prefill. On by default, as in vLLM.",
     ),
     "cuda_graphs": (
         ENGINE,
@@ -275,7 +275,7 @@ def command(
     kv_cache_memory: Annotated[Str, _opt("kv_cache_memory")] = None,
     gpu_memory_utilization: Annotated[Float, _opt("gpu_memory_utilization")] = None,
     enable_prefix_caching: Annotated[
-        Bool, _opt("enable_prefix_caching", "--enable-prefix-caching")
+        Bool, _opt("enable_prefix_caching", "--enable-prefix-caching/--no-enable-prefix-caching")
     ] = None,
     cuda_graphs: Annotated[Bool, _opt("cuda_graphs", "--cuda-graphs")] = None,
     enforce_eager: Annotated[Bool, _opt("enforce_eager", "--enforce-eager")] = None,

@@ -52,6 +52,7 @@ async def _emits(
     first: bool,
     n: int = 1,
     ended: dict[int, int] | None = None,
+    sent: SentChoices | None = None,
 ) -> AsyncIterator[Emit]:
     """Engine chunks -> OpenAI ``chat.completion.chunk`` events (token ids kept in meta),
     each under its choice's index, with its tokens' logprobs when asked for.
@@ -68,9 +69,14 @@ async def _emits(
         for index in range(n):
             yield Emit(choice_chunk(ids, index, {"role": "assistant", "content": ""}))
     counts, finished = Usage(completion=dict(ended or {})), len(ended or {})
+    if sent is not None and sent.cached_tokens is not None:
+        counts.cached, counts.cached_known = sent.cached_tokens, True
+    cache_noted = sent is not None  # the stream's cache hits go in its first chunk's meta
     async for c in chunks:
         counts.add(c)
         ending = _ending(c)  # in the meta: a stream cut right here is ended on resume
+        if not cache_noted and c.cached_tokens is not None and c.index == 0:
+            ending, cache_noted = {"cached_tokens": c.cached_tokens, **ending}, True
         if c.text or c.token_ids or c.reasoning or c.tool_calls:
             now = usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens) if running else None
             delta = delta_of(c.text, c.reasoning, c.tool_calls) or {"content": ""}
@@ -245,7 +251,13 @@ class ChatService:
         emits = _replay(
             finishes,
             _emits(
-                chunks, ids, body.stream_options, first=not events, n=body.n, ended=sent.completion
+                chunks,
+                ids,
+                body.stream_options,
+                first=not events,
+                n=body.n,
+                ended=sent.completion,
+                sent=sent,
             ),
         )
         leases = [generation.lease for _, generation in opened]
