@@ -1,4 +1,4 @@
-"""PassthroughMiddleware: the gateway's lean path for chat (issue 22).
+"""PassthroughMiddleware: the gateway's lean path for chat.
 
 A ``POST /v1/chat/completions`` for an ``openai`` model whose replicas are vlmserve workers
 (``gateway/upstream_passthrough.py``) skips the gateway's own request model, session and chunk

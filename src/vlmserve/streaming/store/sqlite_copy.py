@@ -10,7 +10,7 @@ Events go in as multi-row INSERTs, a few statements per copy rather than one per
 SQLite releases the GIL around each statement, and while the event loop's thread is busy each
 release is a hand-over of the GIL between the threads (``python benchmarks/stores.py --gil``:
 copies of 272 events beside a busy thread, one INSERT per event against this module's copy;
-figures in docs/performance.md, session 18).
+figures in docs/performance.md).
 """
 
 from __future__ import annotations
