@@ -12,7 +12,7 @@ from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest
 from vlmserve.api.endpoints.responses.protocol import ResponsesRequest
 from vlmserve.errors import InvalidRequest, UnsupportedFeature
 
-API_PAGE = Path(__file__).resolve().parents[3] / "docs" / "api.md"
+API_PAGE = Path(__file__).resolve().parents[4] / "docs" / "api.md"
 
 
 def test_a_refused_field_is_a_400_only_when_it_asks_for_something() -> None:
