@@ -206,11 +206,11 @@ class Settings(BaseSettings):
     max_concurrent_per_key: int = Field(default=0, ge=0)  # generations at once per key; 0: no cap
     ui: bool = True  # the web console at / (static files in the package); --no-ui: API only
 
-    # --- idle watchdog (seed 000) -----------------------------------------------------------
-    idle_seconds: float | None = None  # None: off; seed 000 used 480
+    # --- idle watchdog (a GPU box that stops itself when idle) ------------------------------
+    idle_seconds: float | None = None  # None: off; a GPU box that bills by the hour: 480
     idle_check_interval: float = 30.0
     idle_command: list[str] | None = None  # argv, never a shell: ["sudo", "shutdown", "-h", "now"]
-    activity_file: str | None = None  # seed 000: /tmp/vlm2vec_last_activity
+    activity_file: str | None = None  # e.g. /tmp/vlm2vec_last_activity for older tools
     deregister_url: str | None = None  # POSTed {"instance", "reason"} before the idle command
     deregister_command: list[str] | None = None  # or an argv run before the idle command
     instance_id: str | None = None

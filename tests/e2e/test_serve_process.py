@@ -1,4 +1,4 @@
-"""The real CLI as a real process, driven by the official ``openai`` client and the README."""
+"""The real CLI as a real process, driven by the official ``openai`` client and the manual."""
 
 from __future__ import annotations
 
@@ -104,9 +104,9 @@ def test_missing_model_fails_start_up_with_a_clear_message(tmp_path: Path) -> No
 
 
 def _readme_curl() -> str:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "getting-started.md").read_text()
     match = re.search(r"<!-- curl-example.*?-->\s*```bash\n(.*?)```", readme, re.S)
-    assert match, "README lost its curl example"
+    assert match, "docs/getting-started.md lost its curl example"
     return match.group(1)
 
 

@@ -91,7 +91,7 @@ def _state(request: Request) -> Services:
 
 
 # The dependencies are ``async def`` on purpose: FastAPI runs a plain ``def`` dependency in its
-# thread pool, a hop that cost ~0.3 ms per request on a 2-core machine (issue 22's gateway TTFT).
+# thread pool, a hop that cost ~0.3 ms per request on a 2-core machine (the gateway's budget: 1 ms).
 async def _services(request: Request) -> Services:
     return _state(request)
 

@@ -307,7 +307,7 @@ def command(
 ) -> None:
     """Serve a model over the OpenAI API (chat completions with images and video, streams).
 
-    Flags override VLMSERVE_* variables, which override the --config file (see the README).
+    Flags override VLMSERVE_* variables, which override the --config file (docs/operations.md).
     """
     # first statement: locals() is exactly the parameters, each named after its setting
     flags: dict[str, Any] = {k: v for k, v in locals().items() if k != "config"}

@@ -1,4 +1,4 @@
-"""Preflight: is this OpenAI-compatible server ready for a tagger (seed 001)?
+"""Preflight: is this OpenAI-compatible server ready for a tagger?
 
 Checks, in order, each timed and each with a detail that says what went wrong:
 

@@ -44,9 +44,14 @@ class PassedAnswer(Protocol):
     """An upstream's answer to a passed request: status and headers in, body as it comes.
     ``chunks`` raises ``ServiceUnavailable`` when the upstream breaks off."""
 
-    status: int
-    headers: Mapping[str, str]
-    replica_url: str
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def replica_url(self) -> str: ...
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 

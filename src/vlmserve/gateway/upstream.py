@@ -46,7 +46,7 @@ class _StreamCutShort(Exception):
     """The upstream's stream ended without a finish_reason (retryable before the first chunk)."""
 
 
-_RETRYABLE = (*RETRYABLE, _StreamCutShort)
+_RETRYABLE: tuple[type[BaseException], ...] = (*RETRYABLE, _StreamCutShort)
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ Events go in as multi-row INSERTs, a few statements per copy rather than one per
 SQLite releases the GIL around each statement, and while the event loop's thread is busy each
 release is a hand-over of the GIL between the threads (``python benchmarks/stores.py --gil``:
 copies of 272 events beside a busy thread, one INSERT per event against this module's copy;
-figures in docs/performance.md, session 18).
+figures in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _rows_per_insert(conn: sqlite3.Connection) -> int:
     """Events per INSERT: SQLite's limit on a statement's parameters over 6 columns, at most
     1,000 (the limit is 32,766 since SQLite 3.32, 999 before; Python 3.10 cannot ask)."""
     getlimit = getattr(conn, "getlimit", None)
-    limit = 999 if getlimit is None else getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    limit = 999 if getlimit is None else getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)  # type: ignore[attr-defined,unused-ignore]
     return max(1, min(1000, limit // 6))
 
 

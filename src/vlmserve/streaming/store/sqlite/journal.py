@@ -6,7 +6,7 @@ A stream's event is durable once the operating system holds it: a process killed
 loop's thread in a few microseconds; the store copies the lines into SQLite later, many at
 once (``store.py``). Committing each engine step to SQLite before sending it cost a thread
 hop and a WAL transaction of whole pages per step: +50-70 us of CPU per event over the
-memory store, against +14-28 us with the journal, measured in turn (issue 22).
+memory store, against +14-28 us with the journal, measured in turn (``benchmarks/stores.py``).
 
 Files: ``<db>.events-<owner>-<n>.jsonl`` beside the database, one line per new session
 (``[session_id, request, state, created_at, updated_at, last_index, owner, aliases]``), per

@@ -10,15 +10,15 @@ journals that dead processes left (``kill -9`` between a write and its copy).
 
 Measured (``benchmarks/stores.py``, 8 sessions, one event each per 2 ms engine step, the two
 designs in turn): the journal costs +14-28 us of CPU per event over the memory store;
-committing every engine step to SQLite before publishing it (group commit, the design before)
-cost +50-70 us, a thread hop and a WAL transaction of whole pages per step.
+committing every engine step to SQLite before publishing it (a group commit per step) costs
++50-70 us, a thread hop and a WAL transaction of whole pages per step.
 
-New sessions, state changes and heartbeats are journaled and copied like events (session 18;
-``copy.py``): before, a new session was a transaction of its own before its stream
-could start, and each state change a thread hop and a transaction, once per request at its
-end. A new session's names are checked against the tables first, in groups (a burst of new
-streams: one thread hop, one query per session) and held from then until its row is copied,
-so no two sessions take one name. A session's ``last_index`` is read from its events
+New sessions, state changes and heartbeats are journaled and copied like events
+(``copy.py``): written directly, a new session would be a transaction of its own
+before its stream could start, and each state change a thread hop and a transaction, once per
+request at its end. A new session's names are checked against the tables first, in groups (a
+burst of new streams: one thread hop, one query per session) and held from then until its row
+is copied, so no two sessions take one name. A session's ``last_index`` is read from its events
 (``MAX(idx)``), and its ``updated_at`` is refreshed by appends at most once a second
 (heartbeats and state changes refresh it too).
 

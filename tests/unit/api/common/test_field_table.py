@@ -1,4 +1,4 @@
-"""The table of undeclared request fields (``api/common/fields.py``) and its README listing."""
+"""The table of undeclared request fields (``api/common/fields.py``) and its docs/api.md listing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest
 from vlmserve.api.endpoints.responses.protocol import ResponsesRequest
 from vlmserve.errors import InvalidRequest, UnsupportedFeature
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+API_PAGE = Path(__file__).resolve().parents[4] / "docs" / "api.md"
 
 
 def test_a_refused_field_is_a_400_only_when_it_asks_for_something() -> None:
@@ -41,10 +41,10 @@ def test_refusals_wait_for_a_model_served_here_and_unknown_names_are_returned() 
         (RESPONSES_FIELDS, ResponsesRequest, "`/v1/responses` fields"),
     ],
 )
-def test_the_readme_lists_every_field_with_its_status(
+def test_the_api_page_lists_every_field_with_its_status(
     table: FieldTable, model: type, title: str
 ) -> None:
-    text = README.read_text()
+    text = API_PAGE.read_text()
     section = text[text.index(title) :].split("\n\n", 1)[0]
     listed = set(re.findall(r"`([a-z_]+)`", section))
     assert not set(model.model_fields) - listed

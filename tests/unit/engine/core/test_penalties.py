@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_batching import make_backend, request, run
+from tests.unit.engine.core.test_batching import make_backend, request, run
 
 from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.hf.chat import HFChatBackend

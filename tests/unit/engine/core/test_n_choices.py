@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_batching import make_backend, request, wait_for
-from test_penalties import fallback  # noqa: F401  (fixture: the internvl generate path)
+from tests.unit.engine.core.test_batching import make_backend, request, wait_for
+from tests.unit.engine.core.test_penalties import fallback  # noqa: F401  (fixture: the internvl generate path)
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.types import FinishReason, GenerateRequest

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_batching import make_backend, request, run, wait_for
-from test_families_batched import backend_for
+from tests.unit.engine.core.test_batching import make_backend, request, run, wait_for
+from tests.unit.engine.models.families.test_families_batched import backend_for
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.types import FinishReason

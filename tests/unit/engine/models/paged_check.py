@@ -2,7 +2,7 @@
 CPU interpreter reads the variable when the kernels are defined, so it must be set before
 ``vlmserve.engine.models.paged_attention`` is imported). Prints one JSON object.
 
-    TRITON_INTERPRET=1 python tests/unit/engine/paged_check.py kernel|runner TINY_DIR
+    TRITON_INTERPRET=1 python tests/unit/engine/models/paged_check.py kernel|runner TINY_DIR
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_batching import make_backend, run
-from test_families_batched import backend_for
-from test_paged_kv import crowd
+from tests.unit.engine.core.test_batching import make_backend, run
+from tests.unit.engine.core.test_paged_kv import crowd
+from tests.unit.engine.models.families.test_families_batched import backend_for
 
 from vlmserve.engine.core.block_manager import BlockManager
 from vlmserve.engine.core.prefix import block_hashes

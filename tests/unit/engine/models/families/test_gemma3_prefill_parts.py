@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_chunked_prefill import Forwards
-from test_families_batched import backend_for, request, run
+from tests.unit.engine.core.test_chunked_prefill import Forwards
+from tests.unit.engine.models.families.test_families_batched import backend_for, request, run
 
 from vlmserve.engine.core.block_manager import BlockManager
 from vlmserve.engine.core.paging import whole_blocks

@@ -180,7 +180,7 @@ async def test_async_embed_equals_embed_sync(embedder):
     np.testing.assert_array_equal(await embedder.embed(items), embedder.embed_sync(items))
 
 
-# --- adapter refusal (seed 000 bug #403) ------------------------------------------------
+# --- adapter refusal (an adapter made for another base) ---------------------------------
 def test_foreign_adapter_is_refused_naming_both_bases(tiny_dir):
     b = backend(tiny_dir, build_foreign_adapter())
     with pytest.raises(ConfigError) as info:

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_batching import make_backend, request
-from test_penalties import fallback  # noqa: F401  (fixture: the internvl generate path)
+from tests.unit.engine.core.test_batching import make_backend, request
+from tests.unit.engine.core.test_penalties import fallback  # noqa: F401  (fixture: the internvl generate path)
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.types import GenerateRequest

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_attention_kernels import BLOCK, lengths_for, prefilled, prompts
+from tests.unit.engine.models.test_attention_kernels import BLOCK, lengths_for, prefilled, prompts
 from torch._dynamo.utils import counters
 from transformers import AutoModelForImageTextToText
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_families_batched import ALL_BATCHED
+from tests.unit.engine.models.families.test_families_batched import ALL_BATCHED
 
 from support import MODEL, make_settings
 from vlmserve.api.app import build_app

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_batching import Outcome, run, wait_for
+from tests.unit.engine.core.test_batching import Outcome, run, wait_for
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions

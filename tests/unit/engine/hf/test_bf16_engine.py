@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from test_attention_kernels import prefilled, prompts
-from test_batching import mixed_batch, request, run, wait_for
-from test_families_batched import backend_for, mixed
-from test_families_batched import request as request_for
+from tests.unit.engine.core.test_batching import mixed_batch, request, run, wait_for
+from tests.unit.engine.models.families.test_families_batched import backend_for, mixed
+from tests.unit.engine.models.families.test_families_batched import request as request_for
+from tests.unit.engine.models.test_attention_kernels import prefilled, prompts
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_families_batched import (
+from tests.unit.engine.models.families.test_families_batched import (
     backend_for,
     generate_alone,
     request,

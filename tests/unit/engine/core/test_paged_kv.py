@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_batching import make_backend, request, run
+from tests.unit.engine.core.test_batching import make_backend, request, run
 
 from vlmserve.engine.core.block_manager import NULL_BLOCK, BlockManager
 from vlmserve.engine.core.engine import END

@@ -21,7 +21,7 @@ from vlmserve.errors import ConfigError
 
 pytest.importorskip("torchao", reason="torchao is in the dev extra")
 
-from tests.unit.engine.test_batching import make_backend, request, run
+from tests.unit.engine.core.test_batching import make_backend, request, run
 
 from vlmserve.testing.quantized import build_int8_qwen2_vl
 

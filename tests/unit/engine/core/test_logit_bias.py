@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_batching import Outcome, make_backend, request, run
+from tests.unit.engine.core.test_batching import Outcome, make_backend, request, run
 
 from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.hf.chat import HFChatBackend

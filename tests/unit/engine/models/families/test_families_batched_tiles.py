@@ -1,11 +1,12 @@
-"""The batched-family contract (``test_families_batched.py``) on LLaVA-1.5 and LLaVA-OneVision."""
+"""The batched-family contract (``test_families_batched.py``) on Idefics3, SmolVLM and
+InternVL (images as independently encoded tiles)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
-from test_families_batched import (
+from tests.unit.engine.models.families.test_families_batched import (
     backend_for,
     test_batched_greedy_matches_transformers_generate,
     test_eight_concurrent_requests_decode_together,
@@ -21,7 +22,7 @@ __all__ = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llava", "llava_onevision"])
+@pytest.fixture(scope="module", params=["idefics3", "smolvlm", "internvl"])
 def family(request: pytest.FixtureRequest) -> Iterator[tuple[str, HFChatBackend]]:
     backend = backend_for(request.param)
     yield request.param, backend
