@@ -16,7 +16,7 @@ a fixed length, ``vlmserve.client.loadtest``):
 Reported: output tokens/s of ``ray-2`` over ``ray-1`` at each concurrency (rounds of load
 tests, interleaved; on a 2-core machine this says more about overhead than about speed-up:
 both replicas share the same cores), and the TTFT p50 that Ray Serve adds over ``serve``
-against what the gateway adds (budget, issue 21: at most 2x the gateway's), from one-at-a-time
+against what the gateway adds (budget: at most 2x the gateway's), from one-at-a-time
 requests that take turns between the setups request by request (``--ttft-requests``).
 Requires the ``ray`` extra. Ray's own tuning switches reach the local cluster from the
 environment, e.g. ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1 python benchmarks/ray_serve.py``;

@@ -1,4 +1,4 @@
-"""Capabilities from the model (issue 16, item 4): a part the model cannot take is a 400.
+"""Capabilities from the model: a part the model cannot take is a 400.
 
 LLaVA-1.5, Idefics3 and Gemma 3 take no video: their chat templates would drop a video part
 and answer from the text alone. ``build_inputs`` refuses it instead, naming the architecture

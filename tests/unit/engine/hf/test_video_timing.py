@@ -1,4 +1,4 @@
-"""Video frames reach the processor with their real timing (issue 16, item 3).
+"""Video frames reach the processor with their real timing.
 
 An 8-fps clip is sampled by ``vlmserve.media`` (4 of 8 frames: indices 1, 3, 5, 7) and sent
 through ``build_inputs``. The processor inputs must equal what the same processor computes
