@@ -8,6 +8,7 @@ first, and no Content-Security-Policy violation happens anywhere. Screenshots go
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,14 +92,29 @@ def page(browser: Any, server: ServerProcess) -> Iterator[Any]:
     assert seen.foreign((server.url,)) == []
 
 
-def ask(driver: Any, text: str) -> Any:
+def answers(driver: Any) -> list[str]:
+    """The answers' states, read in one script: the log is redrawn when an answer ends."""
+    script = "return [...document.querySelectorAll('#chat-log .msg.assistant')]"
+    return driver.execute_script(f"{script}.map((n) => n.dataset.state)")
+
+
+def answered(driver: Any) -> int:
+    """How many answers the page has ended (streamed to the end, stopped or failed)."""
+    return int(driver.find_element("id", "chat-log").get_attribute("data-answered") or 0)
+
+
+def until_answered(driver: Any, before: int) -> str:
+    """Wait for the answer after ``before`` ended answers; the state it ended in."""
+    wait_until(driver, lambda: answered(driver) > before)
+    return answers(driver)[-1]
+
+
+def ask(driver: Any, text: str) -> str:
+    """Send ``text``; the state its answer ended in."""
+    before = answered(driver)
     driver.find_element("id", "chat-input").send_keys(text)
     driver.find_element("id", "chat-send").click()
-    return wait_for(driver, ".msg.assistant:not([data-state=streaming])")
-
-
-def answers(driver: Any) -> list[str]:
-    return [n.get_attribute("data-state") for n in found(driver, "#chat-log .msg.assistant")]
+    return until_answered(driver, before)
 
 
 def test_a_keyless_server_needs_no_key_and_says_so(page: Any) -> None:
@@ -113,12 +129,13 @@ def test_a_keyless_server_needs_no_key_and_says_so(page: Any) -> None:
 
 def test_markdown_renders_as_elements_and_hostile_html_stays_text(page: Any, shots: Path) -> None:
     events = [sse(0, delta(role="assistant", content=""))]
-    events += [sse(i + 1, delta(content=HOSTILE[i : i + 9])) for i in range(0, len(HOSTILE), 9)]
+    pieces = [HOSTILE[i : i + 9] for i in range(0, len(HOSTILE), 9)]  # streamed in pieces
+    events += [sse(k + 1, delta(content=piece)) for k, piece in enumerate(pieces)]
     n = len(events)
     events += [sse(n, {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})]
     events += [sse(n + 1, "[DONE]")]
     page.execute_script(FAKE_STREAM, events)
-    assert ask(page, "plan it").get_attribute("data-state") == "done"
+    assert ask(page, "plan it") == "done"
     content = ".msg.assistant .content"
     assert text_of(page, f"{content} h1") == "Plan"
     assert text_of(page, f"{content} pre > code") == "print('<b>hi</b>')\n"
@@ -138,7 +155,7 @@ def test_an_answer_that_fails_before_any_token_says_why(page: Any) -> None:
              JSON.stringify({error: {message: "model tiny-qwen2-vl is overloaded"}}),
              {status: 503, headers: {"Content-Type": "application/json"}});"""
     )
-    assert ask(page, "hello").get_attribute("data-state") == "error"
+    assert ask(page, "hello") == "error"
     status = text_of(page, "#chat-status")
     assert status == "the answer failed: model tiny-qwen2-vl is overloaded"
     assert text_of(page, ".msg.assistant .error") == "model tiny-qwen2-vl is overloaded"
@@ -148,8 +165,9 @@ def test_the_conversation_survives_a_reload_and_new_chat_clears_it(page: Any) ->
     set_field(page, "chat-max-tokens", "6")
     page.find_element("css selector", "#chat-system-box summary").click()
     set_field(page, "chat-system", "Answer briefly.")
+    page.find_element("css selector", "#keys-box summary").click()  # folded: no key needed
     set_field(page, "api-key", "not-a-real-key")  # typed, never stored
-    assert ask(page, "first question").get_attribute("data-state") == "done"
+    assert ask(page, "first question") == "done"
     before = text_of(page, "#chat-log")
     stored = page.execute_script("return JSON.stringify(sessionStorage)")
     assert "first question" in stored and "Answer briefly." in stored
@@ -167,16 +185,18 @@ def test_the_conversation_survives_a_reload_and_new_chat_clears_it(page: Any) ->
 
 def test_regenerate_edit_and_resend_and_copy(page: Any) -> None:
     set_field(page, "chat-max-tokens", "6")
-    ask(page, "a question")
+    assert ask(page, "a question") == "done"
+    before = answered(page)
     page.find_element("css selector", ".msg.assistant [data-action=regenerate]").click()
-    wait_until(page, lambda: answers(page) == ["done"])
+    assert until_answered(page, before) == "done"
     assert len(found(page, "#chat-log .msg")) == 2
     page.find_element("css selector", ".msg.user [data-action=edit]").click()
     editor = wait_for(page, ".msg.user.editing textarea")
     editor.clear()
     editor.send_keys("a better question")
+    before = answered(page)
     page.find_element("css selector", ".msg.user.editing button[type=submit]").click()
-    wait_until(page, lambda: answers(page) == ["done"])
+    assert until_answered(page, before) == "done" and answers(page) == ["done"]
     assert text_of(page, ".msg.user .content") == "a better question"
     stored = page.execute_script("return sessionStorage.getItem('vlmserve-console-chat')")
     assert "a better question" in stored and '"a question"' not in stored
@@ -193,9 +213,10 @@ def test_the_models_page_charts_the_last_minutes_of_metrics(
 ) -> None:
     tab(page, "models")
     wait_for(page, "figure.chart[data-chart=tokens] canvas")
-    body = {"model": CHAT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-    for _ in range(3):
+    body = {"model": CHAT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 48}
+    for _ in range(8):  # a short load over several readings (one each 2 s)
         httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        time.sleep(1)
 
     def points(chart: str) -> int:
         figure = found(page, f"figure.chart[data-chart={chart}]")
@@ -222,7 +243,7 @@ def test_a_phone_gets_the_chat_first_and_the_keys_folded(page: Any, shots: Path)
         page.refresh()
         wait_for(page, f"#chat-model option[value='{CHAT}']")
         set_field(page, "chat-max-tokens", "12")
-        ask(page, "hello from a phone")
+        assert ask(page, "hello from a phone") == "done"
         keys = page.find_element("id", "keys-box").rect
         inner = page.execute_script("return window.innerHeight")
         assert keys["height"] < inner / 10

@@ -6,6 +6,7 @@ import { el } from "./dom.js";
 
 const PALETTE = ["#2f6fde", "#d9480f", "#2b8a3e", "#ae3ec9", "#e67700", "#0c8599", "#c2255c"];
 const HEIGHT = 170;
+const MIN_SPAN_S = 30; // the time axis spans 30 s at least: no sub-second ticks at first
 
 function cssVar(name) {
   return getComputedStyle(document.documentElement).getPropertyValue(name).trim();
@@ -24,8 +25,11 @@ function options(chart, width) {
     title: chart.title,
     width,
     height: HEIGHT,
-    scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(max, 1e-3) * 1.1] } },
-    axes: [axis, { ...axis, size: 48, values: (u, ticks) => ticks.map(fmt) }],
+    scales: {
+      x: { time: true, range: (u, min, max) => [Math.min(min, max - MIN_SPAN_S), max] },
+      y: { range: (u, min, max) => [0, Math.max(max, chart.floor ?? 1) * 1.1] },
+    },
+    axes: [axis, { ...axis, size: 56, values: (u, ticks) => ticks.map(fmt) }],
     series: [
       {},
       ...chart.lines.map((line, i) => ({

@@ -128,6 +128,7 @@ export function setupChat() {
     save();
     render(); // the answer as stored; the previous one loses its Regenerate button
     setBusy(false);
+    log.dataset.answered = String(Number(log.dataset.answered || 0) + 1); // answers ended
     const said = { done: "answer complete", cancelled: "answer stopped", error: "the answer failed" };
     const detail = turn.state === "error" ? turn.error : turn.meta;
     say(status, `${said[turn.state]}: ${detail}`, turn.state === "error" ? "error" : "info");

@@ -23,10 +23,12 @@ const BY_NAME = {
   vlmserve_num_requests_running: "running",
   vlmserve_num_requests_waiting: "waiting",
   vlmserve_kv_cache_usage_ratio: "kvUsage",
+  vlmserve_kv_cache_bytes: "kvBytes",
 };
 const TTFT = "vlmserve_time_to_first_token_seconds";
 
-// {model: {tokens, ttftSum, ttftCount, ttftBuckets: {le: count}, running, waiting, kvUsage}}
+// {model: {tokens, ttftSum, ttftCount, ttftBuckets: {le: count}, running, waiting, kvUsage,
+// kvBytes}}
 // from vlmserve's generation and engine series (a gauge a model does not export is undefined).
 export function perModel(samples) {
   const out = {};

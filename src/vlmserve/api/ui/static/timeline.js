@@ -18,12 +18,13 @@ export class Timeline {
     while (this.readings.length && this.readings[0].t < t - WINDOW_MS) this.readings.shift();
   }
 
-  // Chat models: those with generation or engine series in the last reading.
+  // Models that generate: a KV cache, or tokens or a first token counted (an embedding model
+  // reports its load gauges too, at zero).
   models() {
     const last = this.readings[this.readings.length - 1];
     if (!last) return [];
     return Object.entries(last.models)
-      .filter(([, m]) => m.running !== undefined || m.tokens > 0 || m.ttftCount > 0)
+      .filter(([, m]) => m.kvBytes > 0 || m.tokens > 0 || m.ttftCount > 0)
       .map(([name]) => name)
       .sort();
   }
@@ -43,6 +44,7 @@ export class Timeline {
       {
         key: "ttft",
         title: "TTFT p50 / p90, s (last minute)",
+        floor: 0.01,
         lines: [...each(this.ttft(0.5), " p50"), ...each(this.ttft(0.9), " p90")],
       },
       {
