@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -188,12 +187,12 @@ def _stream_to_the_end(url: str, lines: list[str], first: threading.Event) -> No
                 first.set()
 
 
-def test_a_stop_of_the_whole_service_logs_no_error_but_an_engine_crash_does(
+def test_a_stop_of_the_whole_service_finishes_its_streams_and_logs_no_error(
     tiny_dir: Path,
 ) -> None:
     """systemd and ``timeout`` send SIGTERM to every process of the service: the engine process
-    waits for the server to close it (a stream in flight still ends with [DONE]) and no line is
-    logged as an ERROR. An engine process killed on its own (the OOM killer) stays an ERROR."""
+    waits for the server to close it, a stream in flight still ends with [DONE], and no line is
+    logged as an ERROR (a crash still is: tests/integration/test_engine_process.py)."""
     server = ServerProcess(
         ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu"],
         engine_process=True,
@@ -201,26 +200,18 @@ def test_a_stop_of_the_whole_service_logs_no_error_but_an_engine_crash_does(
     lines: list[str] = []
     try:
         server.wait_ready()
-        [engine] = psutil.Process(server.proc.pid).children()
-        engine.kill()  # a crash
-        deadline = time.monotonic() + 60
-        while "ERROR" not in server.output() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        server.wait_ready()  # reloaded: a new engine process
-        crashed = server.output()
         first = threading.Event()
         streaming = threading.Thread(target=_stream_to_the_end, args=(server.url, lines, first))
         streaming.start()
         assert first.wait(60)
         service = [server.proc, *psutil.Process(server.proc.pid).children(recursive=True)]
+        assert len(service) == 2  # the server and its engine process
         for process in service:  # what systemd's KillMode=control-group does
             process.send_signal(signal.SIGTERM)
         server.proc.wait(60)  # uvicorn ends by raising the signal again: -15
         streaming.join(60)
     finally:
         out = server.stop()
-    crash_lines = [line for line in crashed.splitlines() if " ERROR " in line]
-    assert crash_lines and "exit code -9" in crash_lines[0], crashed
-    stop_lines = out[len(crashed) :].splitlines()
-    assert not [line for line in stop_lines if " ERROR " in line or "Traceback" in line], out
+    assert "Shutting down" in out
+    assert not [line for line in out.splitlines() if " ERROR " in line or "Traceback" in line]
     assert lines[-1] == "[DONE]" and '"error"' not in lines[-2]
