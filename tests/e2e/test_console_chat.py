@@ -18,6 +18,7 @@ import pytest
 from console_support import MISSING, RequestLog, chromium, screenshot
 from test_console import (
     FAKE_STREAM,
+    clip,
     delta,
     found,
     set_field,
@@ -256,3 +257,28 @@ def test_a_phone_gets_the_chat_first_and_the_keys_folded(page: Any, shots: Path)
         screenshot(page, shots / "console-phone-chat.png")
     finally:
         page.set_window_size(size["width"], size["height"])
+
+
+COLOUR = "return getComputedStyle(document.querySelector(arguments[0])).color"
+
+
+def test_video_search_shows_only_failed_clips_in_the_error_colour(
+    page: Any, tmp_path: Path
+) -> None:
+    tab(page, "search")
+    page.find_element("id", "search-files").send_keys(clip(tmp_path / "clip.mp4", seed=1))
+    wait_for(page, "#search-clips li[data-state=ready]")
+    page.execute_script(
+        """const error = document.createElement("p");
+           error.className = "error";
+           error.id = "colour-probe";
+           document.body.append(error);
+           const failed = document.createElement("li");
+           failed.dataset.state = "failed";
+           failed.innerHTML = '<span class="clip-state">failed: 400</span>';
+           document.getElementById("search-clips").append(failed);"""
+    )
+    error = page.execute_script(COLOUR, "#colour-probe")
+    ready = page.execute_script(COLOUR, "#search-clips li[data-state=ready] .clip-state")
+    failed = page.execute_script(COLOUR, "#search-clips li[data-state=failed] .clip-state")
+    assert ready != error and failed == error
