@@ -48,7 +48,10 @@ def _text_files(root: Path) -> list[Path]:
     return sorted(
         path
         for path in root.rglob("*")
-        if path.is_file() and path.suffix in TEXT_SUFFIXES and "_build" not in path.parts
+        if path.is_file()
+        and path.suffix in TEXT_SUFFIXES
+        and "_build" not in path.parts
+        and "vendor" not in path.parts  # third-party libraries, kept as released
     )
 
 

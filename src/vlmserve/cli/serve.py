@@ -300,7 +300,15 @@ def command(
     kv_cache_memory: Annotated[Str, _opt("kv_cache_memory")] = None,
     gpu_memory_utilization: Annotated[Float, _opt("gpu_memory_utilization")] = None,
     enable_prefix_caching: Annotated[
-        Bool, _opt("enable_prefix_caching", "--enable-prefix-caching/--no-enable-prefix-caching")
+        Bool, _opt("enable_prefix_caching", "--enable-prefix-caching")
+    ] = None,
+    no_prefix_caching: Annotated[
+        Bool,
+        typer.Option(
+            "--no-enable-prefix-caching",
+            help="Compute every prompt whole (prefix caching off).",
+            rich_help_panel=HELP["enable_prefix_caching"][0],
+        ),
     ] = None,
     cuda_graphs: Annotated[Bool, _opt("cuda_graphs", "--cuda-graphs")] = None,
     enforce_eager: Annotated[Bool, _opt("enforce_eager", "--enforce-eager")] = None,
@@ -339,6 +347,8 @@ def command(
     flags["load_on_startup"] = False if flags.pop("lazy_load") else None
     flags["ui"] = False if flags.pop("no_ui") else None
     flags["engine_process"] = False if flags.pop("no_engine_process") else None
+    if flags.pop("no_prefix_caching"):
+        flags["enable_prefix_caching"] = False
     flags.update(list_settings(flags))
     try:
         settings = load_settings(config, **flags, exit_on_load_failure=True)

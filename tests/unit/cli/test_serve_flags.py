@@ -180,6 +180,7 @@ def test_every_setting_is_a_flag_or_listed_as_env_only() -> None:
         "lazy_load": "load_on_startup",
         "no_ui": "ui",
         "no_engine_process": "engine_process",
+        "no_prefix_caching": "enable_prefix_caching",
     }
     flags = {renamed.get(p.name, p.name) for p in _serve_params() if p.name not in ("config",)}
     flags.discard("help")
@@ -203,6 +204,14 @@ def test_help_fits_80_columns_with_every_flag_whole_and_its_default() -> None:
                 assert opt in tokens, f"{opt} is cut or missing in --help"
     assert re.search(r"--max-model-len\b[^─]*?\(default:\s+32768\)", text)
     assert "VLMSERVE_API_KEYS" in text and "VLMSERVE_ADMIN_KEYS" in text  # prefer env to ps
+
+
+def test_prefix_caching_is_on_unless_turned_off(captured: list[Settings]) -> None:
+    """On by default, as in vLLM; ``--no-enable-prefix-caching`` turns it off."""
+    assert _serve("--model", "m").exit_code == 0
+    assert _serve("--model", "m", "--no-enable-prefix-caching").exit_code == 0
+    assert _serve("--model", "m", "--enable-prefix-caching").exit_code == 0
+    assert [s.enable_prefix_caching for s in captured] == [True, False, True]
 
 
 def test_strict_fields_is_a_flag_of_serve_and_of_demo(captured: list[Settings]) -> None:
