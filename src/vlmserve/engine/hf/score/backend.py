@@ -106,12 +106,15 @@ class HFRerankBackend(HFModel):
         """Blocking: every pair's score, in forward passes of at most ``max_batch`` pairs."""
         _check_pairs(pairs)
         loaded, head = self._require(), self._require_head()
-        scores: list[float] = []
+        # pairs of like size share a batch (less padding); scores go back in request order
+        order = sorted(range(len(pairs)), key=lambda i: _size(pairs[i]))
+        scores = [0.0] * len(pairs)
         tokens = 0
-        for start in range(0, len(pairs), self.max_batch):
-            chunk = pairs[start : start + self.max_batch]
-            values, read = self._score_batch(loaded, head, chunk, start)
-            scores.extend(values)
+        for start in range(0, len(order), self.max_batch):
+            chunk = order[start : start + self.max_batch]
+            values, read = self._score_batch(loaded, head, [pairs[i] for i in chunk], chunk)
+            for i, value in zip(chunk, values, strict=True):
+                scores[i] = value
             tokens += read
         return Scored(scores, tokens)
 
@@ -147,11 +150,11 @@ class HFRerankBackend(HFModel):
             return exc
 
     def _score_batch(
-        self, loaded: Loaded, head: ScoreHead, pairs: list[ScorePair], first: int
+        self, loaded: Loaded, head: ScoreHead, pairs: list[ScorePair], indices: list[int]
     ) -> tuple[list[float], int]:
         batch = build_batch(loaded.processor, head.kind, pairs)
         lengths = batch["attention_mask"].sum(dim=1).tolist()
-        self._check_lengths(lengths, pairs, first)
+        self._check_lengths(lengths, pairs, indices)
         inputs = {k: v.to(loaded.device) for k, v in batch.items()}
         if not any(k in inputs for k in _MEDIA_KEYS):
             inputs["position_ids"] = text_positions(inputs["attention_mask"])
@@ -161,10 +164,12 @@ class HFRerankBackend(HFModel):
             scores = head(hidden[:, -1, :])  # left padding: every row's last real token
         return scores.cpu().tolist(), int(sum(lengths))
 
-    def _check_lengths(self, lengths: list[Any], pairs: list[ScorePair], first: int) -> None:
-        for i, (length, pair) in enumerate(zip(lengths, pairs, strict=True)):
+    def _check_lengths(
+        self, lengths: list[Any], pairs: list[ScorePair], indices: list[int]
+    ) -> None:
+        for index, length, pair in zip(indices, lengths, pairs, strict=True):
             if length > self.max_model_len:
-                where = f"documents[{first + i}]"
+                where = f"documents[{index}]"
                 hint = (
                     "shorten it or send max_tokens_per_doc to cut its text"
                     if pair.max_doc_tokens is None
@@ -176,6 +181,12 @@ class HFRerankBackend(HFModel):
                     param=where,
                     code="context_length_exceeded",
                 )
+
+
+def _size(pair: ScorePair) -> tuple[int, int]:
+    """A sort key that groups pairs of like cost: media first by kind, then text length."""
+    media = 2 if pair.document.frames is not None else int(pair.document.image is not None)
+    return media, len(pair.document.text or "") + len(pair.query.text or "")
 
 
 def _check_pairs(pairs: list[ScorePair]) -> None:
