@@ -200,3 +200,40 @@ async def test_models_say_which_score(client: httpx.AsyncClient) -> None:
     assert cards[QWEN3]["scores"] and cards[JINA]["scores"] and cards[EMBED]["scores"]
     assert not cards[MODEL]["scores"]
     assert "rerank" in cards[QWEN3]["roles"]
+
+
+async def test_long_documents_are_cut_by_max_tokens_per_doc_else_refused(
+    client: httpx.AsyncClient, models: ModelManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(models.resolve(JINA).backend, "max_model_len", 48)
+    docs = ["short", "dog " * 80]
+    body = {"model": JINA, "query": QUERY, "documents": docs}
+    r = await client.post("/v1/rerank", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "documents[1]" and "max_tokens_per_doc" in error["message"]
+    r = await client.post("/v1/rerank", json={**body, "max_tokens_per_doc": 8})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["results"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        (
+            "/v1/rerank",
+            {"query": QUERY, "documents": [{"image": "x", "video": "y"}]},
+            "at most one",
+        ),
+        ("/v1/rerank", {"query": QUERY, "documents": [{"title": "no text"}]}, "needs text"),
+        ("/v1/rerank", {"query": QUERY, "documents": ["a"], "top_n": -1}, "top_n"),
+        ("/v1/score", {"text_1": QUERY}, "both sides"),
+        ("/v1/score", {"text_1": QUERY, "data_2": ["a"]}, "text_1 and text_2"),
+    ],
+)
+async def test_malformed_requests_are_400s(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], needle: str
+) -> None:
+    r = await client.post(path, json={"model": QWEN3, **body})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"], r.json()

@@ -15,9 +15,9 @@ An *item* (a query, a document, one side of a score pair) is one of:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from vlmserve.api.common.text import UnicodeText
 from vlmserve.api.endpoints.chat.protocol import UrlRef
@@ -105,17 +105,20 @@ def _part_item(part: _TextPart | _ImagePart | _VideoPart) -> ItemIn:
     return ItemIn(video=_url(part.video_url))
 
 
-WireItem = UnicodeText | ItemIn
+def _text_item(value: Any) -> Any:
+    return {"text": value} if isinstance(value, str) else value
+
+
+# A string is the item ``{"text": ...}``: one model, so a bad item gets ItemIn's own message.
+WireItem = Annotated[ItemIn, BeforeValidator(_text_item)]
 _Many = list[WireItem] | MultiModalIn
 
 
-def as_items(value: WireItem | _Many) -> list[ItemIn]:
+def as_items(value: ItemIn | _Many) -> list[ItemIn]:
     """A side of the request as items, in order."""
     if isinstance(value, MultiModalIn):
         return value.items()
-    if isinstance(value, list):
-        return [ItemIn(text=v) if isinstance(v, str) else v for v in value]
-    return [ItemIn(text=value) if isinstance(value, str) else value]
+    return list(value) if isinstance(value, list) else [value]
 
 
 class RerankRequest(BaseModel):
@@ -124,7 +127,7 @@ class RerankRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(default=None, min_length=1, max_length=512)
-    query: UnicodeText | ItemIn | MultiModalIn
+    query: WireItem | MultiModalIn
     documents: _Many
     top_n: int | None = Field(default=None, ge=0)  # None or 0: every document
     return_documents: bool = True
@@ -133,7 +136,7 @@ class RerankRequest(BaseModel):
     def query_item(self) -> ItemIn:
         if isinstance(self.query, MultiModalIn):
             return self.query.joined()
-        return as_items(self.query)[0]
+        return self.query
 
 
 class ScoreRequest(BaseModel):
