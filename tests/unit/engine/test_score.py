@@ -197,3 +197,49 @@ def test_empty_sides_are_refused(jina: HFRerankBackend) -> None:
         jina.score_sync([ScorePair(EmbedInput(QUERY), EmbedInput("  "))])
     with pytest.raises(InvalidRequest, match="at least one document"):
         jina.score_sync([])
+
+
+def test_an_embedding_model_scores_by_cosine_of_direct_forwards(tiny_dir: Path) -> None:
+    """Cosine of two transformers forwards (VLM2Vec prompts, last token, normalised)."""
+    import asyncio
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlmserve.engine.hf.embed import HFEmbedBackend
+
+    options = LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32")
+    embedder = HFEmbedBackend("tiny-embed", options)
+    embedder.load()
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tiny_dir)
+
+    def vector(content: list[dict[str, Any]], **media: Any) -> torch.Tensor:
+        messages = [{"role": "user", "content": content}]
+        prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=[prompt], return_tensors="pt", **media)
+        with torch.no_grad():
+            hidden = model(**inputs, output_hidden_states=True).hidden_states[-1]
+        return torch.nn.functional.normalize(hidden[0, -1], dim=-1)
+
+    prefix = "Represent the given query for retrieving relevant video clips: "
+    image = gradient_image(64, 64, seed=7)
+    query = vector([{"type": "text", "text": prefix + QUERY}])
+    expected = [
+        float(query @ vector([{"type": "text", "text": prefix + TEXTS[0]}])),
+        float(
+            query
+            @ vector(
+                [{"type": "image"}, {"type": "text", "text": "Represent the given image."}],
+                images=[image],
+            )
+        ),
+    ]
+    pairs = [
+        ScorePair(EmbedInput(QUERY), EmbedInput(TEXTS[0])),
+        ScorePair(EmbedInput(QUERY), EmbedInput(image=image)),
+    ]
+    try:
+        scored = asyncio.run(embedder.score(pairs))
+    finally:
+        embedder.close()
+    assert scored.scores == pytest.approx(expected, abs=TOL)
