@@ -142,6 +142,9 @@ async def test_a_chat_model_does_not_score(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": ["a"]})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "wrong_model_kind"
+    chat = {"model": QWEN3, "messages": [{"role": "user", "content": "hi"}]}
+    r = await client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and "is a reranker" in r.json()["error"]["message"]
 
 
 async def test_an_embedding_model_scores_by_cosine(client: httpx.AsyncClient) -> None:
@@ -237,3 +240,30 @@ async def test_malformed_requests_are_400s(
     r = await client.post(path, json={"model": QWEN3, **body})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"], r.json()
+
+
+async def test_a_gateway_relays_rerank_and_score_to_its_upstream(
+    tiny_dir: Path, models: ModelManager
+) -> None:
+    from upstreams import serve_asgi
+    from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig
+
+    worker = build_app(make_settings(tiny_dir), models=models)
+    async with serve_asgi(worker) as url:
+        config = UpstreamConfig(model=QWEN3, base_urls=[url], health_interval=0, rerank=True)
+        gateway_models = ModelManager(
+            [ModelHandle("gw-rerank", ["rerank"], UpstreamBackend("gw-rerank", config))]
+        )
+        app = build_app(Settings(device="cpu"), models=gateway_models)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://gw", timeout=120
+            ) as gw:
+                via = await rerank(gw, top_n=2)
+                r = await gw.post("/v1/score", json={"text_1": QUERY, "text_2": DOCS[:2]})
+        await gateway_models.aclose()
+    assert via["model"] == "gw-rerank"
+    assert [x["index"] for x in via["results"]] == [1, 3]
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"]) == 2

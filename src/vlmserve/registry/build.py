@@ -129,6 +129,7 @@ def upstream_backend(entry: ModelEntry, settings: Settings) -> Backend:
         health_interval=settings.upstream_health_interval,
         preflight=cfg.preflight,
         embedding=entry.capabilities.embedding,
+        rerank="rerank" in entry.roles and not entry.capabilities.embedding,
         policy=PoolPolicy(
             max_failures=settings.upstream_max_failures,
             eject_seconds=settings.upstream_eject_seconds,

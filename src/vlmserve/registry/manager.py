@@ -267,6 +267,8 @@ def _kind_message(handle: ModelHandle, serves: Serves | frozenset[Serves]) -> st
             f"model {handle.name!r} does not score documents; give a reranker "
             '(roles = ["rerank"]) or an embedding model (roles = ["embedding"])'
         )
+    if handle.backend.serves is Serves.RERANK:
+        return f"model {handle.name!r} is a reranker; use /v1/rerank or /v1/score with it"
     if serves is Serves.CHAT:
         return (
             f"model {handle.name!r} is an embedding model; use /v1/embeddings or "

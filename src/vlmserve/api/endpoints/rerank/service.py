@@ -1,5 +1,6 @@
 """Rerank and score: limits first, then the model (by name, else the ``rerank`` role, else the
-``embedding`` role), then the media, then ``Backend.score``.
+``embedding`` role), then the media, then ``Backend.score``; a proxied model (a gateway's
+``openai``/``vllm`` entry with the ``rerank`` role) answers the same endpoint upstream.
 
 Every check that reads nothing comes before any media is fetched: the number of documents
 (``VLMSERVE_RERANK_MAX_DOCUMENTS``), empty lists, the model's kind and the modalities it
@@ -24,7 +25,7 @@ from vlmserve.api.endpoints.rerank.protocol import (
     as_items,
 )
 from vlmserve.api.endpoints.responses.files import image_mime
-from vlmserve.engine.protocol import Backend
+from vlmserve.engine.protocol import Backend, Proxied, as_proxied
 from vlmserve.engine.types import EmbedInput, ScorePair, Serves
 from vlmserve.errors import InvalidRequest, NotFound, PayloadTooLarge, VlmserveError
 from vlmserve.media.encode import data_url
@@ -62,6 +63,8 @@ class RerankService:
         documents = as_items(body.documents)
         self._check_count(len(documents), "documents")
         async with await self._acquire(body.model, [query, *documents]) as backend:
+            if (proxied := as_proxied(backend)) is not None:
+                return await _relay(proxied, "/v1/rerank", body)
             q = await self._item(query, owner, "query")
             docs = await self._items(documents, owner, "documents")
             _check_takes(backend, [q, *docs])
@@ -88,6 +91,8 @@ class RerankService:
             )
         self._check_count(len(second), "text_2")
         async with await self._acquire(body.model, [*first, *second]) as backend:
+            if (proxied := as_proxied(backend)) is not None:
+                return await _relay(proxied, "/v1/score", body)
             left = await self._items(first, owner, "text_1")
             right = await self._items(second, owner, "text_2")
             _check_takes(backend, [*left, *right])
@@ -197,6 +202,21 @@ def _check_takes(backend: Backend, inputs: list[EmbedInput]) -> None:
     """The modalities of fetched items (an uploaded file is an image or a video)."""
     needs = {"vision" for i in inputs if i.image is not None}
     _refuse_missing(backend, frozenset(needs | {"video" for i in inputs if i.frames}))
+
+
+async def _relay(proxied: Proxied, path: str, body: RerankRequest | ScoreRequest) -> dict[str, Any]:
+    """A proxied model answers upstream (its media, as sent, are read there)."""
+    wire = {k: _plain(v) for k, v in body.model_dump(mode="json", exclude_none=True).items()}
+    return {**await proxied.relay(path, wire), "model": proxied.model_id}
+
+
+def _plain(value: Any) -> Any:
+    """Text items as the strings every upstream takes (``{"text": t}`` -> ``t``)."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict) and set(value) == {"text"}:
+        return value["text"]
+    return value
 
 
 def _usage(tokens: int) -> dict[str, int]:
