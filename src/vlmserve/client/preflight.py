@@ -85,7 +85,8 @@ async def run_preflight(
             return report
         roles = set(entry.get("roles") or []) if entry else set()
         if roles and roles <= {"embedding", "rerank"}:
-            _skip(report, ["text_chat", "vision_chat"], "embedding or rerank model: no chat role")
+            kind = "embedding-only" if roles == {"embedding"} else "embedding or rerank"
+            _skip(report, ["text_chat", "vision_chat"], f"{kind} model: no chat role")
         else:
             report.checks.append(await probe.chat(report.model, vision=False))
             report.checks.append(await probe.chat(report.model, vision=True))
