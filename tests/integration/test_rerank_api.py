@@ -267,3 +267,17 @@ async def test_a_gateway_relays_rerank_and_score_to_its_upstream(
     assert [x["index"] for x in via["results"]] == [1, 3]
     assert r.status_code == 200, r.text
     assert len(r.json()["data"]) == 2
+
+
+async def test_without_a_model_the_rerank_role_scores_else_a_404_says_what_to_add(
+    tiny_dir: Path, client: httpx.AsyncClient, chat_models: ModelManager
+) -> None:
+    body = await rerank(client)  # no "model": the rerank role's first model
+    assert body["model"] == QWEN3
+    app = build_app(make_settings(tiny_dir), models=chat_models)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as only_chat:
+            r = await only_chat.post("/v1/rerank", json={"query": QUERY, "documents": DOCS})
+    assert r.status_code == 404
+    assert 'roles = ["rerank"]' in r.json()["error"]["message"]

@@ -12,6 +12,7 @@ is sized from its stored row before a byte of it is read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -29,7 +30,7 @@ from vlmserve.engine.protocol import Backend, Proxied, as_proxied
 from vlmserve.engine.types import EmbedInput, ScorePair, Serves
 from vlmserve.errors import InvalidRequest, NotFound, PayloadTooLarge, VlmserveError
 from vlmserve.media.encode import data_url
-from vlmserve.registry.manager import ModelManager
+from vlmserve.registry.manager import Lease, ModelManager
 
 __all__ = ["RerankService"]
 
@@ -126,7 +127,7 @@ class RerankService:
                 code="too_many_documents",
             )
 
-    async def _acquire(self, name: str | None, items: list[ItemIn]) -> Any:
+    async def _acquire(self, name: str | None, items: list[ItemIn]) -> Lease:
         """The lease of the model that scores; 400 when it lacks a modality of ``items``."""
         needs = _needs(items)
         lease = await self.models.acquire(name or self._default(), "rerank", SCORERS, needs)
@@ -139,10 +140,15 @@ class RerankService:
 
     def _default(self) -> str:
         """The ``rerank`` role's model, else the ``embedding`` role's (cosine scores)."""
-        try:
-            return self.models.for_role("rerank").name
-        except NotFound:
-            return self.models.for_role("embedding").name
+        for role in ("rerank", "embedding"):
+            with contextlib.suppress(NotFound):
+                return self.models.for_role(role).name
+        raise NotFound(
+            'no model here scores documents: give one roles = ["rerank"] (a reranker) or '
+            '["embedding"] (cosine scores), or name a model',
+            param="model",
+            code="model_not_found",
+        )
 
     # --- media ---------------------------------------------------------------------------
     async def _items(self, items: list[ItemIn], owner: str, param: str) -> list[EmbedInput]:
