@@ -1,4 +1,4 @@
-// Video search page (seed 000's semantic search, end to end in the browser): embed a few clips
+// Video search page (semantic video search, end to end in the browser): embed a few clips
 // with the embedding model, embed a query, rank the clips by cosine similarity; optionally
 // reorder the top RERANK_TOP by a reranker's relevance (/v1/rerank, each clip with its name).
 
@@ -22,7 +22,7 @@ export function cosine(a, b) {
 
 const base64Of = (dataUrl) => dataUrl.slice(dataUrl.indexOf(",") + 1);
 
-// Two ways in: OpenAI's /v1/embeddings (the server decodes the clip), or seed 000's worker
+// Two ways in: OpenAI's /v1/embeddings (the server decodes the clip), or the GPU worker's
 // endpoints (/encode-video with frames drawn here, /encode-text with its query prefix).
 async function embedClip(item, model, mode) {
   if (mode === "worker") {
