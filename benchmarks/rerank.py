@@ -212,9 +212,13 @@ def main() -> None:
         table.add_row(mode, f"{rate:.2e}" if mode.startswith("max") else f"{rate:.1f}")
     console.print(table)
     speedup = rates["vlmserve batched"] / rates["vlmserve one at a time"]
-    console.print(f"batched / one at a time: {speedup:.2f}x")
+    console.print(f"in process, batched / one at a time: {speedup:.2f}x")
+    one_request = rates.get("vlmserve /v1/rerank, all in one request")
+    http = one_request / rates["vlmserve /v1/rerank, one per request"] if one_request else None
+    if http:
+        console.print(f"/v1/rerank, all in one request / one per request: {http:.2f}x")
     if args.json:
-        result = {"args": vars(args), "pairs_per_s": rates, "speedup": speedup}
+        result = {"args": vars(args), "pairs_per_s": rates, "speedup": speedup, "http": http}
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
