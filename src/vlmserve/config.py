@@ -154,6 +154,9 @@ class Settings(BaseSettings):
     engine_process: bool = True
     embed_max_batch_size: int = Field(default=16, ge=1)  # embedding items in one forward pass
     embed_batch_wait_ms: float = Field(default=5.0, ge=0)  # wait for concurrent requests
+    # /v1/rerank and /v1/score: documents (pairs) per request; more get a 400
+    rerank_max_documents: int = Field(default=100, ge=1)
+    rerank_max_batch_size: int = Field(default=16, ge=1)  # query-document pairs per forward
 
     # --- gateway: upstream replicas -----------------------------------------------------
     upstream_health_interval: float = 5.0  # seconds between active health checks

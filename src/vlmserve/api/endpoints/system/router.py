@@ -50,6 +50,7 @@ def _model_card(h: Any, created: int) -> dict[str, Any]:
         "roles": h.roles,
         "aliases": h.aliases,
         "capabilities": sorted(h.inputs) if h.inputs is not None else None,
+        "scores": h.backend.serves.value in ("rerank", "embedding"),  # /v1/rerank, /v1/score
         "ready": h.ready,
     }
 
