@@ -3,7 +3,7 @@
     python benchmarks/overhead.py                        # c=1 and c=8, 2 interleaved rounds
     python benchmarks/overhead.py --runs 3 --rounds 2 --json overhead.json
     python benchmarks/overhead.py --runs 3 --rounds 3 --concurrency 8 --requests 192 \
-        --setups memory sqlite                           # issue 22's SQLite check
+        --setups memory sqlite                           # the SQLite store's budget
 
 Three servers on the same tiny checkpoint, driven by the same client (streamed image requests
 of a fixed length, ``vlmserve.client.loadtest``):
@@ -23,14 +23,14 @@ of a fixed length, ``vlmserve.client.loadtest``):
 Rounds are interleaved (each round visits every concurrency and, within it, every server in
 an order that rotates), so drift of the machine hits all alike. Each run starts the three
 servers afresh and ends with its own budget table; ``--runs 3`` is the acceptance check.
-Budgets (issue 22): SQLite costs <= 10% output tok/s and <= 10% TTFT p50 at c=8; the gateway
+Budgets: SQLite costs <= 10% output tok/s and <= 10% TTFT p50 at c=8; the gateway
 adds <= 1 ms TTFT p50 at c=1, judged on ``--ttft-requests`` one-at-a-time requests that take
 turns between the worker and the proxies in front of it (``peers/ttft.py``): a c=1 round's p50
 of 8 requests moves more than the budget. The gateway and the worker share this machine's
 cores, which a real deployment does not. The other budgets are judged on paired costs: each
 round's measurement of a setup against the baseline's in the same round, seconds apart, and
 the median over the rounds. The machine drifts by up to 30% within a run, both setups alike
-(session 18, 8 rounds: the memory store from 3,094 down to 2,166 tok/s), and a ratio of
+(8 rounds: the memory store from 3,094 down to 2,166 tok/s), and a ratio of
 neighbours cancels that where a ratio of the two setups' medians does not; the budget table
 shows the latter in brackets.
 
@@ -345,7 +345,7 @@ def _fmt(metric: str, value: float | None) -> str:
 
 
 def _budget_table(runs: list[list[dict[str, Any]]]) -> Table:
-    title = "budgets (issue 22): cost against the memory-store worker, per run\n"
+    title = "budgets: cost against the memory-store worker, per run\n"
     table = Table(title=title + "(the rounds' paired costs' median; the medians' in brackets)")
     for col in (
         "setup",

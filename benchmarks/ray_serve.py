@@ -8,7 +8,7 @@ a fixed length, ``vlmserve.client.loadtest``):
 
 - ``serve``: ``vlmserve serve`` (the baseline);
 - ``gateway``: a vlmserve gateway whose registry has one ``openai`` entry pointing at ``serve``;
-- ``ray-1``: the Ray Serve application (``vlmserve.deploy.ray``) with 1 ingress replica and 1
+- ``ray-1``: the Ray Serve application (``vlmserve.ray_serve.app``) with 1 ingress replica and 1
   model replica, on a local Ray cluster started here;
 - ``ray-2``: the same application with 2 model replicas (deployed beside ``ray-1`` under
   another route prefix).
@@ -16,7 +16,7 @@ a fixed length, ``vlmserve.client.loadtest``):
 Reported: output tokens/s of ``ray-2`` over ``ray-1`` at each concurrency (rounds of load
 tests, interleaved; on a 2-core machine this says more about overhead than about speed-up:
 both replicas share the same cores), and the TTFT p50 that Ray Serve adds over ``serve``
-against what the gateway adds (budget, issue 21: at most 2x the gateway's), from one-at-a-time
+against what the gateway adds (budget: at most 2x the gateway's), from one-at-a-time
 requests that take turns between the setups request by request (``--ttft-requests``).
 Requires the ``ray`` extra. Ray's own tuning switches reach the local cluster from the
 environment, e.g. ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1 python benchmarks/ray_serve.py``;
@@ -79,8 +79,8 @@ def start_ray(model_dir: str, port: int, work: Path, direct: bool) -> dict[str, 
     import ray
     from ray import serve
 
-    from vlmserve.deploy.config import load_ray_setup
-    from vlmserve.deploy.ray import build_application, ingress_urls
+    from vlmserve.ray_serve.app import build_application, ingress_urls
+    from vlmserve.ray_serve.config import load_ray_setup
 
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -244,7 +244,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.direct_ingress:  # before Ray starts: its processes read it then
-        from vlmserve.deploy.config import DIRECT_INGRESS_ENV
+        from vlmserve.ray_serve.config import DIRECT_INGRESS_ENV
 
         os.environ[DIRECT_INGRESS_ENV] = "1"
     model_dir = ns.model

@@ -15,7 +15,7 @@ Also reported: what one thread hop (``run_in_executor`` of a no-op) costs on thi
 
 ``--gil`` measures instead what copying the journal into SQLite costs beside a busy Python
 thread (the event loop under load): 40 copies of 272 events (8 sessions x 34 steps), one
-``INSERT`` statement per event (``executemany``, the copy before session 18) against the
+``INSERT`` statement per event (``executemany``, the earlier copy) against the
 store's own copy (``sqlite_copy.copy_entries``: multi-row INSERTs). SQLite releases the GIL
 around each statement; beside a busy thread each release is a hand-over of the GIL.
 """
@@ -41,7 +41,7 @@ from vlmserve.streaming.events import Emit
 from vlmserve.streaming.manager import SessionManager
 from vlmserve.streaming.store.memory import MemoryStore
 from vlmserve.streaming.store.sqlite import SQLiteStore
-from vlmserve.streaming.store.sqlite_copy import copy_entries
+from vlmserve.streaming.store.sqlite.copy import copy_entries
 
 DATA = json.dumps(
     {

@@ -141,7 +141,8 @@ class Settings(BaseSettings):
     # the RAM (docs/engine.md), on GPU what --gpu-memory-utilization leaves after the weights
     kv_cache_memory: int = Field(default=0, ge=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    enable_prefix_caching: bool = False  # reuse the K/V of a prompt's cached full blocks
+    # reuse the K/V of a prompt's cached full blocks (vLLM's default too)
+    enable_prefix_caching: bool = True
     # CUDA: decode attention reads the paged cache in place (a Triton kernel) and each step
     # replays a CUDA graph. Off until a GPU run has shown it correct: decode gathers blocks
     cuda_graphs: bool = False
@@ -153,6 +154,9 @@ class Settings(BaseSettings):
     engine_process: bool = True
     embed_max_batch_size: int = Field(default=16, ge=1)  # embedding items in one forward pass
     embed_batch_wait_ms: float = Field(default=5.0, ge=0)  # wait for concurrent requests
+    # /v1/rerank and /v1/score: documents (pairs) per request; more get a 400
+    rerank_max_documents: int = Field(default=100, ge=1)
+    rerank_max_batch_size: int = Field(default=16, ge=1)  # query-document pairs per forward
 
     # --- gateway: upstream replicas -----------------------------------------------------
     upstream_health_interval: float = 5.0  # seconds between active health checks
@@ -207,11 +211,11 @@ class Settings(BaseSettings):
     max_concurrent_per_key: int = Field(default=0, ge=0)  # generations at once per key; 0: no cap
     ui: bool = True  # the web console at / (static files in the package); --no-ui: API only
 
-    # --- idle watchdog (seed 000) -----------------------------------------------------------
-    idle_seconds: float | None = None  # None: off; seed 000 used 480
+    # --- idle watchdog (a GPU box that stops itself when idle) ------------------------------
+    idle_seconds: float | None = None  # None: off; a GPU box that bills by the hour: 480
     idle_check_interval: float = 30.0
     idle_command: list[str] | None = None  # argv, never a shell: ["sudo", "shutdown", "-h", "now"]
-    activity_file: str | None = None  # seed 000: /tmp/vlm2vec_last_activity
+    activity_file: str | None = None  # e.g. /tmp/vlm2vec_last_activity for older tools
     deregister_url: str | None = None  # POSTed {"instance", "reason"} before the idle command
     deregister_command: list[str] | None = None  # or an argv run before the idle command
     instance_id: str | None = None

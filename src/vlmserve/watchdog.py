@@ -1,7 +1,7 @@
 """Idle watchdog: a process-wide activity clock, and a task that acts once when idle.
 
-Seed 000's GPU box shut itself down after 480 s without activity but never told the instance
-registry, so callers kept addressing a stopped host. Here the order is fixed:
+A GPU box that shuts itself down after 480 s without activity, and never tells the instance
+registry, leaves callers addressing a stopped host. Here the order is fixed:
 
 1. ``ActivityClock`` is touched on every request, streamed token and model load; ``busy()``
    (or ``begin``/``end``) marks work in flight. Its time is also written, at most once a second

@@ -1,9 +1,11 @@
-"""The real CLI as a real process, driven by the official ``openai`` client and the README."""
+"""The real CLI as a real process, driven by the official ``openai`` client and the manual."""
 
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,9 +106,9 @@ def test_missing_model_fails_start_up_with_a_clear_message(tmp_path: Path) -> No
 
 
 def _readme_curl() -> str:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "getting-started.md").read_text()
     match = re.search(r"<!-- curl-example.*?-->\s*```bash\n(.*?)```", readme, re.S)
-    assert match, "README lost its curl example"
+    assert match, "docs/getting-started.md lost its curl example"
     return match.group(1)
 
 
@@ -168,3 +170,48 @@ def test_the_engine_process_ends_with_the_server(tiny_dir: Path, how: str) -> No
         engine.wait(30)  # psutil.TimeoutExpired if it outlived the server
     finally:
         server.stop()
+
+
+def _stream_to_the_end(url: str, lines: list[str], first: threading.Event) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "on and on"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                first.set()
+
+
+def test_a_stop_of_the_whole_service_finishes_its_streams_and_logs_no_error(
+    tiny_dir: Path,
+) -> None:
+    """systemd and ``timeout`` send SIGTERM to every process of the service: the engine process
+    waits for the server to close it, a stream in flight still ends with [DONE], and no line is
+    logged as an ERROR (a crash still is: tests/integration/test_engine_process.py)."""
+    server = ServerProcess(
+        ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu"],
+        engine_process=True,
+    )
+    lines: list[str] = []
+    try:
+        server.wait_ready()
+        first = threading.Event()
+        streaming = threading.Thread(target=_stream_to_the_end, args=(server.url, lines, first))
+        streaming.start()
+        assert first.wait(60)
+        service = [server.proc, *psutil.Process(server.proc.pid).children(recursive=True)]
+        assert len(service) == 2  # the server and its engine process
+        for process in service:  # what systemd's KillMode=control-group does
+            process.send_signal(signal.SIGTERM)
+        server.proc.wait(60)  # uvicorn ends by raising the signal again: -15
+        streaming.join(60)
+    finally:
+        out = server.stop()
+    assert "Shutting down" in out
+    assert not [line for line in out.splitlines() if " ERROR " in line or "Traceback" in line]
+    assert lines[-1] == "[DONE]" and '"error"' not in lines[-2]

@@ -12,7 +12,7 @@ import pytest
 
 from sse_client import SSEEvent, read_events, text_of, without_token
 from support import ServerProcess
-from vlmserve.streaming.store.journal import read_rows
+from vlmserve.streaming.store.sqlite.journal import read_rows
 
 pytestmark = pytest.mark.slow
 TOKENS = 300

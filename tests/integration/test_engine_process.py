@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
 import signal
 import time
@@ -167,8 +168,9 @@ async def test_a_cancelled_stream_stops_in_the_engine_process(tiny_dir: Path) ->
 
 
 async def test_a_killed_engine_process_is_replaced_and_unloading_stops_it(
-    tiny_dir: Path,
+    tiny_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="vlmserve.engine.proc.client")
     async with serving(tiny_dir, engine_process=True) as (client, models):
         backend = models.resolve(MODEL).backend
         first = engine_pid(models)
@@ -183,6 +185,9 @@ async def test_a_killed_engine_process_is_replaced_and_unloading_stops_it(
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert error["code"] == "engine_failed" and "exit code -9" in error["message"]
+        client_log = [r for r in caplog.records if r.name == "vlmserve.engine.proc.client"]
+        crash = [r for r in client_log if "exit code -9" in r.getMessage()]
+        assert [r.levelno for r in crash] == [logging.ERROR]  # a crash is an error
         state = (await client.get("/admin/state", headers=ADMIN)).json()["models"][0]
         assert state["engine_failures"] == 1
         await until(lambda: backend.state.value == "ready")  # reloaded: a new process

@@ -1,6 +1,6 @@
 """``logprobs`` / ``top_logprobs`` through /v1/chat/completions, JSON and stream, in
 OpenAI's shape (``choices[].logprobs.content[]``: token, logprob, bytes, top_logprobs); the
-values themselves are checked against the model in tests/unit/engine/test_logprobs.py."""
+values themselves are checked against the model in tests/unit/engine/hf/test_logprobs.py."""
 
 from __future__ import annotations
 

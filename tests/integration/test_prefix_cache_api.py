@@ -60,11 +60,12 @@ def counter(metrics: str, name: str) -> float:
     return float(lines[0].split()[-1])
 
 
-async def test_a_shared_system_prompt_is_found_in_the_cache_and_counted(
-    tiny_dir: Path, client: httpx.AsyncClient
-) -> None:
+async def test_a_shared_system_prompt_is_found_in_the_cache_and_counted(tiny_dir: Path) -> None:
     questions = ["Name?", "Date of birth?", "Card number?"]
-    plain = [(await client.post("/v1/chat/completions", json=chat(q))).json() for q in questions]
+    async with serving(make_settings(tiny_dir, enable_prefix_caching=False)) as (uncached, _):
+        plain = [
+            (await uncached.post("/v1/chat/completions", json=chat(q))).json() for q in questions
+        ]
     settings = make_settings(tiny_dir, enable_prefix_caching=True)
     async with serving(settings) as (cached, _):
         answers = [await cached.post("/v1/chat/completions", json=chat(q)) for q in questions]

@@ -1,7 +1,7 @@
 """Resume tokens with API keys configured: a browser's EventSource, which cannot send a key,
 resumes its own stream with ``?token=`` and nothing else; the ownership of streams and their
 tokens holds across a restart (SQLite) and across replicas (Redis); a response resumed ahead
-of its producer waits for its events (the README's background example)."""
+of its producer waits for its events (the background example of docs/api.md)."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def crashed_copy(db: Path, sid: str, cut: int, name: str) -> str:
 
 def wait_for_terminal(conn: sqlite3.Connection, sid: str) -> None:
     """Until the server has copied the stream's events from its journal into the table
-    (within a tenth of a second of each, ``store/sqlite.py``)."""
+    (within a tenth of a second of each, ``store/sqlite/store.py``)."""
     deadline = time.monotonic() + 10
     query = "SELECT 1 FROM events WHERE session_id = ? AND terminal = 1"
     while conn.execute(query, (sid,)).fetchone() is None:

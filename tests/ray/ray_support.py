@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import ray
 
-from vlmserve.deploy.ingress import REPLICA_HEADER
-from vlmserve.deploy.ray import deployment_name
+from vlmserve.ray_serve.app import deployment_name
+from vlmserve.ray_serve.ingress import REPLICA_HEADER
 
 MODEL = "tiny"
 EMBEDDER = "tiny-embed"  # the same checkpoint as an embedding model (last-token vectors)

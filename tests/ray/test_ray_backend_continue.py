@@ -14,8 +14,6 @@ from typing import Any
 import pytest
 from ray import exceptions as ray_errors
 
-from vlmserve.deploy.backend import RayBackend
-from vlmserve.deploy.wire import CHUNK, READY
 from vlmserve.engine.choices import merge_choices
 from vlmserve.engine.types import (
     Chunk,
@@ -26,6 +24,8 @@ from vlmserve.engine.types import (
     Serves,
 )
 from vlmserve.errors import ServiceUnavailable
+from vlmserve.ray_serve.backend import RayBackend
+from vlmserve.ray_serve.wire import CHUNK, READY
 
 pytestmark = pytest.mark.timeout(30)
 MAX_TOKENS = 6

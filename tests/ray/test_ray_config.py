@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vlmserve.deploy.config import load_ray_setup
-from vlmserve.deploy.wire import decode_error, encode_error
 from vlmserve.errors import ConfigError, InvalidRequest, Overloaded, ServiceUnavailable
+from vlmserve.ray_serve.config import load_ray_setup
+from vlmserve.ray_serve.wire import decode_error, encode_error
 
 ROOT = Path(__file__).parents[2]
 MODELS = '[[models]]\nname = "tiny"\nsource = "/models/tiny"\nkeep_alive = 90\n'
@@ -79,7 +79,7 @@ def test_the_kuberay_example_config_is_valid(tmp_path: Path) -> None:
     setup = load_ray_setup(write(tmp_path, config))
     service = next(d for d in docs if d["kind"] == "RayService")
     app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
-    assert app["import_path"] == "vlmserve.deploy.ray:app"
+    assert app["import_path"] == "vlmserve.ray_serve.app:app"
     assert set(setup.ray.models) == {m.served_name for m in setup.settings.model_configs()}
 
 
@@ -107,7 +107,7 @@ def test_vlmserve_imports_and_says_what_to_install_without_ray(tmp_path: Path) -
     config = write(tmp_path, MODELS)
     code = (
         "import sys; sys.modules['ray'] = None\n"
-        "import vlmserve.api.app, vlmserve.cli.main, vlmserve.deploy.config\n"
+        "import vlmserve.api.app, vlmserve.cli.main, vlmserve.ray_serve.config\n"
         "from typer.testing import CliRunner\n"
         f"r = CliRunner().invoke(vlmserve.cli.main.app, ['ray', 'serve', '-c', {str(config)!r}])\n"
         "print(r.exit_code); print(r.output)\n"
@@ -210,7 +210,7 @@ def test_registry_entries_deploy_under_ray(tmp_path: Path) -> None:
     assert setup.ray.model("reg-embed").options(5)["num_replicas"] == 2
     assert [e["name"] for e in setup.entries] == ["reg-embed", "remote-chat"]
 
-    from vlmserve.deploy.ingress import ray_models
+    from vlmserve.ray_serve.ingress import ray_models
 
     models = ray_models(setup.settings, {"tiny": object(), "reg-embed": object()}, setup.entries)
     embed = models.resolve("embed-alias")  # the entry's alias resolves to its deployment
@@ -247,3 +247,21 @@ def test_a_single_model_flag_and_a_registry_deploy_together(tmp_path: Path) -> N
     path = write(tmp_path, f'registry = "{registry}"\n')
     setup = load_ray_setup(path, model="/models/tiny", served_model_name="flagged")
     assert [m.served_name for m in setup.settings.model_configs()] == ["flagged", "reg-embed"]
+
+
+def test_the_old_import_path_still_serves_the_application_and_warns() -> None:
+    """``vlmserve.deploy.ray:app`` (RayService files written before the rename) keeps
+    working for one release, and says which path replaces it."""
+    pytest.importorskip("ray.serve")
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    from vlmserve.deploy.ray import app\n"
+        "import vlmserve.ray_serve.app as new\n"
+        "assert app is new.app\n"
+        "print([str(w.message) for w in caught if w.category is DeprecationWarning])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "use vlmserve.ray_serve.app:app" in done.stdout

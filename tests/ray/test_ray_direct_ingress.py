@@ -23,9 +23,9 @@ import ray
 from ray import serve
 from ray_support import MODEL, write_config
 
-from vlmserve.deploy.config import DIRECT_INGRESS_ENV, load_ray_setup
-from vlmserve.deploy.ingress import REPLICA_HEADER
-from vlmserve.deploy.ray import build_application, ingress_urls
+from vlmserve.ray_serve.app import build_application, ingress_urls
+from vlmserve.ray_serve.config import DIRECT_INGRESS_ENV, load_ray_setup
+from vlmserve.ray_serve.ingress import REPLICA_HEADER
 
 pytestmark = pytest.mark.slow
 

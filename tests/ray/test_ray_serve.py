@@ -28,9 +28,9 @@ import ray
 from ray import serve
 from ray_support import EMBEDDER, EMBEDDER_ALIAS, MODEL, RayServe, write_config
 
-from vlmserve.deploy.config import load_ray_setup
-from vlmserve.deploy.ingress import REPLICA_HEADER
-from vlmserve.deploy.ray import build_application
+from vlmserve.ray_serve.app import build_application
+from vlmserve.ray_serve.config import load_ray_setup
+from vlmserve.ray_serve.ingress import REPLICA_HEADER
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")

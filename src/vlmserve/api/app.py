@@ -24,6 +24,7 @@ from vlmserve.api.endpoints.chat import router as chat
 from vlmserve.api.endpoints.embeddings import router as embeddings
 from vlmserve.api.endpoints.files import router as files
 from vlmserve.api.endpoints.gateway import router as gateway
+from vlmserve.api.endpoints.rerank import router as rerank
 from vlmserve.api.endpoints.responses import router as responses
 from vlmserve.api.endpoints.streams import router as streams
 from vlmserve.api.endpoints.system import router as system
@@ -74,6 +75,7 @@ ROUTERS = (
     files.router,
     tokenize.router,
     batches.router,
+    rerank.router,
 )
 
 
@@ -184,7 +186,7 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        with clock.busy():  # loading counts as activity (seed 000)
+        with clock.busy():  # loading counts as activity (idle watchdog)
             loading = asyncio.create_task(load())  # /ready is 503 until it is done
         tasks = [
             loading,

@@ -178,7 +178,7 @@ class Metrics:
         self._add_engine_series()
 
     def _add_engine_series(self) -> None:
-        """Seed 002's engine figures: where step time goes, what memory is held."""
+        """The engine's figures: where step time goes, what memory is held."""
         make = self._make
         self.step_seconds = make(
             Counter,

@@ -19,6 +19,7 @@ from vlmserve.api.endpoints.batches.lines import Endpoints
 from vlmserve.api.endpoints.batches.service import BatchesService
 from vlmserve.api.endpoints.chat.service import ChatService
 from vlmserve.api.endpoints.files.service import FilesService
+from vlmserve.api.endpoints.rerank.service import RerankService
 from vlmserve.api.endpoints.responses.service import ResponsesService
 from vlmserve.api.endpoints.tasks.service import TaskService
 from vlmserve.api.endpoints.worker.service import WorkerService
@@ -33,6 +34,7 @@ __all__ = [
     "FilesDep",
     "ModelsDep",
     "OwnerDep",
+    "RerankDep",
     "ResponsesDep",
     "Services",
     "ServicesDep",
@@ -54,6 +56,7 @@ class Services:
     responses: ResponsesService
     files: FilesService
     batches: BatchesService
+    rerank: RerankService
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -90,6 +93,7 @@ class Services:
             responses,
             files,
             batches,
+            RerankService(models, converter, files, settings.rerank_max_documents),
         )
 
 
@@ -98,7 +102,7 @@ def _state(request: Request) -> Services:
 
 
 # The dependencies are ``async def`` on purpose: FastAPI runs a plain ``def`` dependency in its
-# thread pool, a hop that cost ~0.3 ms per request on a 2-core machine (issue 22's gateway TTFT).
+# thread pool, a hop that cost ~0.3 ms per request on a 2-core machine (the gateway's budget: 1 ms).
 async def _services(request: Request) -> Services:
     return _state(request)
 
@@ -135,6 +139,10 @@ async def _batches(request: Request) -> BatchesService:
     return _state(request).batches
 
 
+async def _rerank(request: Request) -> RerankService:
+    return _state(request).rerank
+
+
 async def _owner(request: Request) -> str:
     """Who owns what this request makes or reads (files, batches): its API key's identity,
     set by the auth middleware; one anonymous owner without configured API keys."""
@@ -150,4 +158,5 @@ TasksDep = Annotated[TaskService, Depends(_tasks)]
 ResponsesDep = Annotated[ResponsesService, Depends(_responses)]
 FilesDep = Annotated[FilesService, Depends(_files)]
 BatchesDep = Annotated[BatchesService, Depends(_batches)]
+RerankDep = Annotated[RerankService, Depends(_rerank)]
 OwnerDep = Annotated[str, Depends(_owner)]

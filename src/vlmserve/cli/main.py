@@ -50,12 +50,19 @@ def demo(
     port: PortOpt = None,
     config: ConfigOpt = None,
     strict_fields: StrictOpt = False,
+    cors_allow_origins: serve.CorsOrigins = None,
+    api_key: serve.ApiKeys = None,
+    admin_key: serve.AdminKeys = None,
 ) -> None:
     """Serve tiny RANDOM-WEIGHT models (built once, cached): try every endpoint offline.
 
     Two models: `tiny-qwen2-vl` (chat, caption) and `tiny-vlm2vec` (the same tiny Qwen2-VL
-    with a LoRA adapter, for /v1/embeddings, /encode-text and /encode-video).
+    with a LoRA adapter, for /v1/embeddings, /encode-text and /encode-video). The auth and
+    CORS flags are those of `vlmserve serve`.
     """
+    auth = serve.list_settings(
+        {"cors_allow_origins": cors_allow_origins, "api_key": api_key, "admin_key": admin_key}
+    )
     from vlmserve.testing.tiny import build_lora_adapter, build_qwen2_vl
 
     console.print("[bold]vlmserve demo[/]: building the tiny demo checkpoints (cached after once)…")
@@ -84,6 +91,7 @@ def demo(
             port=port,
             exit_on_load_failure=True,
             strict_fields=strict_fields or None,
+            **auth,
         )
     except (ConfigError, ValueError) as exc:
         serve.fail(exc)

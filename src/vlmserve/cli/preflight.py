@@ -1,4 +1,4 @@
-"""`vlmserve preflight URL`: is this OpenAI-compatible server ready? (seed 001's checks)"""
+"""`vlmserve preflight URL`: is this OpenAI-compatible server ready? (the tagger's checks)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``vlmserve ray serve``: run vlmserve as a Ray Serve application (``deploy/ray.py``).
+"""``vlmserve ray serve``: run vlmserve as a Ray Serve application (``ray_serve/app.py``).
 
 Ray is imported only when the command runs: vlmserve works without the ``ray`` extra.
 """
@@ -55,7 +55,7 @@ def serve_command(
     ] = False,
 ) -> None:
     """Deploy the models of --config on Ray Serve and serve the API until stopped."""
-    from vlmserve.deploy.config import load_ray_setup
+    from vlmserve.ray_serve.config import load_ray_setup
 
     try:
         setup = load_ray_setup(config, host=host, port=port)
@@ -71,7 +71,7 @@ def serve_command(
     except ImportError:
         console.print("[bold red]error:[/] Ray is not installed: pip install 'vlmserve\\[ray]'")
         raise typer.Exit(code=2) from None
-    from vlmserve.deploy.ray import build_application
+    from vlmserve.ray_serve.app import build_application
 
     ray.init(address=address)
     settings = setup.settings
@@ -87,7 +87,7 @@ def serve_command(
 
 def _direct_ingress(address: str | None) -> None:
     """Set before Ray is imported (its processes read the flag when they start)."""
-    from vlmserve.deploy.config import DIRECT_INGRESS_ENV
+    from vlmserve.ray_serve.config import DIRECT_INGRESS_ENV
 
     if address is not None or os.environ.get("RAY_ADDRESS"):
         if os.environ.get(DIRECT_INGRESS_ENV) != "1":
@@ -103,7 +103,7 @@ def _serve_direct(name: str, host: str) -> None:
     """Print each ingress replica's URL, then serve until Ctrl-C (as ``blocking=True``)."""
     from ray import serve
 
-    from vlmserve.deploy.ray import ingress_urls
+    from vlmserve.ray_serve.app import ingress_urls
 
     # the replicas bind the HTTP host; one that is not every interface is where they answer
     urls = ingress_urls(name, None if host in ("0.0.0.0", "::", "") else host)

@@ -22,7 +22,17 @@ from rich.markup import escape
 from vlmserve.config import Settings, load_settings
 from vlmserve.errors import ConfigError
 
-__all__ = ["ENV_ONLY", "INTERNAL", "command", "fail", "run"]
+__all__ = [
+    "ENV_ONLY",
+    "INTERNAL",
+    "AdminKeys",
+    "ApiKeys",
+    "CorsOrigins",
+    "command",
+    "fail",
+    "list_settings",
+    "run",
+]
 
 console = Console(stderr=True)
 
@@ -180,7 +190,7 @@ HELP = {
     "enable_prefix_caching": (
         ENGINE,
         "Reuse the K/V of prompts' cached full blocks (a shared "
-        "system prompt, the same image again): less prefill.",
+        "system prompt, the same image again): less prefill. On by default, as in vLLM.",
     ),
     "cuda_graphs": (
         ENGINE,
@@ -249,6 +259,21 @@ Float = Optional[float]  # noqa: UP045
 Bool = Optional[bool]  # noqa: UP045
 Strs = Optional[list[str]]  # noqa: UP045
 
+# The auth and CORS flags: `vlmserve demo` takes the very same ones.
+CorsOrigins = Annotated[Strs, _opt("cors_allow_origins")]
+ApiKeys = Annotated[Strs, _opt("api_keys")]
+AdminKeys = Annotated[Strs, _opt("admin_keys")]
+
+
+def list_settings(flags: dict[str, Any]) -> dict[str, Any]:
+    """The repeatable flags in ``flags`` (``LIST_FLAGS``) popped and returned under their
+    settings' names, each value split on commas; an unset flag gives None (not set)."""
+    out: dict[str, Any] = {}
+    for flag, field in LIST_FLAGS.items():
+        values = flags.pop(flag, None)
+        out[field] = [v.strip() for item in values for v in item.split(",")] if values else None
+    return out
+
 
 def command(
     model: Annotated[Str, _opt("model")] = None,
@@ -267,9 +292,9 @@ def command(
     host: Annotated[Str, _opt("host")] = None,
     port: Annotated[Int, _opt("port")] = None,
     log_level: Annotated[Str, _opt("log_level")] = None,
-    cors_allow_origins: Annotated[Strs, _opt("cors_allow_origins")] = None,
-    api_key: Annotated[Strs, _opt("api_keys")] = None,
-    admin_key: Annotated[Strs, _opt("admin_keys")] = None,
+    cors_allow_origins: CorsOrigins = None,
+    api_key: ApiKeys = None,
+    admin_key: AdminKeys = None,
     max_queued_requests: Annotated[Int, _opt("max_queued_requests")] = None,
     prefix_cache_scope: Annotated[Str, _opt("prefix_cache_scope")] = None,
     max_num_seqs: Annotated[Int, _opt("max_num_seqs")] = None,
@@ -281,6 +306,14 @@ def command(
     gpu_memory_utilization: Annotated[Float, _opt("gpu_memory_utilization")] = None,
     enable_prefix_caching: Annotated[
         Bool, _opt("enable_prefix_caching", "--enable-prefix-caching")
+    ] = None,
+    no_prefix_caching: Annotated[
+        Bool,
+        typer.Option(
+            "--no-enable-prefix-caching",
+            help="Compute every prompt whole (prefix caching off).",
+            rich_help_panel=HELP["enable_prefix_caching"][0],
+        ),
     ] = None,
     cuda_graphs: Annotated[Bool, _opt("cuda_graphs", "--cuda-graphs")] = None,
     enforce_eager: Annotated[Bool, _opt("enforce_eager", "--enforce-eager")] = None,
@@ -315,16 +348,16 @@ def command(
 ) -> None:
     """Serve a model over the OpenAI API (chat completions with images and video, streams).
 
-    Flags override VLMSERVE_* variables, which override the --config file (see the README).
+    Flags override VLMSERVE_* variables, which override the --config file (docs/operations.md).
     """
     # first statement: locals() is exactly the parameters, each named after its setting
     flags: dict[str, Any] = {k: v for k, v in locals().items() if k != "config"}
     flags["load_on_startup"] = False if flags.pop("lazy_load") else None
     flags["ui"] = False if flags.pop("no_ui") else None
     flags["engine_process"] = False if flags.pop("no_engine_process") else None
-    for flag, field in LIST_FLAGS.items():
-        values = flags.pop(flag)
-        flags[field] = [v.strip() for item in values for v in item.split(",")] if values else None
+    if flags.pop("no_prefix_caching"):
+        flags["enable_prefix_caching"] = False
+    flags.update(list_settings(flags))
     try:
         settings = load_settings(config, **flags, exit_on_load_failure=True)
     except (ConfigError, ValueError) as exc:

@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import httpx
 from rich.table import Table
@@ -119,7 +120,7 @@ async def _reachable(client: httpx.AsyncClient, cfg: LoadConfig) -> None:
 async def _drive(
     client: httpx.AsyncClient,
     cfg: LoadConfig,
-    bodies: list[dict],
+    bodies: list[dict[str, Any]],
     progress: Callable[[int, int], None] | None,
 ) -> tuple[list[RequestRecord], float]:
     total = len(bodies)
@@ -148,7 +149,7 @@ async def _drive(
     return records, time.perf_counter() - started
 
 
-def _echo(cfg: LoadConfig) -> dict:
+def _echo(cfg: LoadConfig) -> dict[str, Any]:
     echo = asdict(cfg)
     echo["api_key"] = "***" if cfg.api_key else None
     return echo

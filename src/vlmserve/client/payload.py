@@ -28,7 +28,9 @@ def prompt_text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def _media_parts(image: tuple[int, int] | None, frames: int | None, seed: int) -> list[dict]:
+def _media_parts(
+    image: tuple[int, int] | None, frames: int | None, seed: int
+) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     if image is not None:
         url = data_url(noise_png(image[0], image[1], seed), "image/png")

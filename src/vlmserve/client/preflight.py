@@ -1,4 +1,4 @@
-"""Preflight: is this OpenAI-compatible server ready for a tagger (seed 001)?
+"""Preflight: is this OpenAI-compatible server ready for a tagger?
 
 Checks, in order, each timed and each with a detail that says what went wrong:
 
@@ -84,8 +84,9 @@ async def run_preflight(
             _skip(report, ["text_chat", "vision_chat", "embeddings"], f"{why} (see models)")
             return report
         roles = set(entry.get("roles") or []) if entry else set()
-        if roles and roles <= {"embedding"}:
-            _skip(report, ["text_chat", "vision_chat"], "embedding-only model: no chat role")
+        if roles and roles <= {"embedding", "rerank"}:
+            kind = "embedding-only" if roles == {"embedding"} else "embedding or rerank"
+            _skip(report, ["text_chat", "vision_chat"], f"{kind} model: no chat role")
         else:
             report.checks.append(await probe.chat(report.model, vision=False))
             report.checks.append(await probe.chat(report.model, vision=True))

@@ -37,7 +37,8 @@ async def _events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:
     Reads both wires of vlmserve (and any OpenAI-compatible server): ``data:`` lines only, or
     with ``id:`` lines (skipped) and ``event: error``; ``_read`` also takes an error payload,
     ``{"error": {...}}``, without an event name (OpenAI, vLLM)."""
-    name, data = "message", []
+    name = "message"
+    data: list[str] = []
     async for line in response.aiter_lines():
         if not line:
             if data:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, TypeVar
 
 from vlmserve.config import Settings
 
-__all__ = ["ChatEngineConfig", "EmbedConfig"]
+__all__ = ["ChatEngineConfig", "EmbedConfig", "RerankConfig"]
 
 _C = TypeVar("_C")
 
@@ -92,4 +92,28 @@ class EmbedConfig:
 
     @classmethod
     def defaults(cls, **changes: Any) -> EmbedConfig:
+        return _defaults(cls, cls._SETTINGS, changes)
+
+
+@dataclass(slots=True, frozen=True)
+class RerankConfig:
+    """What ``HFRerankBackend`` needs besides its load options."""
+
+    max_batch: int  # rerank_max_batch_size: query-document pairs in one forward pass
+    batch_wait_ms: float  # embed_batch_wait_ms: how long a request waits for others
+    max_model_len: int  # max_model_len: tokens of one pair (prompt, media included)
+
+    _SETTINGS: ClassVar[dict[str, str]] = {
+        "max_batch": "rerank_max_batch_size",
+        "batch_wait_ms": "embed_batch_wait_ms",
+        "max_model_len": "max_model_len",
+    }
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **changes: Any) -> RerankConfig:
+        values = {name: getattr(settings, s) for name, s in cls._SETTINGS.items()}
+        return replace(cls(**values), **changes)
+
+    @classmethod
+    def defaults(cls, **changes: Any) -> RerankConfig:
         return _defaults(cls, cls._SETTINGS, changes)

@@ -29,6 +29,8 @@ from vlmserve.engine.types import (
     EmbedInput,
     GenerateRequest,
     ModelState,
+    Scored,
+    ScorePair,
     Serves,
     Tokenized,
 )
@@ -44,9 +46,14 @@ class PassedAnswer(Protocol):
     """An upstream's answer to a passed request: status and headers in, body as it comes.
     ``chunks`` raises ``ServiceUnavailable`` when the upstream breaks off."""
 
-    status: int
-    headers: Mapping[str, str]
-    replica_url: str
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def replica_url(self) -> str: ...
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
@@ -139,6 +146,17 @@ class Backend(Protocol):
         """Token-id inputs (``/v1/embeddings``) as the text they stand for."""
         raise InvalidRequest(
             f"model {self.model_id!r} does not take token ids; send text", param="input"
+        )
+
+    # --- scores ------------------------------------------------------------------------
+    async def score(self, pairs: list[ScorePair]) -> Scored:
+        """The relevance of each query-document pair (``/v1/rerank``, ``/v1/score``): a
+        reranker's own score, or an embedding model's cosine similarity."""
+        raise InvalidRequest(
+            f"model {self.model_id!r} does not score documents; give a reranker "
+            '(roles = ["rerank"]) or an embedding model (roles = ["embedding"])',
+            param="model",
+            code="wrong_model_kind",
         )
 
     def watch_failures(self, callback: Callable[[Any], None]) -> None:

@@ -26,6 +26,8 @@ __all__ = [
     "OutputOptions",
     "Part",
     "SamplingParams",
+    "ScorePair",
+    "Scored",
     "Serves",
     "TextPart",
     "VideoPart",
@@ -42,10 +44,12 @@ class ModelState(str, enum.Enum):
 
 
 class Serves(str, enum.Enum):
-    """What a backend answers: chat-style generation, or embeddings."""
+    """What a backend answers: chat-style generation, embeddings, or relevance scores
+    (a cross-encoder reranker)."""
 
     CHAT = "chat"
     EMBEDDING = "embedding"
+    RERANK = "rerank"
 
 
 class FinishReason(str, enum.Enum):
@@ -254,6 +258,26 @@ class EmbedInput:
     text: str | None = None
     image: Image.Image | None = None
     frames: list[Image.Image] | None = None
+
+
+@dataclass(slots=True)
+class ScorePair:
+    """One query-document pair to score; each side is text, an image, frames, or text with
+    one of them. ``max_doc_tokens``: the document's text is cut to that many tokens (None:
+    a pair over the model's context is refused)."""
+
+    query: EmbedInput
+    document: EmbedInput
+    max_doc_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class Scored:
+    """The relevance of each pair (in order; higher is more relevant) and the prompt tokens
+    read to compute them."""
+
+    scores: list[float]
+    prompt_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""PassthroughMiddleware: the gateway's lean path for chat (issue 22).
+"""PassthroughMiddleware: the gateway's lean path for chat.
 
 A ``POST /v1/chat/completions`` for an ``openai`` model whose replicas are vlmserve workers
 (``gateway/upstream_passthrough.py``) skips the gateway's own request model, session and chunk
@@ -240,7 +240,11 @@ class PassthroughMiddleware:
         try:
             observed = Observed(self.services.metrics, backend.model_id)
             names = self._remember(plan, backend, passage)
-            see = lambda events: (names(events), observed(events))  # noqa: E731
+
+            def see(events: bytes) -> None:
+                names(events)
+                observed(events)
+
             if plan.stream:
                 completed = await relay(passage, receive, send, plan.rename, see, observed.finished)
             else:
@@ -320,7 +324,7 @@ def _owner(scope: Scope) -> str:
 
 
 def _resume_from(scope: Scope) -> str | None:
-    given = dict(scope["headers"]).get(b"last-event-id")
+    given: bytes | None = dict(scope["headers"]).get(b"last-event-id")
     if given:
         return given.decode("latin-1")
     if scope["query_string"]:

@@ -43,7 +43,8 @@ class Observed:
 
     def __init__(self, metrics: Metrics, model: str) -> None:
         self.metrics, self.model = metrics, model
-        self.started, self.first = time.perf_counter(), None
+        self.started = time.perf_counter()
+        self.first: float | None = None
         self.usage: tuple[bytes, bytes] | None = None  # the last (prompt, completion) seen
         self.finish = "stop"
 

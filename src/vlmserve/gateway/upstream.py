@@ -46,7 +46,7 @@ class _StreamCutShort(Exception):
     """The upstream's stream ended without a finish_reason (retryable before the first chunk)."""
 
 
-_RETRYABLE = (*RETRYABLE, _StreamCutShort)
+_RETRYABLE: tuple[type[BaseException], ...] = (*RETRYABLE, _StreamCutShort)
 
 
 @dataclass(slots=True)
@@ -59,6 +59,7 @@ class UpstreamConfig:
     health_interval: float = 5.0  # seconds between active checks; 0 = none
     preflight: bool = True  # run vlmserve.client.preflight on each replica before routing
     embedding: bool = False  # an embedding model (/v1/embeddings, /encode-*)
+    rerank: bool = False  # a reranker (/v1/rerank, /v1/score)
     policy: PoolPolicy = field(default_factory=PoolPolicy)
 
 
@@ -91,6 +92,8 @@ class UpstreamBackend(PassThrough, Proxied):
 
     @property
     def serves(self) -> Serves:  # type: ignore[override]
+        if self.config.rerank:
+            return Serves.RERANK
         return Serves.EMBEDDING if self.config.embedding else Serves.CHAT
 
     # --- gateway: replicas registered at run time ----------------------------------------

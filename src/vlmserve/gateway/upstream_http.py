@@ -262,6 +262,6 @@ def environment_proxy(scheme: str, host: str) -> str | None:
     """The proxy the environment names for ``scheme://host`` (None: direct, or ``NO_PROXY``)."""
     proxies = urllib.request.getproxies_environment()
     proxy = proxies.get(scheme) or proxies.get("all")
-    if proxy is None or urllib.request.proxy_bypass_environment(host):
+    if proxy is None or urllib.request.proxy_bypass_environment(host):  # type: ignore[attr-defined]
         return None
     return proxy

@@ -87,7 +87,7 @@ class PassThrough:
         return bool(usable) and all(r.sessions for r in usable)
 
     @property
-    def upstream_name(self) -> str | None:
+    def upstream_name(self) -> str:
         return str(self.config.model)
 
     async def pass_stream(self, path: str, content: bytes, headers: Mapping[str, str]) -> Passage:

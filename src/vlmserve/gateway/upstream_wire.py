@@ -222,7 +222,8 @@ def _cached_tokens(usage: dict[str, Any]) -> int | None:
 
 
 def _stream_error(data: dict[str, Any]) -> VlmserveError:
-    err = data.get("error") if isinstance(data.get("error"), dict) else data
+    inner = data.get("error")
+    err: dict[str, Any] = inner if isinstance(inner, dict) else data
     message = str(err.get("message") or "the upstream stream failed")
     kind = str(err.get("type") or "")
     if "invalid_request" in kind or "not_found" in kind:

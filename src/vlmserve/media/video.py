@@ -116,7 +116,8 @@ def _to_image(frame: VideoFrame, max_pixels: int) -> Image.Image:
     if width * height > max_pixels:  # keep the aspect ratio; scale happens in swscale
         scale = math.sqrt(max_pixels / (width * height))
         width, height = max(1, int(width * scale)), max(1, int(height * scale))
-    return frame.reformat(width=width, height=height, format="rgb24").to_image()
+    image: Image.Image = frame.reformat(width=width, height=height, format="rgb24").to_image()
+    return image
 
 
 def _decode_targets(

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.config import ModelConfig, Settings
-from vlmserve.engine.configs import ChatEngineConfig, EmbedConfig
+from vlmserve.engine.configs import ChatEngineConfig, EmbedConfig, RerankConfig
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.embed import HFEmbedBackend
 from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.hf.score.backend import HFRerankBackend
 from vlmserve.engine.hf.templates import read_chat_template
 from vlmserve.engine.outputs import check_parser_names
 from vlmserve.engine.proc import EngineProcClient
@@ -55,8 +56,13 @@ def _template(value: str | None) -> str | None:
 
 
 def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
-    """An in-process model: an embedding model for the ``embedding`` role, else chat."""
+    """An in-process model: an embedding model for the ``embedding`` role, a cross-encoder
+    for the ``rerank`` role, else chat."""
     options = load_options(cfg, settings)
+    if Serves.RERANK.value in cfg.roles and Serves.EMBEDDING.value not in cfg.roles:
+        return HFRerankBackend(
+            cfg.served_name, options, config=RerankConfig.from_settings(settings)
+        )
     if Serves.EMBEDDING.value in cfg.roles:
         return HFEmbedBackend(
             cfg.served_name,
@@ -123,6 +129,7 @@ def upstream_backend(entry: ModelEntry, settings: Settings) -> Backend:
         health_interval=settings.upstream_health_interval,
         preflight=cfg.preflight,
         embedding=entry.capabilities.embedding,
+        rerank="rerank" in entry.roles and not entry.capabilities.embedding,
         policy=PoolPolicy(
             max_failures=settings.upstream_max_failures,
             eject_seconds=settings.upstream_eject_seconds,

@@ -1,6 +1,6 @@
 """``ModelEntry``: one model in a registry file, exactly as users write it.
 
-Field meanings follow the unified registry glossary (seed 001):
+Field meanings follow the unified registry glossary:
 
     name             logical key for selection (unique across the merged registry)
     backend          what serves it: hf (in process), openai (upstream URL), vllm (subprocess)

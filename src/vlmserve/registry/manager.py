@@ -91,14 +91,20 @@ class ModelManager:
         return by_role(self.handles, role)
 
     async def acquire(
-        self, name: str | None, role: str, serves: Serves, needs: frozenset[str] = frozenset()
+        self,
+        name: str | None,
+        role: str,
+        serves: Serves | frozenset[Serves],
+        needs: frozenset[str] = frozenset(),
     ) -> Lease:
         """Lease the model (by name, else by role) for one request; loads it on demand.
-        ``needs`` (e.g. {"video"}) is checked against the registry's capabilities first."""
+        ``serves``: the kind (or kinds) of model that can answer; ``needs`` (e.g. {"video"})
+        is checked against the registry's capabilities first."""
         handle = self.resolve(name) if name else self.for_role(role)
         if handle.reload_pending:
             self.reloader.start(handle)
-        if handle.backend.serves is not serves:
+        kinds = serves if isinstance(serves, frozenset) else frozenset({serves})
+        if handle.backend.serves not in kinds:
             message = _kind_message(handle, serves)
             raise InvalidRequest(message, param="model", code="wrong_model_kind")
         _check_inputs(handle, needs)
@@ -255,7 +261,14 @@ def _check_inputs(handle: ModelHandle, needs: frozenset[str]) -> None:
         )
 
 
-def _kind_message(handle: ModelHandle, serves: Serves) -> str:
+def _kind_message(handle: ModelHandle, serves: Serves | frozenset[Serves]) -> str:
+    if isinstance(serves, frozenset):
+        return (
+            f"model {handle.name!r} does not score documents; give a reranker "
+            '(roles = ["rerank"]) or an embedding model (roles = ["embedding"])'
+        )
+    if handle.backend.serves is Serves.RERANK:
+        return f"model {handle.name!r} is a reranker; use /v1/rerank or /v1/score with it"
     if serves is Serves.CHAT:
         return (
             f"model {handle.name!r} is an embedding model; use /v1/embeddings or "

@@ -1,9 +1,9 @@
 """One resolver for every list of models: the registry file (the CLI) and the server's.
 
 A query is a name, an alias, a served id, or ``role:<role>``. A role picks the first current
-(not deprecated) model that has it; roles other than ``chat`` and ``embedding`` (``caption``,
-``extract``, ...) fall back to the first current chat model. Deprecated models still resolve
-by name.
+(not deprecated) model that has it; roles other than ``chat``, ``embedding`` and ``rerank``
+(``caption``, ``extract``, ...) fall back to the first current chat model. Deprecated models
+still resolve by name.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from vlmserve.registry.entries import ROLE_PREFIX
 
 __all__ = ["ROLE_PREFIX", "Resolvable", "by_role", "resolve"]
 
-_NO_FALLBACK = ("chat", "embedding")
+_NO_FALLBACK = ("chat", "embedding", "rerank")
 
 
 class Resolvable(Protocol):

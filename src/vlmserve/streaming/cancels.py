@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from vlmserve.streaming.session import Session
 
@@ -25,7 +25,9 @@ CANCEL_AGAIN_SECONDS = 0.05
 
 class CancelWatch:
     def __init__(self, store: object, lookup: Callable[[str], Session | None]) -> None:
-        self._cancels: Callable[[], AsyncIterator[str]] | None = getattr(store, "cancels", None)
+        self._cancels: Callable[[], AsyncGenerator[str, None]] | None = getattr(
+            store, "cancels", None
+        )
         self._lookup = lookup
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -37,7 +39,7 @@ class CancelWatch:
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._listen(self._cancels))
 
-    async def _listen(self, cancels: Callable[[], AsyncIterator[str]]) -> None:
+    async def _listen(self, cancels: Callable[[], AsyncGenerator[str, None]]) -> None:
         while not self._closing:
             try:
                 async with contextlib.aclosing(cancels()) as announced:

@@ -1,21 +1,15 @@
-"""One resumable session: producer task, ring buffer, listeners, disconnect timer, heartbeat.
+"""One resumable session: its producer task, cancellation, listeners and their disconnect
+timer, heartbeat, and replay from the ring buffer or the store.
 
-The producer task numbers each ``Emit``, appends the event to the store (durable), then to the
-ring buffer, then wakes listeners; so anything a listener sees in the ring is also in the store.
-A store whose ``append_now`` is done when it returns (memory, SQLite's journal): the event is
-published inline, no task or future per event. One that commits later (Redis): up to
-``_IN_FLIGHT`` events are on their way at once (group-committed, in order), each published
-from its commit's done callback; the terminal event waits for all. Events that come before a
-new durable session's row is committed wait for it (``rowgate.py``). Generation never waits
-for listeners. When the last listener leaves, a timer of ``cancel_after_disconnect`` seconds
-is armed; a new listener disarms it.
+The write path (numbering, durability, publishing into the ring) is the session's
+``Publisher`` (``publisher.py``). Generation never waits for listeners. When the last
+listener leaves, a timer of ``cancel_after_disconnect`` seconds is armed; a new listener
+disarms it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import time
 from collections import deque
@@ -35,14 +29,12 @@ from vlmserve.streaming.events import (
     gap_event,
     ring_tail,
 )
-from vlmserve.streaming.rowgate import RowGate
-from vlmserve.streaming.signal import Signal
-from vlmserve.streaming.store.base import AppendNow, SessionStore, store_event
+from vlmserve.streaming.publisher import Publisher
+from vlmserve.streaming.store.base import SessionStore
 
 __all__ = ["Session", "SessionOptions"]
 
 logger = logging.getLogger(__name__)
-_IN_FLIGHT = 16  # events of one session being committed at once
 
 
 @dataclass(slots=True)
@@ -58,9 +50,7 @@ class Session:
     store: SessionStore
     options: SessionOptions = field(default_factory=SessionOptions)
     listeners: int = 0
-    finished_at: float | None = None  # time.time() when the terminal event was published
-    ring: deque[Event] = field(init=False)
-    _changed: Signal = field(default_factory=Signal)  # an event published, or the end
+    publisher: Publisher = field(init=False)
     _producer: AsyncIterator[Emit] | None = None
     _on_cancel: OnCancel | None = None
     _on_error: OnError | None = None
@@ -68,18 +58,22 @@ class Session:
     _cancel_task: asyncio.Task[None] | None = None
     _heartbeat: asyncio.Task[None] | None = None
     _timer: asyncio.TimerHandle | None = None
-    _pending: deque[asyncio.Future[None]] = field(default_factory=deque)  # commits in flight
-    _issued: int | None = None  # the last index handed out (None: record.last_index)
     _store_error: BaseException | None = None  # a commit that failed in the background
-    _lost: tuple[int, int] | None = None  # a failed commit's index .. the last one issued then
     _finishing: bool = False  # the end (normal, cancel or error) has begun
     _ended: bool = False  # terminal published, or stopped for good without one (shutdown)
-    _append_now: AppendNow | None = None  # the store's append done when it returns: inline
-    _gate: RowGate | None = None  # a new durable session: its events follow its row
 
     def __post_init__(self) -> None:
-        self.ring = deque(maxlen=max(1, self.options.ring_size))
-        self._append_now = getattr(self.store, "append_now", None)
+        ring: deque[Event] = deque(maxlen=max(1, self.options.ring_size))
+        self.publisher = Publisher(self.record, self.store, ring, self._lost_commit)
+
+    @property
+    def ring(self) -> deque[Event]:
+        return self.publisher.ring
+
+    @property
+    def finished_at(self) -> float | None:
+        """time.time() when the terminal event was published."""
+        return self.publisher.finished_at
 
     @property
     def session_id(self) -> str:
@@ -118,7 +112,7 @@ class Session:
         the store's commit of this session's row, which every event waits for."""
         self._producer, self._on_cancel, self._on_error = producer, on_cancel, on_error
         if created is not None:
-            self._gate = RowGate(created, self._begin)
+            self.publisher.hold_for(created)
         self._task = asyncio.ensure_future(self._run())
         if self.options.heartbeat_interval > 0:
             self._heartbeat = asyncio.ensure_future(self._beat())
@@ -129,7 +123,7 @@ class Session:
         assert self._producer is not None
         try:
             async for emit in self._producer:
-                await self._commit(emit)
+                await self.publisher.commit(emit)
         except asyncio.CancelledError:
             if self._store_error is None or self._finishing:
                 raise  # cancel() or close() goes on from here
@@ -150,85 +144,14 @@ class Session:
             await self._settle()
             await self.finish(self._error_emits(exc), SessionState.FAILED)
 
-    def _published(self, future: asyncio.Future[None]) -> None:
+    def _lost_commit(self, exc: BaseException) -> None:
         """A commit failed while the producer was elsewhere (waiting for its next chunk):
         stop the producer, so the session ends as failed instead of waiting forever."""
-        if future.cancelled() or future.exception() is None or self._store_error is not None:
+        if self._store_error is not None:
             return
-        self._store_error = future.exception()
+        self._store_error = exc
         if self._task is not None and not self._task.done() and not self._finishing:
             self._task.cancel()
-
-    async def _commit(self, emit: Emit, final: SessionState | None = None) -> None:
-        """Number ``emit`` and send it to the store; wait only when ``_IN_FLIGHT`` commits
-        are under way, or for every one of them when the event is the terminal one."""
-        index = (self.record.last_index if self._issued is None else self._issued) + 1
-        self._issued = index
-        event = Event(index, emit.data, emit.event, emit.meta, terminal=final is not None)
-        if self._inline(index):  # nothing to wait for
-            self._pending.clear()  # all done: every earlier event is published
-            self._append_now(self.session_id, event)  # type: ignore[misc]
-            self._publish(event, final)
-            await asyncio.sleep(0)  # listeners read before the next event, as below
-            return
-        publishing = self._start_publish(event, final)
-        if final is None:
-            publishing.add_done_callback(self._published)
-        self._pending.append(publishing)
-        await asyncio.sleep(0)  # let the commit start and listeners read, as before
-        while self._pending and (final is not None or len(self._pending) >= _IN_FLIGHT):
-            # Shielded: a cancel must not leave it unknown whether the store got the event.
-            await asyncio.shield(self._pending[0])
-            self._pending.popleft()
-
-    def _inline(self, index: int) -> bool:
-        """Whether event ``index`` can be appended and published at once: the store's append
-        is done when it returns, the session's row is in, and every earlier event is out."""
-        gate_open = self._gate is None or self._gate.open
-        return self._append_now is not None and self.record.last_index == index - 1 and gate_open
-
-    async def _drain(self) -> None:
-        """Wait for every commit in flight (errors included: the caller decides)."""
-        while self._pending:
-            future = self._pending[0]
-            with contextlib.suppress(Exception):
-                await asyncio.shield(future)
-            if self._pending and self._pending[0] is future:
-                self._pending.popleft()
-
-    def _start_publish(self, event: Event, final: SessionState | None) -> asyncio.Future[None]:
-        """The event's commit under way (held back until the session's row is in)."""
-        if self._gate is not None:
-            return self._gate.submit(event, final)
-        return self._begin(event, final)
-
-    def _begin(self, event: Event, final: SessionState | None) -> asyncio.Future[None]:
-        """The event's commit; once it is done (and before anyone awaiting it resumes) the
-        event is published."""
-        committing = store_event(self.store, self.session_id, event)
-        committing.add_done_callback(functools.partial(self._committed, event, final))
-        return committing
-
-    def _committed(
-        self, event: Event, final: SessionState | None, commit: asyncio.Future[None]
-    ) -> None:
-        """Publish a committed event. After a failed commit, the events already on their way
-        are not published (a listener would get the text with a piece missing); the session's
-        ending events (issued later) are."""
-        if commit.cancelled() or commit.exception() is not None:
-            self._lost = self._lost or (event.index, self._issued or event.index)
-        elif self._lost is None or not self._lost[0] < event.index <= self._lost[1]:
-            self._publish(event, final)
-
-    def _publish(self, event: Event, final: SessionState | None) -> None:
-        """The event is stored (or needs no store): into the ring, and listeners woken."""
-        self.ring.append(event)
-        self.record.last_index = event.index
-        self.record.updated_at = time.time()
-        if final is not None:  # whoever sees [DONE] sees the final state too
-            self.record.state = final
-            self.finished_at = self.record.updated_at
-        self._changed.wake()
 
     async def finish(self, emits: list[Emit], state: SessionState) -> None:
         """Append ``emits`` and the terminal ``[DONE]`` event, then record ``state``."""
@@ -236,18 +159,18 @@ class Session:
         self._stop_timers()
         try:
             for emit in emits:
-                await self._commit(emit)
-            await self._commit(Emit(DONE), final=state)
+                await self.publisher.commit(emit)
+            await self.publisher.commit(Emit(DONE), final=state)
             await self.store.set_state(self.session_id, state)
         except Exception:
             logger.exception("session %s: could not persist its end (%s)", self.session_id, state)
         self.record.state = state
-        self.finished_at = self.finished_at or time.time()
+        self.publisher.finished_at = self.publisher.finished_at or time.time()
         await self._end()
 
     async def _end(self) -> None:
         self._ended = True
-        self._changed.wake()
+        self.publisher.changed.wake()
 
     def _error_emits(self, exc: BaseException) -> list[Emit]:
         logger.warning("session %s: producer failed: %r", self.session_id, exc)
@@ -272,7 +195,7 @@ class Session:
                 await aclose()
             except Exception:
                 logger.exception("session %s: closing the producer failed", self.session_id)
-        await self._drain()
+        await self.publisher.drain()
 
     # -- cancel ---------------------------------------------------------------------------
 
@@ -314,7 +237,7 @@ class Session:
 
     async def wait(self) -> None:
         """Return once the session has ended (terminal event published, or closed)."""
-        await self._changed.until(lambda: self._ended)
+        await self.publisher.changed.until(lambda: self._ended)
 
     # -- listeners, timer, heartbeat ------------------------------------------------------
 
@@ -398,7 +321,7 @@ class Session:
         return events if events and events[0].index == nxt else None
 
     async def _wait_beyond(self, index: int) -> bool:
-        await self._changed.until(lambda: self.record.last_index > index or self._ended)
+        await self.publisher.changed.until(lambda: self.record.last_index > index or self._ended)
         return self.record.last_index > index
 
     def _gap(self, index: int) -> Event:

@@ -1,4 +1,4 @@
-"""``vlmserve tag``: caption, keyword and describe a folder of images and videos (seed 001).
+"""``vlmserve tag``: caption, keyword and describe a folder of images and videos.
 
 No torch here: the tagger is a client of any OpenAI-compatible server (a vlmserve resolves
 ``role:<role>`` model names). Pieces: ``files`` (walk, sha256, data URLs), ``client``

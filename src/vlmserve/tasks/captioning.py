@@ -1,4 +1,4 @@
-"""Free-text image tasks of the personal tagger (seed 001): a caption and a description."""
+"""Free-text image tasks of the personal tagger (``vlmserve tag``): a caption and a description."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Named-entity extraction (seed 000's NER over ``/generate``) as a task with a schema."""
+"""Named-entity extraction (the GPU worker's NER over ``/generate``) as a task with a schema."""
 
 from __future__ import annotations
 

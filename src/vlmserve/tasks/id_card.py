@@ -1,4 +1,4 @@
-"""Indonesian ID card (KTP) OCR: seed 003's fields, a bounded schema, and post-validation.
+"""Indonesian ID card (KTP) OCR: the fields KTP clients read, a bounded schema, and post-validation.
 
 The model reads what is printed; this module checks it. Every field gets
 ``{"valid": bool, "reason": str | None}`` instead of passing garbage on silently:

@@ -1,4 +1,4 @@
-"""Keywords for the personal tagger (seed 001): a bounded JSON array of short strings.
+"""Keywords for the personal tagger (``vlmserve tag``): a bounded JSON array of short strings.
 
 The request asks for ``{"keywords": [...]}`` through ``response_format`` json_schema; the
 answer is parsed and cleaned (trimmed, lower-cased, de-duplicated). An answer cut off by

@@ -1,4 +1,4 @@
-"""Knowledge-triple extraction (seed 000's triples over ``/generate``) as a task with a schema."""
+"""Knowledge-triple extraction (the GPU worker's triples over ``/generate``) as a schema task."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ PEFT's default zero ``lora_B`` would make the adapter a no-op that tests cannot 
 
 ``build_foreign_adapter`` is a LoRA for a tiny Phi-3 (fused ``qkv_proj``/``gate_up_proj``,
 hidden 96) that claims ``tiny-random/Phi-3.5-vision-instruct`` as its base: loading it on
-Qwen2-VL must be refused (seed 000's bug #403).
+Qwen2-VL must be refused (peft would only warn, and the embeddings would come from the bare
+base).
 """
 
 from __future__ import annotations

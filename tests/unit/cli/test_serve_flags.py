@@ -180,6 +180,7 @@ def test_every_setting_is_a_flag_or_listed_as_env_only() -> None:
         "lazy_load": "load_on_startup",
         "no_ui": "ui",
         "no_engine_process": "engine_process",
+        "no_prefix_caching": "enable_prefix_caching",
     }
     flags = {renamed.get(p.name, p.name) for p in _serve_params() if p.name not in ("config",)}
     flags.discard("help")
@@ -205,6 +206,14 @@ def test_help_fits_80_columns_with_every_flag_whole_and_its_default() -> None:
     assert "VLMSERVE_API_KEYS" in text and "VLMSERVE_ADMIN_KEYS" in text  # prefer env to ps
 
 
+def test_prefix_caching_is_on_unless_turned_off(captured: list[Settings]) -> None:
+    """On by default, as in vLLM; ``--no-enable-prefix-caching`` turns it off."""
+    assert _serve("--model", "m").exit_code == 0
+    assert _serve("--model", "m", "--no-enable-prefix-caching").exit_code == 0
+    assert _serve("--model", "m", "--enable-prefix-caching").exit_code == 0
+    assert [s.enable_prefix_caching for s in captured] == [True, False, True]
+
+
 def test_strict_fields_is_a_flag_of_serve_and_of_demo(captured: list[Settings]) -> None:
     assert _serve("--model", "m", "--strict-fields").exit_code == 0
     demo = CliRunner().invoke(main.app, ["demo", "--strict-fields"])
@@ -212,3 +221,45 @@ def test_strict_fields_is_a_flag_of_serve_and_of_demo(captured: list[Settings]) 
     plain = CliRunner().invoke(main.app, ["demo"])
     assert plain.exit_code == 0, plain.output
     assert [s.strict_fields for s in captured] == [True, True, False]
+
+
+AUTH_AND_CORS = {"api_key", "admin_key", "cors_allow_origins"}
+
+
+def _params(command: str) -> dict[str, Any]:
+    group = typer.main.get_command(main.app)
+    return {p.name: p for p in group.commands[command].params}  # type: ignore[attr-defined]
+
+
+def test_demo_takes_every_auth_and_cors_flag_of_serve_with_the_same_help() -> None:
+    serve_params, demo_params = _params("serve"), _params("demo")
+    panel = {name for name, p in serve_params.items() if name in AUTH_AND_CORS}
+    assert panel == AUTH_AND_CORS  # serve still has them under these names
+    for name in AUTH_AND_CORS:
+        assert demo_params[name].opts == serve_params[name].opts, name
+        assert demo_params[name].help == serve_params[name].help, name
+        assert demo_params[name].multiple
+    result = CliRunner().invoke(main.app, ["demo", "--help"], env={"COLUMNS": "100"})
+    text = re.sub(r"\x1b\[[0-9;]*m", "", result.output)
+    assert "--api-key" in text and "--admin-key" in text and "--cors-allow-origins" in text
+
+
+def test_demo_auth_and_cors_flags_reach_the_settings(captured: list[Settings]) -> None:
+    args = ["demo", "--api-key", "k1,k2", "--api-key", "k3", "--admin-key", "a1"]
+    result = CliRunner().invoke(
+        main.app, [*args, "--cors-allow-origins", "http://a.test, http://b.test"]
+    )
+    assert result.exit_code == 0, result.output
+    s = captured[0]
+    assert s.api_keys == ["k1", "k2", "k3"] and s.admin_keys == ["a1"]
+    assert s.cors_allow_origins == ["http://a.test", "http://b.test"]
+    assert [m.name for m in s.model_configs()] == ["tiny-qwen2-vl", "tiny-vlm2vec"]
+
+
+def test_demo_without_key_flags_leaves_the_environment_in_force(
+    captured: list[Settings],
+) -> None:
+    env = {"VLMSERVE_API_KEYS": '["from-env"]'}
+    result = CliRunner().invoke(main.app, ["demo"], env=env)
+    assert result.exit_code == 0, result.output
+    assert captured[0].api_keys == ["from-env"] and captured[0].admin_keys == []

@@ -1,5 +1,5 @@
 """A durable store: the producer starts while the session's row is committed, and no event
-reaches the store before that row (issue 22: the row's commit delayed every stream's start)."""
+reaches the store before that row (the row's commit must not delay the stream's start)."""
 
 from __future__ import annotations
 

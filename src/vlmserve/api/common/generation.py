@@ -90,7 +90,7 @@ class SentChoices:
     tokens: dict[int, list[int]] = field(default_factory=dict)  # token ids sent, by index
     completion: dict[int, int] = field(default_factory=dict)  # ended choices: their tokens
     prompt_tokens: int | None = None  # from a finish chunk's meta (None: not stored)
-    cached_tokens: int | None = None  # from that meta too (None: the model caches no prefix)
+    cached_tokens: int | None = None  # from the first chunk's meta (None: no prefix cache)
     usage_sent: bool = False  # the usage-only chunk was stored
     unsent_finish: dict[int, str] = field(default_factory=dict)  # ended; finish chunk not stored
 
@@ -120,12 +120,13 @@ def _fold(sent: SentChoices, index: int, finish: str | None, meta: dict[str, Any
     chunk, or the last text chunk whose meta says how the choice ends)."""
     meta = meta or {}
     sent.tokens.setdefault(index, []).extend(meta.get("token_ids", []))
+    if meta.get("cached_tokens") is not None:  # the first chunk's, and the finishes'
+        sent.cached_tokens = meta["cached_tokens"]
     reason = finish or meta.get("finish_reason")
     if reason is None:
         return
     sent.completion[index] = int(meta.get("completion_tokens", len(sent.tokens[index])))
     sent.prompt_tokens = meta.get("prompt_tokens", sent.prompt_tokens)
-    sent.cached_tokens = meta.get("cached_tokens", sent.cached_tokens)
     if finish is None:
         sent.unsent_finish[index] = reason
     else:

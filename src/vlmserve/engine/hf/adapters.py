@@ -1,7 +1,7 @@
 """Apply a PEFT LoRA adapter to a loaded base model, refusing adapters made for another base.
 
-Seed 000's bug #403: VLM2Vec-LoRA (made for Phi-3.5-vision) loaded on Qwen2-VL-2B. peft only
-*warns* about the missing keys and yields an adapter that does nothing, so the embeddings
+What this guards against: VLM2Vec-LoRA (made for Phi-3.5-vision) loaded on Qwen2-VL-2B. peft
+only *warns* about the missing keys and yields an adapter that does nothing, so the embeddings
 silently come from the bare base. Two checks refuse that with a ``ConfigError``:
 
 1. before loading, ``adapter_config.json`` (local dir, or the Hub cache; never downloaded
@@ -28,7 +28,9 @@ __all__ = ["BaseInfo", "apply_adapter", "base_info", "check_adapter_base", "read
 
 log = logging.getLogger(__name__)
 
-_HINT = "use an adapter trained for this base (seed 000: VLM2Vec-Qwen2VL-2B, not VLM2Vec-LoRA)"
+_HINT = (
+    "use an adapter trained for this base (for Qwen2-VL-2B: VLM2Vec-Qwen2VL-2B, not VLM2Vec-LoRA)"
+)
 # Model families recognisable in a repo name, for when no architecture is known.
 _FAMILIES = re.compile(
     "qwen|phi|llava|llama|gemma|idefics|smolvlm|internvl|mistral|pixtral|florence|blip|molmo"

@@ -39,7 +39,8 @@ from vlmserve.engine.hf.embed_inputs import (
 )
 from vlmserve.engine.hf.lifecycle import HFModel
 from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model
-from vlmserve.engine.types import Serves
+from vlmserve.engine.hf.score.prompts import cut_text
+from vlmserve.engine.types import Scored, ScorePair, Serves
 from vlmserve.errors import ConfigError, InvalidRequest
 
 __all__ = ["EmbedInput", "EmbedPrompts", "HFEmbedBackend"]
@@ -149,6 +150,21 @@ class HFEmbedBackend(HFModel):
                 )
         return [tokenizer.decode(ids) for ids in arrays]
 
+    async def score(self, pairs: list[ScorePair]) -> Scored:
+        """Cosine similarity of each pair's embeddings (a bi-encoder's relevance): each
+        distinct query is embedded once; a document's text is cut to ``max_doc_tokens``."""
+        tokenizer = self._require().processor.tokenizer
+        queries = list({id(p.query): p.query for p in pairs}.values())
+        documents = [
+            EmbedInput(cut_text(tokenizer, p.document.text, p.max_doc_tokens), *_media(p.document))
+            for p in pairs
+        ]
+        vectors = await self.embed([*queries, *documents])
+        where = {id(q): i for i, q in enumerate(queries)}
+        rows = vectors[[where[id(p.query)] for p in pairs]]
+        scores = np.sum(rows * vectors[len(queries) :], axis=1)
+        return Scored([float(s) for s in scores], self.count_tokens([*queries, *documents]))
+
     def embed_sync(self, items: list[EmbedInput]) -> np.ndarray:
         """Blocking: [len(items), dim] float32 unit vectors, computed in batches of max_batch."""
         _check_items(items)
@@ -202,6 +218,10 @@ class HFEmbedBackend(HFModel):
             last = hidden[:, -1, :].float()  # left padding: every row's last real token
             vectors = torch.nn.functional.normalize(last, dim=-1)
         return vectors.cpu().numpy()
+
+
+def _media(item: EmbedInput) -> tuple[Any, Any]:
+    return item.image, item.frames
 
 
 def _check_items(items: list[EmbedInput]) -> None:

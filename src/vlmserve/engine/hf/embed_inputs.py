@@ -21,7 +21,7 @@ __all__ = ["EmbedInput", "EmbedPrompts", "build_batch", "check_input", "render",
 
 @dataclass(slots=True, frozen=True)
 class EmbedPrompts:
-    """Seed 000's instructions (VLM2Vec); ``text`` must contain ``{text}``."""
+    """The GPU worker's instructions (VLM2Vec's); ``text`` must contain ``{text}``."""
 
     video: str = "Represent the given video clip."
     image: str = "Represent the given image."

@@ -3,7 +3,7 @@
 The keyword tables were established by compiling schemas with and without each keyword and
 comparing the EBNF xgrammar produced (and its warnings: "ignoring multipleOf", "Lookahead
 assertion is not supported and is ignored", "Anchor '^' in the middle of regex is ignored",
-"pattern combined with minLength/maxLength is not supported"). tests/unit/engine/test_grammar.py
+"pattern combined with minLength/maxLength is not supported"). tests/unit/engine/hf/test_grammar.py
 pins the cases a user relies on.
 """
 

@@ -1,6 +1,6 @@
 """``--chat-template``: a model's chat template replaced by one the operator gives.
 
-Seed 001's troubleshooting table needs it (LLaVA-1.5 checkpoints without a template, or with
+LLaVA-1.5 needs it ( checkpoints without a template, or with
 one that drops images). The value is a file path or the Jinja text itself; it is read when the
 server starts and checked when the model loads, by rendering a one-image conversation, so a
 broken template fails start-up instead of the first request.

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -277,13 +278,17 @@ class EngineProcClient(Backend):
         if self._closing:
             self._fail_all(ServiceUnavailable(f"model {self.model_id!r} was unloaded; retry"))
             return
-        reason = f"its engine process exited (exit code {_exit_code(self._proc)})"
+        code = _exit_code(self._proc)
+        reason = f"its engine process exited (exit code {code})"
         if self._boot is not None and not self._boot.done():
             self._boot.set_exception(
                 ServiceUnavailable(f"model {self.model_id!r}: {reason} while loading")
             )
             return
-        log.error("%s: %s", self.model_id, reason)
+        # Stopped on purpose (a signal that asks, before the engine set its handlers) is
+        # news; a crash (a segfault, the OOM killer's SIGKILL, an exception) is an error.
+        stopped = code is not None and -code in (signal.SIGTERM, signal.SIGINT)
+        log.log(logging.INFO if stopped else logging.ERROR, "%s: %s", self.model_id, reason)
         self._failed(reason)
 
     def _failed(self, reason: str) -> None:

@@ -5,7 +5,10 @@ event loop runs the backend exactly as the API process would (``prepare``, ``gen
 batching, grammars, stop strings and the caches behave the same; what it sends back is the
 chunks, one list per loop turn (a decode step's chunks of every stream in one send), and the
 backend's stats twice a second. It exits when the API process says ``close`` or goes away
-(end of file on the connection), and ignores Ctrl-C: the API process decides when it stops.
+(end of file on the connection), and ignores Ctrl-C and SIGTERM: the API process decides when
+it stops. A stop of the whole service (SIGTERM to every process of its group or cgroup, as
+systemd and ``timeout`` send) thus lets the API process finish its streams, then close the
+engine; SIGKILL stops an engine process alone.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ STATS_EVERY = 0.5  # seconds between the stats the API process shows in /metrics
 def run(conn: Connection) -> None:
     """The engine process's entry point: the first message says what to build."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until serve() says so in the log
     factory, log_level = conn.recv()
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
@@ -51,6 +55,7 @@ class EngineCore:
 
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.loop.add_signal_handler(signal.SIGTERM, self._sigterm)
         backend = self.factory()
         try:
             await backend.aload()
@@ -180,6 +185,9 @@ class EngineCore:
             stats.process_rss_bytes = resident_bytes()
             self._emit(("stats", stats, self.backend.memory_bytes))
             await asyncio.sleep(STATS_EVERY)
+
+    def _sigterm(self) -> None:
+        log.info("SIGTERM: this engine process exits when its server closes it (SIGKILL: now)")
 
     def _failed(self) -> None:
         error = self.backend.error if self.backend is not None else None

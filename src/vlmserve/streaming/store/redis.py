@@ -21,13 +21,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio as aioredis
 
 from vlmserve.streaming.events import FINAL_STATES, Event, SessionRecord, SessionState
 from vlmserve.streaming.store.base import already_exists, dump_meta, dump_request, load_meta
 from vlmserve.streaming.store.group import GroupCommit
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT
 
 __all__ = ["RedisStore"]
 
@@ -69,7 +72,7 @@ class RedisStore:
                 await self._redis.delete(key, *(self._key("alias", a) for a in taken))
                 raise already_exists(alias)
             taken.append(alias)
-        mapping = {
+        mapping: dict[EncodableT, EncodableT] = {
             "request": dump_request(record.request),
             "state": record.state.value,
             "created_at": repr(record.created_at),
@@ -163,7 +166,7 @@ class RedisStore:
     async def get(self, session_id: str) -> SessionRecord | None:
         data, newest = await self._record(session_id)
         if "state" not in data:
-            target = await self._redis.get(self._key("alias", session_id))
+            target = cast("str | None", await self._redis.get(self._key("alias", session_id)))
             if target is None:
                 return None
             data, newest = await self._record(target)
@@ -191,7 +194,10 @@ class RedisStore:
 
     async def events(self, session_id: str, after: int) -> list[Event]:
         stream = self._key("events", session_id)
-        entries = await self._redis.xrange(stream, min=_entry_id(after + 1))
+        entries = cast(
+            "list[tuple[str, dict[str, str]]]",
+            await self._redis.xrange(stream, min=_entry_id(after + 1)),
+        )
         return [_to_event(fields) for _, fields in entries]
 
     async def wait_events(self, session_id: str, after: int, timeout: float) -> list[Event]:
@@ -220,8 +226,12 @@ class RedisStore:
         await self._redis.aclose()
 
 
-def _event_fields(event: Event) -> dict[str, Any]:
-    fields: dict[str, Any] = {"i": event.index, "d": event.data, "t": int(event.terminal)}
+def _event_fields(event: Event) -> dict[EncodableT, EncodableT]:
+    fields: dict[EncodableT, EncodableT] = {
+        "i": event.index,
+        "d": event.data,
+        "t": int(event.terminal),
+    }
     if event.event is not None:
         fields["e"] = event.event
     meta = dump_meta(event.meta)

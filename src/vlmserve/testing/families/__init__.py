@@ -7,6 +7,9 @@ family's official chat template (``vlmserve/testing/templates``), tiny dimension
 
     from vlmserve.testing.families import FAMILIES
     path = FAMILIES["llava"]()  # built on first use, then read from the tiny cache
+
+Rerankers (jina-reranker-m0's and Qwen3-VL-Reranker's layouts, random or scripted to a known
+ranking) are in ``rerankers.py`` (``RERANKERS``), apart: they score, they do not chat.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tiny LLaVA-1.5 (``LlavaForConditionalGeneration``): CLIP tower, MLP projector, Llama decoder.
 
-Like ``llava-hf/llava-1.5-7b-hf`` with every dimension tiny (seed 002's model): one fixed-size
+Like ``llava-hf/llava-1.5-7b-hf`` with every dimension tiny: one fixed-size
 image -> ``(image_size / patch)**2`` ``<image>`` tokens. Images only: no video input.
 """
 

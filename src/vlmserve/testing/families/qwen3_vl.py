@@ -1,6 +1,6 @@
 """Tiny Qwen3-VL (``Qwen3VLForConditionalGeneration``): images and video, interleaved M-RoPE.
 
-Like ``Qwen/Qwen3-VL-2B-Thinking`` (seed 003's default) with every dimension tiny: 16-px
+Like ``Qwen/Qwen3-VL-2B-Thinking`` (a thinking model) with every dimension tiny: 16-px
 patches merged 2x2, DeepStack features from the first vision block, q/k-normed decoder and
 text timestamps (``<0.3 seconds>``) in front of each video frame group.
 """

@@ -1,4 +1,4 @@
-"""Model lifecycle admin API (seed 001): activate, deactivate, state."""
+"""Model lifecycle admin API: activate, deactivate, state."""
 
 from __future__ import annotations
 

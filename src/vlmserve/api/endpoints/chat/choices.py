@@ -74,11 +74,14 @@ class Usage:
     prompt: int = 0
     completion: dict[int, int] = field(default_factory=dict)  # by choice index
     cached: int | None = None  # prompt tokens from the prefix cache (None: not caching)
+    # a continued stream reports the cache hits of the request the client sent (stored with
+    # its first chunk), not those of the continuation's own prompt
+    cached_known: bool = False
 
     def add(self, chunk: Chunk) -> None:
         self.prompt = chunk.prompt_tokens
         self.completion[chunk.index] = chunk.completion_tokens
-        if chunk.cached_tokens is not None and chunk.index == 0:
+        if chunk.cached_tokens is not None and chunk.index == 0 and not self.cached_known:
             self.cached = chunk.cached_tokens
 
     def body(self) -> dict[str, Any]:

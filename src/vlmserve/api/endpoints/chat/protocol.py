@@ -1,4 +1,4 @@
-"""`/v1/chat/completions` request shapes: OpenAI's, seed 003's media parts, vLLM extras."""
+"""`/v1/chat/completions` request shapes: OpenAI's, extra media parts, vLLM extras."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class VideoUrlPart(_Part):
 
 class InputVideoPart(_Part):
     """A video file (``b64_json``, ``video``, ``video_url``), or a clip as its ``frames``
-    (base64 JPEG/PNG or image URLs, in order; seed 000's form, sampled to
+    (base64 JPEG/PNG or image URLs, in order; the GPU worker's form, sampled to
     VLMSERVE_MAX_VIDEO_FRAMES before decoding)."""
 
     type: Literal["input_video"]
@@ -187,7 +187,7 @@ class ChatCompletionRequest(BaseModel):
     # vLLM-compatible extras (benchmarks need fixed output lengths)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    # seed 003: resumable streams
+    # resumable streams
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
     # vLLM's: a secret that keeps this request's prefix-cache entries apart from other
     # tenants' (only requests with the same salt share cached blocks)

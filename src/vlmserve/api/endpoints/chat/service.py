@@ -57,6 +57,7 @@ async def _emits(
     n: int = 1,
     ended: dict[int, int] | None = None,
     timed: bool = False,
+    sent: SentChoices | None = None,
 ) -> AsyncIterator[Emit]:
     """Engine chunks -> OpenAI ``chat.completion.chunk`` events (token ids kept in meta),
     each under its choice's index, with its tokens' logprobs when asked for.
@@ -69,16 +70,22 @@ async def _emits(
     ``metrics`` when ``timed`` (``timings.py``); ``continuous_usage_stats`` puts the running
     usage on every content chunk too (vLLM). ``ended``: choices of a continued stream that had
     finished before it stopped, with their completion tokens (they count in the usage chunk
-    but produce nothing more).
+    but produce nothing more); ``sent``: what its stored events already say (their cache
+    hits count in the usage chunk).
     """
     include_usage = bool(options and options.include_usage)
     running = bool(options and options.continuous_usage_stats)
     roles = set(roles)
     counts, finished = Usage(completion=dict(ended or {})), len(ended or {})
     timings: dict[str, float] | None = None
+    if sent is not None and sent.cached_tokens is not None:
+        counts.cached, counts.cached_known = sent.cached_tokens, True
+    cache_noted = sent is not None  # the stream's cache hits go in its first chunk's meta
     async for c in chunks:
         counts.add(c)
         ending = _ending(c)  # in the meta: a stream cut right here is ended on resume
+        if not cache_noted and c.cached_tokens is not None and c.index == 0:
+            ending, cache_noted = {"cached_tokens": c.cached_tokens, **ending}, True
         if c.text or c.token_ids or c.reasoning or c.tool_calls:
             now = usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens) if running else None
             delta = delta_of(c.text, c.reasoning, c.tool_calls) or {"content": ""}
@@ -304,6 +311,7 @@ class ChatService:
                 n=body.n,
                 ended=sent.completion,
                 timed=self.timed(body),
+                sent=sent,
             ),
         )
         leases = [generation.lease for _, generation in opened]

@@ -40,8 +40,8 @@ class EmbeddingsRequest(BaseModel):
         if not isinstance(self.input, list) or isinstance(self.input[0], str):
             return None
         if isinstance(self.input[0], int):
-            return [self.input]  # type: ignore[list-item]
-        return self.input  # type: ignore[return-value]
+            return [self.input]
+        return self.input
 
     @property
     def texts(self) -> list[str]:

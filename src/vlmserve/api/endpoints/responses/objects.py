@@ -129,6 +129,7 @@ class ResponseLog:
     final: dict[str, Any] | None = None  # the response object of the terminal event
     closing: dict[str, Any] | None = None  # how it was ending (a closing event's meta)
     foreign_error: dict[str, Any] | None = None  # a session error event (server_restart, gap)
+    cached_tokens: int | None = None  # the request's prefix-cache hits (in its first event's meta)
     metrics: dict[str, Any] | None = None  # the request's timings, once it ended (when asked)
 
     @classmethod
@@ -153,6 +154,8 @@ class ResponseLog:
             return
         if event.meta and "closing" in event.meta:
             self.closing = event.meta["closing"]
+        if event.meta and event.meta.get("cached_tokens") is not None:
+            self.cached_tokens = event.meta["cached_tokens"]
         data = json.loads(event.data)
         kind = event.event or ""
         self._mark(kind, data)

@@ -27,7 +27,12 @@ async def produce(
         for emit in log.preamble():
             yield emit
         pending: list[int] = []  # ids of text the detokenizer still holds
+        # A continued response reports the cache hits of the request as the client sent it
+        # (kept in the meta of its first stored event), not those of the continuation's prompt.
+        restored, cached_noted = log.cached_tokens, log.cached_tokens is not None
         async for chunk in generation.chunks:
+            if restored is not None:
+                chunk = replace(chunk, cached_tokens=restored)
             pending.extend(chunk.token_ids)
             emits = log.think(chunk.reasoning, pending) if chunk.reasoning else []
             if chunk.text:
@@ -40,6 +45,10 @@ async def produce(
                 if timed and chunk.timings is not None:
                     log.metrics = metrics_object(chunk.timings, chunk.completion_tokens)
                 emits += log.finish(chunk)
+            if emits and not cached_noted and chunk.cached_tokens is not None:
+                cached = {"cached_tokens": chunk.cached_tokens}
+                emits[0] = replace(emits[0], meta={**(emits[0].meta or {}), **cached})
+                cached_noted = True
             for emit in emits:
                 yield emit
     finally:

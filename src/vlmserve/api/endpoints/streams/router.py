@@ -1,4 +1,4 @@
-"""Stream control (seed 003): cancel by session or completion id, resume with a plain GET.
+"""Stream control: cancel by session or completion id, resume with a plain GET.
 
 Every name is the caller's key's (``streaming/scope.py``): another key's session or alias is
 the 404 of an unknown id. ``GET /v1/streams/{id}?token=`` without a key opens the one session

@@ -15,7 +15,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.get("/health")
 async def health(models: ModelsDep) -> dict[str, Any]:
-    """Liveness (seed 003's shape): the process answers; says whether models are ready."""
+    """Liveness: the process answers; says whether models are ready."""
     handles = models.handles
     errors = [f"{h.name}: {h.backend.error}" for h in handles if h.backend.error]
     return {
@@ -50,6 +50,7 @@ def _model_card(h: Any, created: int) -> dict[str, Any]:
         "roles": h.roles,
         "aliases": h.aliases,
         "capabilities": sorted(h.inputs) if h.inputs is not None else None,
+        "scores": h.backend.serves.value in ("rerank", "embedding"),  # /v1/rerank, /v1/score
         "ready": h.ready,
     }
 

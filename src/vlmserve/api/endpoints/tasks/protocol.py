@@ -54,7 +54,7 @@ class ExtractRequest(TaskOptions):
     images: list[str] = Field(default_factory=list, description="image URLs or data URLs")
     video: str | None = Field(default=None, description="a video URL or data URL")
     frames: list[str] | None = Field(
-        default=None, description="a clip as base64 JPEG frames (seed 000's /encode-video form)"
+        default=None, description="a clip as base64 JPEG frames (the /encode-video form)"
     )
     max_items: int | None = Field(
         default=None, ge=1, le=256, description="at most this many items (default 32)"

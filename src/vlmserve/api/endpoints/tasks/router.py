@@ -1,6 +1,6 @@
 """Task endpoints: entities, triples, ID-card (KTP) OCR; thin: parse, call, answer.
 
-``/ktp-ocr/`` is seed 003's path (multipart ``file``); ``/v1/extract/id-card`` takes JSON.
+``/ktp-ocr/`` is the path KTP clients call (multipart ``file``); ``/v1/extract/id-card`` takes JSON.
 A model answer that does not parse or fit the schema is a 422 ``invalid_model_output``.
 """
 
@@ -53,7 +53,7 @@ async def extract_triples(
 async def extract_id_card(
     request: Request, service: TasksDep, owner: OwnerDep, body: IdCardRequest
 ) -> Any:
-    """A KTP photo (URL/data URL/base64) -> seed 003's fields, normalised and checked."""
+    """A KTP photo (URL/data URL/base64) -> the card's fields, normalised and checked."""
     request.state.model = body.model
     return await _answer(request, service.id_card(body, request.state.request_id, owner))
 
@@ -68,5 +68,5 @@ async def validate_id_card_fields(body: IdCardValidateRequest) -> dict[str, Any]
 async def ktp_ocr(
     request: Request, service: TasksDep, owner: OwnerDep, file: UploadFile = File(...)
 ) -> Any:
-    """Seed 003: multipart ``file`` (a KTP photo) -> the card's fields as JSON."""
+    """Multipart ``file`` (a KTP photo) -> the card's fields as JSON."""
     return await _answer(request, service.ktp_upload(file, request.state.request_id, owner))

@@ -122,7 +122,7 @@ async def read_upload(file: UploadFile, limit: int, param: str = "file") -> byte
 
 
 def id_card_body(data: dict[str, Any]) -> dict[str, Any]:
-    """Seed 003's fields at the top level (normalised), then how each one checked out."""
+    """The KTP fields at the top level (normalised), then how each one checked out."""
     result = validate_id_card(data)
     return {**result.fields, "validation": result.validation(), "valid": result.valid}
 
@@ -220,7 +220,7 @@ class TaskService:
     async def ktp_upload(
         self, file: UploadFile, request_id: str, owner: str = ANONYMOUS
     ) -> dict[str, Any]:
-        """Seed 003's ``/ktp-ocr/``: a multipart photo, size-checked before decoding."""
+        """``/ktp-ocr/``: a multipart photo, size-checked before decoding."""
         data = await read_upload(file, self.chat.converter.settings.max_media_bytes)
         body = IdCardRequest(image=base64.b64encode(data).decode())
         try:

@@ -1,4 +1,4 @@
-"""Seed 000's GPU-worker task API, exact contract: encode-video, encode-text, caption, generate."""
+"""The GPU-worker task API, exact contract: encode-video, encode-text, caption, generate."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ __all__ = [
     "GenerateResponse",
 ]
 
-CAPTION_MAX_TOKENS = 512  # seed 000: "max 512 new tokens"
+CAPTION_MAX_TOKENS = 512  # the worker API's "max 512 new tokens"
 
 
 class _In(BaseModel):

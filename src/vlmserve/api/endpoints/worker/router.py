@@ -1,4 +1,4 @@
-"""Seed 000's worker endpoints, exact contract (400 on empty input, 503 while loading)."""
+"""The GPU worker's endpoints, exact contract (400 on empty input, 503 while loading)."""
 
 from __future__ import annotations
 

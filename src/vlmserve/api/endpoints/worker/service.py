@@ -1,4 +1,4 @@
-"""Seed 000's task endpoints and ``/v1/embeddings``, on the models picked by role."""
+"""The GPU worker's task endpoints and ``/v1/embeddings``, on the models picked by role."""
 
 from __future__ import annotations
 

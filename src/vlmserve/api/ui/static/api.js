@@ -63,3 +63,13 @@ export async function listModels() {
   const answer = await call("/v1/models");
   return answer.data;
 }
+
+// Which keys the server asks for ({api_key_required, admin_api, metrics_public}; no key in
+// it), read once. A server too old to say is taken to ask for both.
+let config = null;
+export function serverConfig() {
+  config ??= fetch("/ui/config.json", { cache: "no-store" })
+    .then((r) => (r.ok ? r.json() : Promise.reject(new Error(r.statusText))))
+    .catch(() => ({ api_key_required: true, admin_api: true, metrics_public: true }));
+  return config;
+}

@@ -1,6 +1,6 @@
 // The console's entry point: tabs, keys, and the model lists the pages pick from.
 
-import { listModels, setKey } from "./api.js";
+import { hasKey, listModels, serverConfig, setKey } from "./api.js";
 import { setupChat } from "./chat.js";
 import { say } from "./dom.js";
 import { setupExtract } from "./extract.js";
@@ -75,6 +75,22 @@ function setupTabs() {
   select(location.hash.slice(1));
 }
 
+// What the Keys box says: whether this server asks for keys at all. It starts folded where no
+// key is needed, or on a phone once a key is set: the page comes first.
+async function showKeyNeeds() {
+  const { api_key_required: api, admin_api: admin } = await serverConfig();
+  const need = api
+    ? "this server needs an API key"
+    : admin
+      ? "none needed for the API; an admin key opens the Models controls"
+      : "none needed: this server has no keys";
+  $("keys-need").textContent = hasKey("api") || hasKey("admin") ? "(set)" : `(${need})`;
+  $("admin-key").disabled = !admin;
+  $("admin-key").title = admin ? "" : "this server has no admin API (it starts with --admin-key)";
+  const phone = matchMedia("(max-width: 640px)").matches;
+  $("keys-box").open = api && !(phone && hasKey("api"));
+}
+
 // Keys are read as typed and kept in memory; "Use keys" reloads what depends on them.
 function setupKeys() {
   for (const kind of ["api", "admin"]) {
@@ -85,6 +101,7 @@ function setupKeys() {
     setKey("api", $("api-key").value);
     setKey("admin", $("admin-key").value);
     say($("keys-status"), "keys set (kept in this page's memory only)");
+    showKeyNeeds();
     loadModels();
     if (!$("page-models").hidden) models.refresh();
   });
@@ -96,4 +113,5 @@ setupChat();
 setupSearch();
 setupExtract();
 setupTabs();
+showKeyNeeds();
 loadModels();

@@ -1,97 +1,182 @@
-// Chat page: a model, text plus images and videos, a streamed answer that resumes by itself
-// after a dropped connection, a stop button, and usage and TTFT under each answer.
+// Chat page: a model, a system prompt, text plus images and videos, a streamed answer (as
+// Markdown) that resumes by itself after a dropped connection, a stop button, and usage and
+// TTFT under each answer. The conversation survives a reload of the tab (conversation.js);
+// each message can be copied, a question edited and sent again, the last answer regenerated.
 
-import { el, fmtSeconds, say } from "./dom.js";
-import { acceptFiles, contentPart, loadMedia, thumbnail } from "./media.js";
+import { Conversation } from "./conversation.js";
+import { AnswerView, editorView, facts, userView } from "./chatviews.js";
+import { el, say } from "./dom.js";
+import { acceptFiles, loadMedia, thumbnail } from "./media.js";
 import { ChatStream } from "./stream.js";
 
 const $ = (id) => document.getElementById(id);
 
-// One answer in the log: its reasoning (folded), its text, and a line of facts under it.
-class AnswerView {
-  constructor(log) {
-    this.reasoning = el("pre", { className: "reasoning-text" });
-    this.details = el(
-      "details",
-      { className: "reasoning", hidden: true },
-      el("summary", {}, "Reasoning"),
-      this.reasoning,
-    );
-    this.text = el("div", { className: "content" });
-    this.meta = el("p", { className: "meta" });
-    this.error = el("p", { className: "error", role: "alert", hidden: true });
-    const props = {
-      className: "msg assistant",
-      dataset: { state: "streaming" },
-      "aria-busy": "true",
-    };
-    this.node = el("li", props, this.details, this.text, this.error, this.meta);
-    log.append(this.node);
-    say(this.meta, "waiting for the first token…");
+// Streams one answer into `view`; resolves to the finished assistant turn.
+async function streamAnswer(body, view, handles) {
+  const run = { state: "streaming", ttft: null, usage: null, finish: null, resumes: 0 };
+  Object.assign(run, { firstAt: 0, lastAt: 0, text: "", reasoning: "", error: "" });
+  const started = performance.now();
+  const seen = () => {
+    const now = performance.now();
+    if (run.ttft === null) [run.ttft, run.firstAt] = [(now - started) / 1000, now];
+    run.lastAt = now;
+  };
+  const fail = (message) => {
+    run.error = message || "the request failed";
+    view.fail(run.error);
+  };
+  handles.current = new ChatStream(body, {
+    onChunk(chunk) {
+      if (chunk.usage) run.usage = chunk.usage;
+      for (const choice of chunk.choices || []) {
+        const delta = choice.delta || {};
+        const thought = delta.reasoning ?? delta.reasoning_content;
+        if (thought) {
+          seen();
+          run.reasoning += thought;
+          view.addReasoning(thought);
+        }
+        if (delta.content) {
+          seen();
+          run.text += delta.content;
+          view.render(run.text);
+        }
+        if (choice.finish_reason) run.finish = choice.finish_reason;
+      }
+      say(view.meta, facts(run) || "streaming…");
+      handles.scroll();
+    },
+    onError: (error) => fail(error.message || JSON.stringify(error)),
+    onResume(count) {
+      run.resumes = count;
+      view.node.dataset.resumed = String(count);
+      say(view.meta, facts(run));
+    },
+  });
+  try {
+    await handles.current.run();
+    run.state = run.finish === "cancelled" ? "cancelled" : "done";
+  } catch (error) {
+    run.state = error.name === "AbortError" ? "cancelled" : "error";
+    if (run.state === "error") fail(error.message);
   }
-
-  addReasoning(text) {
-    this.details.hidden = false;
-    this.reasoning.textContent += text;
-  }
-
-  fail(message) {
-    this.error.hidden = false;
-    this.error.textContent = message;
-  }
-}
-
-function userView(log, text, media) {
-  const thumbs = media.length ? el("div", { className: "thumbs" }, ...media.map(thumbnail)) : null;
-  log.append(
-    el(
-      "li",
-      { className: "msg user" },
-      thumbs,
-      text ? el("div", { className: "content" }, text) : null,
-    ),
-  );
-}
-
-function facts(run) {
-  const parts = [];
-  if (run.state === "cancelled") parts.push("stopped");
-  if (run.ttft !== null) parts.push(`TTFT ${fmtSeconds(run.ttft)}`);
-  const usage = run.usage;
-  if (usage) {
-    parts.push(`${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion tokens`);
-    const seconds = run.lastAt && run.firstAt ? (run.lastAt - run.firstAt) / 1000 : 0;
-    if (seconds > 0 && usage.completion_tokens > 1) {
-      parts.push(`${((usage.completion_tokens - 1) / seconds).toFixed(1)} tokens/s`);
-    }
-  }
-  if (run.finish && run.finish !== "cancelled") parts.push(`finish: ${run.finish}`);
-  if (run.resumes)
-    parts.push(`resumed after a dropped connection${run.resumes > 1 ? ` (${run.resumes}×)` : ""}`);
-  return parts.join(" · ");
+  if (run.error && run.state === "done") run.state = "error";
+  const { text, reasoning, state, error, resumes } = run;
+  return { role: "assistant", text, reasoning, state, error, resumed: resumes, meta: facts(run) };
 }
 
 export function setupChat() {
   const log = $("chat-log");
   const input = $("chat-input");
-  const files = $("chat-files");
   const tray = $("chat-attachments");
-  const send = $("chat-send");
-  const stop = $("chat-stop");
   const status = $("chat-status");
-  const newChat = $("chat-new");
-  let history = [];
+  const system = $("chat-system");
+  const convo = new Conversation();
+  const handles = { current: null, scroll: () => (log.scrollTop = log.scrollHeight) };
   let pending = [];
-  let current = null;
+
+  function save() {
+    if (!convo.save()) say(status, "attachments too large to keep across a reload: left out");
+  }
+
+  function setBusy(busy) {
+    $("chat-send").disabled = $("chat-new").disabled = busy;
+    $("chat-stop").disabled = !busy;
+    for (const button of log.querySelectorAll(".msg-actions button")) button.disabled = busy;
+  }
+
+  function copy(text) {
+    navigator.clipboard.writeText(text).then(
+      () => say(status, "copied"),
+      (error) => say(status, `copy failed: ${error.message}`, "error"),
+    );
+  }
+
+  function buttonsFor(i) {
+    const turn = convo.turns[i];
+    const buttons = [{ label: "Copy", name: "copy", onClick: () => copy(turn.text) }];
+    if (turn.role === "user") buttons.push({ label: "Edit", name: "edit", onClick: () => edit(i) });
+    else if (i === convo.turns.length - 1)
+      buttons.push({ label: "Regenerate", name: "regenerate", onClick: () => regenerate(i) });
+    return buttons;
+  }
+
+  function viewOf(turn, i) {
+    return turn.role === "user"
+      ? userView(turn, buttonsFor(i))
+      : new AnswerView(turn, buttonsFor(i)).node;
+  }
+
+  function render() {
+    log.replaceChildren(...convo.turns.map(viewOf));
+    handles.scroll();
+  }
+
+  async function ask() {
+    const body = {
+      model: $("chat-model").value,
+      messages: convo.messages(),
+      max_tokens: Number($("chat-max-tokens").value) || undefined,
+      temperature: Number($("chat-temperature").value),
+    };
+    const view = new AnswerView({ role: "assistant", state: "streaming" });
+    log.append(view.node);
+    setBusy(true);
+    const turn = await streamAnswer(body, view, handles);
+    handles.current = null;
+    convo.turns.push(turn);
+    save();
+    render(); // the answer as stored; the previous one loses its Regenerate button
+    setBusy(false);
+    log.dataset.answered = String(Number(log.dataset.answered || 0) + 1); // answers ended
+    const said = { done: "answer complete", cancelled: "answer stopped", error: "the answer failed" };
+    const detail = turn.state === "error" ? turn.error : turn.meta;
+    say(status, `${said[turn.state]}: ${detail}`, turn.state === "error" ? "error" : "info");
+    input.focus();
+  }
+
+  async function submit() {
+    const text = input.value.trim();
+    if ((!text && !pending.length) || handles.current) return;
+    convo.turns.push({ role: "user", text, media: pending });
+    input.value = "";
+    pending = [];
+    renderTray();
+    save();
+    render();
+    await ask();
+  }
+
+  function regenerate(i) {
+    if (handles.current) return;
+    convo.turns.splice(i);
+    save();
+    render();
+    ask();
+  }
+
+  function edit(i) {
+    if (handles.current) return;
+    const turn = convo.turns[i];
+    const editor = editorView(turn, {
+      onSave(text) {
+        if (!text && !(turn.media || []).length) return;
+        convo.turns.splice(i, convo.turns.length - i, { ...turn, text });
+        save();
+        render();
+        ask();
+      },
+      onCancel: render,
+    });
+    log.children[i].replaceWith(editor);
+  }
 
   function renderTray() {
     tray.replaceChildren(
       ...pending.map((item, i) => {
-        const remove = el(
-          "button",
-          { type: "button", className: "remove", "aria-label": `Remove ${item.name}` },
-          "×",
-        );
+        const label = `Remove ${item.name}`;
+        const remove = el("button", { type: "button", className: "remove", "aria-label": label });
+        remove.textContent = "×";
         remove.addEventListener("click", () => {
           pending.splice(i, 1);
           renderTray();
@@ -107,112 +192,8 @@ export function setupChat() {
     pending.push(...items);
     renderTray();
     const skipped = list.length - items.length;
-    say(
-      status,
-      skipped
-        ? `${skipped} file(s) skipped: only images and videos`
-        : `${pending.length} attachment(s)`,
-    );
-  }
-
-  async function submit() {
-    const text = input.value.trim();
-    if ((!text && !pending.length) || current) return;
-    const media = pending;
-    const content = media.length
-      ? [...media.map(contentPart), ...(text ? [{ type: "text", text }] : [])]
-      : text;
-    history.push({ role: "user", content });
-    userView(log, text, media);
-    input.value = "";
-    pending = [];
-    renderTray();
-    const body = {
-      model: $("chat-model").value,
-      messages: [...history],
-      max_tokens: Number($("chat-max-tokens").value) || undefined,
-      temperature: Number($("chat-temperature").value),
-    };
-    await answer(body);
-  }
-
-  async function answer(body) {
-    const view = new AnswerView(log);
-    const run = {
-      state: "streaming",
-      ttft: null,
-      usage: null,
-      finish: null,
-      resumes: 0,
-      firstAt: 0,
-      lastAt: 0,
-      text: "",
-    };
-    const started = performance.now();
-    const seen = () => {
-      const now = performance.now();
-      if (run.ttft === null) {
-        run.ttft = (now - started) / 1000;
-        run.firstAt = now;
-      }
-      run.lastAt = now;
-    };
-    current = new ChatStream(body, {
-      onChunk(chunk) {
-        if (chunk.usage) run.usage = chunk.usage;
-        for (const choice of chunk.choices || []) {
-          const delta = choice.delta || {};
-          const thought = delta.reasoning ?? delta.reasoning_content;
-          if (thought) {
-            seen();
-            view.addReasoning(thought);
-          }
-          if (delta.content) {
-            seen();
-            run.text += delta.content;
-            view.text.textContent = run.text;
-          }
-          if (choice.finish_reason) run.finish = choice.finish_reason;
-        }
-        say(view.meta, facts(run) || "streaming…");
-        log.scrollTop = log.scrollHeight;
-      },
-      onError(error) {
-        view.fail(error.message || JSON.stringify(error));
-      },
-      onResume(count) {
-        run.resumes = count;
-        view.node.dataset.resumed = String(count);
-        say(view.meta, facts(run));
-      },
-    });
-    send.disabled = newChat.disabled = true;
-    stop.disabled = false;
-    try {
-      await current.run();
-      run.state = run.finish === "cancelled" ? "cancelled" : "done";
-    } catch (error) {
-      run.state = error.name === "AbortError" ? "cancelled" : "error";
-      if (run.state === "error") view.fail(error.message);
-    } finally {
-      current = null;
-      send.disabled = newChat.disabled = false;
-      stop.disabled = true;
-    }
-    if (!view.error.hidden && run.state === "done") run.state = "error";
-    if (run.state === "error" && !run.text)
-      history.pop(); // nothing came back: retry the turn
-    else history.push({ role: "assistant", content: run.text });
-    say(view.meta, facts(run));
-    view.node.dataset.state = run.state;
-    view.node.setAttribute("aria-busy", "false");
-    const said = {
-      done: "answer complete",
-      cancelled: "answer stopped",
-      error: "the answer failed",
-    };
-    say(status, `${said[run.state]}: ${facts(run)}`, run.state === "error" ? "error" : "info");
-    input.focus();
+    const message = `${skipped} file(s) skipped: only images and videos`;
+    say(status, skipped ? message : `${pending.length} attachment(s)`);
   }
 
   $("chat-form").addEventListener("submit", (event) => {
@@ -225,24 +206,32 @@ export function setupChat() {
       submit();
     }
   });
-  stop.addEventListener("click", async () => {
-    if (!current) return;
-    stop.disabled = true;
+  $("chat-stop").addEventListener("click", async () => {
+    if (!handles.current) return;
+    $("chat-stop").disabled = true;
     try {
-      await current.cancel();
+      await handles.current.cancel();
     } catch (error) {
       // a 404 means it had just ended
       if (error.status !== 404) say(status, `stop failed: ${error.message}`, "error");
     }
   });
-  files.addEventListener("change", () => {
-    addFiles([...files.files]);
-    files.value = "";
+  $("chat-files").addEventListener("change", (event) => {
+    addFiles([...event.target.files]);
+    event.target.value = "";
   });
   acceptFiles($("chat-drop"), input, addFiles);
-  newChat.addEventListener("click", () => {
-    history = [];
-    log.replaceChildren();
+  $("chat-new").addEventListener("click", () => {
+    convo.clear();
+    render();
     say(status, "new conversation");
   });
+  system.value = convo.system;
+  $("chat-system-box").open = Boolean(convo.system);
+  system.addEventListener("input", () => {
+    convo.system = system.value;
+    save();
+  });
+  render();
+  if (convo.turns.length) say(status, `${convo.turns.length} message(s) kept from before the reload`);
 }

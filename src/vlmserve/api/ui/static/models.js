@@ -1,9 +1,12 @@
 // Models page: each model's state, memory, in-flight requests, keep-alive and last use
-// (GET /admin/state, admin key), activate / deactivate, and live tokens/s and TTFT (/metrics).
+// (GET /admin/state, admin key), activate / deactivate, live tokens/s and TTFT (/metrics), and
+// charts of the last 15 minutes of readings (timeline.js, charts.js).
 
-import { call, hasKey, listModels } from "./api.js";
+import { call, hasKey, listModels, serverConfig } from "./api.js";
+import { LiveCharts } from "./charts.js";
 import { el, fmtAgo, fmtBytes, fmtSeconds, say, table } from "./dom.js";
-import { parseMetrics, perModel, rates } from "./metrics.js";
+import { mediaQueue, parseMetrics, perModel, rates } from "./metrics.js";
+import { Timeline } from "./timeline.js";
 
 const $ = (id) => document.getElementById(id);
 const POLL_MS = 2000;
@@ -24,15 +27,23 @@ export function setupModels({ onChange }) {
   let reading = null; // {at, numbers}: the last /metrics reading
   let live = {};
   let timer = null;
+  const timeline = new Timeline();
+  const charts = new LiveCharts($("models-charts-grid"));
+  const chartStatus = $("models-charts-status");
 
   async function readMetrics() {
     try {
-      const numbers = perModel(parseMetrics(await call("/metrics")));
+      const samples = parseMetrics(await call("/metrics"));
+      const numbers = perModel(samples);
       const at = performance.now();
       live = rates(reading?.numbers, numbers, reading ? (at - reading.at) / 1000 : 0);
       reading = { at, numbers };
-    } catch {
+      timeline.add(numbers, mediaQueue(samples));
+      charts.draw(timeline.charts());
+      say(chartStatus, timeline.models().length ? "" : "no chat model has reported yet");
+    } catch (error) {
       live = {}; // /metrics may be closed to this key: the table still shows the rest
+      say(chartStatus, `no charts: /metrics answered ${error.message}`, "error");
     }
   }
 
@@ -90,17 +101,15 @@ export function setupModels({ onChange }) {
     return table("Models (admin view)", headers, rows, "models");
   }
 
-  function publicTable(models) {
+  function publicTable(models, adminApi) {
     const rows = models.map((m) => ({
       row: { dataset: { model: m.id, state: m.ready ? "ready" : "not-ready" } },
       cells: [m.id, m.ready ? "ready" : "not ready", (m.roles || []).join(", "), speed(m.id)],
     }));
-    return table(
-      "Models (enter an admin key for state and controls)",
-      ["Model", "State", "Roles", "Live"],
-      rows,
-      "models",
-    );
+    const caption = adminApi
+      ? "Models (enter an admin key for state and controls)"
+      : "Models (this server has no admin API: no controls)";
+    return table(caption, ["Model", "State", "Roles", "Live"], rows, "models");
   }
 
   // Update the table in place when the same models are listed (a button under the pointer
@@ -133,8 +142,12 @@ export function setupModels({ onChange }) {
         const counts = `${models.length} model(s), ${streams.active} active stream(s)`;
         updated.textContent = `${counts} · ${time}`;
       } else {
-        show(publicTable(await listModels()));
-        updated.textContent = "An admin key (under Keys) shows memory, keep-alive and controls.";
+        const { admin_api: adminApi } = await serverConfig();
+        show(publicTable(await listModels(), adminApi));
+        updated.textContent = adminApi
+          ? "An admin key (under Keys) shows memory, keep-alive and controls."
+          : "Start the server with --admin-key (or VLMSERVE_ADMIN_KEYS) for memory, " +
+            "keep-alive and controls.";
       }
     } catch (error) {
       say(status, error.message, "error");

@@ -1,7 +1,8 @@
-// Video search page (seed 000's semantic search, end to end in the browser): embed a few clips
-// with the embedding model, embed a query, rank the clips by cosine similarity.
+// Video search page (semantic video search, end to end in the browser): embed a few clips
+// with the embedding model, embed a query, rank the clips by cosine similarity; optionally
+// reorder the top RERANK_TOP by a reranker's relevance (/v1/rerank, each clip with its name).
 
-import { call } from "./api.js";
+import { call, listModels } from "./api.js";
 import { el, say, table } from "./dom.js";
 import { acceptFiles, contentPart, loadMedia, thumbnail } from "./media.js";
 
@@ -21,7 +22,7 @@ export function cosine(a, b) {
 
 const base64Of = (dataUrl) => dataUrl.slice(dataUrl.indexOf(",") + 1);
 
-// Two ways in: OpenAI's /v1/embeddings (the server decodes the clip), or seed 000's worker
+// Two ways in: OpenAI's /v1/embeddings (the server decodes the clip), or the GPU worker's
 // endpoints (/encode-video with frames drawn here, /encode-text with its query prefix).
 async function embedClip(item, model, mode) {
   if (mode === "worker") {
@@ -39,6 +40,39 @@ async function embedClip(item, model, mode) {
 async function embedQuery(text, model, mode) {
   if (mode === "worker") return (await call("/encode-text", { json: { model, text } })).embedding;
   return (await call("/v1/embeddings", { json: { model, input: text } })).data[0].embedding;
+}
+
+export const RERANK_TOP = 20;
+
+// The clip as a rerank document: its image or video, and its file name as text.
+function rerankDocument(item) {
+  const media = item.kind === "image" ? { image: item.dataUrl } : { video: item.dataUrl };
+  return { ...media, text: item.name };
+}
+
+// The cosine ranking's first RERANK_TOP reordered by the reranker; the rest keep their order.
+async function rerank(query, ranked, model) {
+  const top = ranked.slice(0, RERANK_TOP);
+  const documents = top.map((r) => rerankDocument(r.clip.item));
+  const answer = await call("/v1/rerank", { json: { model, query, documents } });
+  const reordered = answer.results.map((r) => ({ ...top[r.index], relevance: r.relevance_score }));
+  return [...reordered, ...ranked.slice(RERANK_TOP)];
+}
+
+// Models that score pairs with a cross-encoder (role "rerank"); refreshed when the select is
+// opened, so that a key typed later (or a model added) shows up.
+async function fillRerankers(select) {
+  let models = [];
+  try {
+    models = (await listModels()).filter((m) => m.scores && (m.roles || []).includes("rerank"));
+  } catch {
+    return;
+  }
+  const before = select.value;
+  const none = el("option", { value: "" }, "no rerank (cosine only)");
+  select.replaceChildren(none, ...models.map((m) => el("option", { value: m.id }, m.id)));
+  if (models.some((m) => m.id === before)) select.value = before;
+  select.dataset.loaded = String(models.length);
 }
 
 export function setupSearch() {
@@ -87,23 +121,33 @@ export function setupSearch() {
     say(status, "searching…");
     try {
       const vector = await embedQuery(query, $("search-model").value, $("search-mode").value);
-      const ranked = ready
+      let ranked = ready
         .map((c) => ({ clip: c, score: cosine(vector, c.vector) }))
         .sort((a, b) => b.score - a.score);
+      const reranker = $("search-reranker").value;
+      if (reranker) ranked = await rerank(query, ranked, reranker);
       const rows = ranked.map((r, i) => [
         String(i + 1),
         thumbnail(r.clip.item),
         r.score.toFixed(4),
+        ...(reranker ? [r.relevance === undefined ? "–" : r.relevance.toFixed(4)] : []),
       ]);
-      results.replaceChildren(
-        table(`Clips ranked for “${query}”`, ["Rank", "Clip", "Cosine"], rows, "ranked"),
-      );
-      say(status, `${ranked.length} clip(s) ranked`);
+      const headers = ["Rank", "Clip", "Cosine", ...(reranker ? ["Rerank"] : [])];
+      const caption = `Clips ranked for “${query}”${reranker ? `, reranked by ${reranker}` : ""}`;
+      const className = reranker ? "ranked reranked" : "ranked";
+      results.replaceChildren(table(caption, headers, rows, className));
+      say(status, `${ranked.length} clip(s) ranked${reranker ? ` (top ${RERANK_TOP} reranked)` : ""}`);
     } catch (error) {
       say(status, `search failed: ${error.message}`, "error");
     }
   }
 
+  const rerankers = $("search-reranker");
+  fillRerankers(rerankers);
+  rerankers.addEventListener("focus", () => {
+    if (rerankers.dataset.loaded !== undefined && rerankers.dataset.loaded !== "0") return;
+    fillRerankers(rerankers);
+  });
   $("search-files").addEventListener("change", (event) => {
     addFiles([...event.target.files]);
     event.target.value = "";

@@ -1,0 +1,196 @@
+"""The ``hf`` reranker backend: a cross-encoder scores each query-document pair in one forward.
+
+The model is loaded as transformers' own class (``AutoModelForImageTextToText``: Qwen2-VL
+for jina-reranker-m0, Qwen3-VL for Qwen3-VL-Reranker); ``heads.py`` picks the score head
+from the checkpoint. Pairs run as left-padded rows of one batch (prefill only: no KV cache
+kept, no decode): the inner model's final hidden state at the last position goes through
+the head. Padding does not change any score, as for embeddings (``embed.py``): text-only
+batches get position ids that start at each row's first real token, and with media the
+model's ``get_rope_index`` reads the attention mask.
+
+Concurrent ``score`` calls share forward passes through a ``MicroBatcher`` (as embeddings
+do); when a shared batch fails, each request runs again alone, so only the one at fault gets
+the error (a pair over the context limit, say).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any
+
+import torch
+
+from vlmserve.engine.configs import RerankConfig
+from vlmserve.engine.hf.embed import final_hidden_states
+from vlmserve.engine.hf.embed_batcher import MicroBatcher
+from vlmserve.engine.hf.embed_inputs import text_positions
+from vlmserve.engine.hf.lifecycle import HFModel
+from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model
+from vlmserve.engine.hf.score.heads import ScoreHead, load_head
+from vlmserve.engine.hf.score.prompts import JINA, build_batch, check_pair
+from vlmserve.engine.types import Scored, ScorePair, Serves
+from vlmserve.errors import ConfigError, InvalidRequest
+
+__all__ = ["HFRerankBackend"]
+
+log = logging.getLogger(__name__)
+_MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
+
+
+class HFRerankBackend(HFModel):
+    thread_prefix = "rerank"
+    serves = Serves.RERANK
+
+    def __init__(
+        self,
+        model_id: str,
+        options: LoadOptions,
+        *,
+        config: RerankConfig | None = None,
+        max_batch: int | None = None,
+    ):
+        """``config`` (default: the settings' defaults); ``max_batch`` overrides it."""
+        config = config or RerankConfig.defaults()
+        max_batch = config.max_batch if max_batch is None else max_batch
+        if max_batch < 1:
+            raise ConfigError(f"max_batch is {max_batch} for {model_id!r}; it must be at least 1")
+        super().__init__(model_id, options)
+        self.max_model_len = config.max_model_len
+        self.forward_passes = 0  # model forward passes run, all requests together
+        self._head: ScoreHead | None = None
+        self._batcher: MicroBatcher[ScorePair, Scored] = MicroBatcher(
+            self._run_groups, max_items=max_batch, wait_s=config.batch_wait_ms / 1000
+        )
+
+    @property
+    def max_batch(self) -> int:
+        """Most pairs in one forward pass."""
+        return self._batcher.max_items
+
+    @max_batch.setter
+    def max_batch(self, value: int) -> None:
+        self._batcher.max_items = value
+
+    @property
+    def kind(self) -> str:
+        """``jina`` or ``yes_no`` (``heads.py``)."""
+        return self._require_head().kind
+
+    def _load(self) -> Loaded:
+        loaded = load_model(self.options)
+        self._head = load_head(loaded.model, loaded.processor.tokenizer, self.options.source)
+        log.info("reranker %s scores with the %s head", self.model_id, self._head.kind)
+        return loaded
+
+    def _require_head(self) -> ScoreHead:
+        self._require()
+        assert self._head is not None  # set with the loaded model
+        return self._head
+
+    def capabilities(self) -> frozenset[str] | None:
+        """jina-reranker-m0 takes images (its modeling code places no video); the yes/no
+        rerankers what their processor and template take."""
+        if self._loaded is None or self._head is None:
+            return None
+        if self._head.kind == JINA:
+            return frozenset({"vision"})
+        from vlmserve.engine.hf.capabilities import processor_capabilities
+
+        caps = processor_capabilities(self._loaded.processor)
+        return frozenset(k for k, on in (("vision", caps.image), ("video", caps.video)) if on)
+
+    # --- requests ------------------------------------------------------------------------
+    def score_sync(self, pairs: list[ScorePair]) -> Scored:
+        """Blocking: every pair's score, in forward passes of at most ``max_batch`` pairs."""
+        _check_pairs(pairs)
+        loaded, head = self._require(), self._require_head()
+        # pairs of like size share a batch (less padding); scores go back in request order
+        order = sorted(range(len(pairs)), key=lambda i: _size(pairs[i]))
+        scores = [0.0] * len(pairs)
+        tokens = 0
+        for start in range(0, len(order), self.max_batch):
+            chunk = order[start : start + self.max_batch]
+            values, read = self._score_batch(loaded, head, [pairs[i] for i in chunk], chunk)
+            for i, value in zip(chunk, values, strict=True):
+                scores[i] = value
+            tokens += read
+        return Scored(scores, tokens)
+
+    async def score(self, pairs: list[ScorePair]) -> Scored:
+        """Like ``score_sync``, on the model's thread, sharing forward passes with concurrent
+        calls; bad pairs are refused before joining anyone else's batch."""
+        _check_pairs(pairs)
+        self._require_head()
+        return await self._batcher.submit(pairs)
+
+    async def _run_groups(self, groups: list[list[ScorePair]]) -> list[Scored | BaseException]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._score_groups, groups)
+
+    def _score_groups(self, groups: list[list[ScorePair]]) -> list[Scored | BaseException]:
+        try:
+            together = self.score_sync([pair for group in groups for pair in group])
+        except Exception as exc:
+            if len(groups) == 1:
+                return [exc]
+            log.info("a batch of %d score requests failed (%s); each alone", len(groups), exc)
+            return [self._score_alone(group) for group in groups]
+        offsets = list(itertools.accumulate((len(g) for g in groups), initial=0))
+        share = together.prompt_tokens // max(1, offsets[-1])  # usage: an even share
+        return [
+            Scored(together.scores[a:b], share * (b - a)) for a, b in itertools.pairwise(offsets)
+        ]
+
+    def _score_alone(self, pairs: list[ScorePair]) -> Scored | BaseException:
+        try:
+            return self.score_sync(pairs)
+        except Exception as exc:
+            return exc
+
+    def _score_batch(
+        self, loaded: Loaded, head: ScoreHead, pairs: list[ScorePair], indices: list[int]
+    ) -> tuple[list[float], int]:
+        batch = build_batch(loaded.processor, head.kind, pairs)
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        self._check_lengths(lengths, pairs, indices)
+        inputs = {k: v.to(loaded.device) for k, v in batch.items()}
+        if not any(k in inputs for k in _MEDIA_KEYS):
+            inputs["position_ids"] = text_positions(inputs["attention_mask"])
+        self.forward_passes += 1
+        with torch.inference_mode():
+            hidden = final_hidden_states(loaded.model, inputs)  # [B, L, H]
+            scores = head(hidden[:, -1, :])  # left padding: every row's last real token
+        return scores.cpu().tolist(), int(sum(lengths))
+
+    def _check_lengths(
+        self, lengths: list[Any], pairs: list[ScorePair], indices: list[int]
+    ) -> None:
+        for index, length, pair in zip(indices, lengths, pairs, strict=True):
+            if length > self.max_model_len:
+                where = f"documents[{index}]"
+                hint = (
+                    "shorten it or send max_tokens_per_doc to cut its text"
+                    if pair.max_doc_tokens is None
+                    else "its media alone exceed the limit; send smaller images or fewer frames"
+                )
+                raise InvalidRequest(
+                    f"{where} with the query is {int(length)} tokens; the limit is "
+                    f"{self.max_model_len} (VLMSERVE_MAX_MODEL_LEN): {hint}",
+                    param=where,
+                    code="context_length_exceeded",
+                )
+
+
+def _size(pair: ScorePair) -> tuple[int, int]:
+    """A sort key that groups pairs of like cost: media first by kind, then text length."""
+    media = 2 if pair.document.frames is not None else int(pair.document.image is not None)
+    return media, len(pair.document.text or "") + len(pair.query.text or "")
+
+
+def _check_pairs(pairs: list[ScorePair]) -> None:
+    if not pairs:
+        raise InvalidRequest("nothing to score: send at least one document", param="documents")
+    for index, pair in enumerate(pairs):
+        check_pair(pair, index)
