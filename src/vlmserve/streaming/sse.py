@@ -15,10 +15,10 @@ Resumable wire (clients that ask for it, see ``vlmserve.api.common.sse``):
 
 An event's index is its position in the session: 0 for the first, one more for each next one.
 Every event counts once, whatever it holds: a content chunk (the first carries the role with
-the first token; several tokens grouped by ``stream_interval`` are one event), the finish chunk, the usage chunk, an error
-event and the terminal ``[DONE]``. So on the OpenAI wire the index of a message is the number
-of messages received before it, and a client that received k messages resumes with
-``Last-Event-ID: <X-Session-ID>:<k-1>``.
+the first token; several tokens grouped by ``stream_interval`` are one event), the finish
+chunk, the usage chunk, an error event and the terminal ``[DONE]``. So on the OpenAI wire the
+index of a message is the number of messages received before it, and a client that received k
+messages resumes with ``Last-Event-ID: <X-Session-ID>:<k-1>``.
 """
 
 from __future__ import annotations
