@@ -46,6 +46,8 @@ ENV_ONLY = (
     "activation_timeout_seconds",
     "embed_max_batch_size",
     "embed_batch_wait_ms",
+    "rerank_max_batch_size",
+    "rerank_max_documents",
     "upstream_health_interval",
     "upstream_max_failures",
     "upstream_eject_seconds",
