@@ -24,6 +24,7 @@ from vlmserve.api.endpoints.tasks.service import TaskService
 from vlmserve.api.endpoints.worker.service import WorkerService
 from vlmserve.api.metrics import Metrics
 from vlmserve.config import Settings
+from vlmserve.media.workers.pipeline import MediaPipeline
 from vlmserve.registry.manager import ModelManager
 from vlmserve.streaming import SessionManager
 
@@ -55,11 +56,14 @@ class Services:
     files: FilesService
     batches: BatchesService
     started_at: int = field(default_factory=lambda: int(time.time()))
+    media: MediaPipeline | None = None  # the media budget and workers
 
     @classmethod
     def build(cls, settings: Settings, models: ModelManager, sessions: SessionManager) -> Services:
         metrics = Metrics()
-        converter = Converter.from_settings(settings, metrics)
+        media = MediaPipeline.from_settings(settings)
+        metrics.watch_media(media.waiting, media.decodes, media.held)
+        converter = Converter.from_settings(settings, metrics, media.pool)
         chat = ChatService(models, converter, sessions, metrics, KeyPolicy.from_settings(settings))
         worker = WorkerService(models, converter)
         files = FilesService.from_settings(settings)
@@ -83,6 +87,7 @@ class Services:
             responses,
             files,
             batches,
+            media=media,
         )
 
 

@@ -200,6 +200,17 @@ HELP = {
     "max_media_bytes": (REQUESTS, "Bytes per image or video."),
     "max_image_pixels": (REQUESTS, "Width x height per image, checked before decoding."),
     "max_video_frames": (REQUESTS, "Frames sampled per video."),
+    "media_memory": (
+        REQUESTS,
+        "Bytes of media in flight (bodies, decoded pixels), a size (256MiB, "
+        "4GiB); over it a body waits, then 429. Default: 1/4 of RAM, at most 4 GiB.",
+    ),
+    "media_workers": (
+        REQUESTS,
+        "Processes that read and decode media; 0 = a thread of the API process "
+        "(default: half the cores, 1-4).",
+    ),
+    "media_timeout": (REQUESTS, "Seconds to read and decode one request's media (408)."),
     "allowed_local_media_path": (
         REQUESTS,
         "Directory that local media paths may be read from (repeatable; default: none).",
@@ -287,6 +298,9 @@ def command(
     max_media_bytes: Annotated[Int, _opt("max_media_bytes")] = None,
     max_image_pixels: Annotated[Int, _opt("max_image_pixels")] = None,
     max_video_frames: Annotated[Int, _opt("max_video_frames")] = None,
+    media_memory: Annotated[Str, _opt("media_memory")] = None,
+    media_workers: Annotated[Int, _opt("media_workers")] = None,
+    media_timeout: Annotated[Float, _opt("media_timeout")] = None,
     allowed_local_media_path: Annotated[Strs, _opt("allowed_local_media_path")] = None,
     strict_fields: Annotated[Bool, _opt("strict_fields", "--strict-fields")] = None,
     lazy_load: Annotated[Bool, _opt("load_on_startup", "--lazy-load")] = None,
