@@ -38,6 +38,7 @@ from vlmserve.media import MediaPolicy, VideoFrames, decode_image, decode_video,
 from vlmserve.media.fetch import MediaKind
 from vlmserve.media.video import source_fps
 from vlmserve.media.workers import MediaPool, current_lease, read_and_decode
+from vlmserve.media.workers.budget import PIXEL_FACTOR
 
 __all__ = ["Converter", "media_policy", "response_format", "sample_frames"]
 
@@ -219,7 +220,7 @@ class Converter:
             decoded, size = await asyncio.to_thread(decode, data, *args, **kwargs), len(data)
         lease = current_lease()
         if lease is not None:
-            lease.grow(size + _pixel_bytes(decoded))
+            lease.grow(size + PIXEL_FACTOR * _pixel_bytes(decoded))
         if self.metrics is not None:
             self.metrics.observe_media_seconds(kind, time.perf_counter() - started)
         return decoded, size

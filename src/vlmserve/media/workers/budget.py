@@ -1,12 +1,13 @@
 """A byte budget for media in flight (``--media-memory``), admitted before a body is read.
 
 A request's media cost memory long before the engine sees them: the body as received, its
-parsed JSON text, the base64-decoded bytes, the decoded pixels. ``MediaBudget`` counts them
-from the moment they are read until the request's media are handed to the engine. A request
-is admitted by its ``Content-Length`` (times ``BODY_FACTOR``: the body and its parsed copy)
-before a byte of it is read; one that does not fit waits in a bounded FIFO queue, and is
-refused with a 429 and ``Retry-After`` when the queue is full or its wait runs out. One
-body larger than the whole budget is a 413 naming the setting.
+parsed JSON text, the copy sent to a media worker, the base64-decoded bytes, the decoded
+pixels. ``MediaBudget`` counts them from the moment they are read: the decoded media until
+they are handed to the engine (``hand_over``), the body (held by the request's parsed form)
+until the request ends. A request is admitted by its ``Content-Length`` (times
+``BODY_FACTOR``) before a byte of it is read; one that does not fit waits in a bounded FIFO
+queue, and is refused with a 429 and ``Retry-After`` when the queue is full or its wait runs
+out. One body larger than the whole budget is a 413 naming the setting.
 
 Decoded media are charged with ``Lease.grow`` as they appear; growing never waits (the
 request is already admitted and waiting there could deadlock two admitted requests), it
@@ -22,9 +23,13 @@ from dataclasses import dataclass, field
 
 from vlmserve.errors import Overloaded, PayloadTooLarge
 
-__all__ = ["BODY_FACTOR", "Lease", "MediaBudget", "current_lease", "hand_over"]
+__all__ = ["BODY_FACTOR", "PIXEL_FACTOR", "Lease", "MediaBudget", "current_lease", "hand_over"]
 
-BODY_FACTOR = 2  # a body is held twice while it is parsed: the bytes and the decoded JSON text
+# a body is held about four times while its media are read: the bytes as received, the parsed
+# JSON text, and the copy pickled to a media worker with its unpickled text there (or, with no
+# workers, the base64 text's cleaned copy and the bytes being decoded)
+BODY_FACTOR = 4
+PIXEL_FACTOR = 3  # decoded pixels: the decoder's image, its copy out, and this process's image
 SETTING = "VLMSERVE_MEDIA_MEMORY"
 
 
@@ -33,19 +38,27 @@ class Lease:
     """One request's share of the budget; ``release`` is idempotent."""
 
     budget: MediaBudget
-    nbytes: int
+    nbytes: int  # the body's share, held until the request ends
+    decoded: int = 0  # decoded media, held until they are handed to the engine
     released: bool = False
 
     def grow(self, nbytes: int) -> None:
         """Charge media decoded for this request (never waits)."""
         if self.released or nbytes <= 0:
             return
-        self.nbytes += nbytes
+        self.decoded += nbytes
         self.budget.used += nbytes
+
+    def hand_over(self) -> None:
+        """The decoded media are the engine's now."""
+        self.budget.used -= self.decoded
+        self.decoded = 0
+        self.budget.wake()
 
     def release(self) -> None:
         if self.released:
             return
+        self.hand_over()
         self.released = True
         self.budget.used -= self.nbytes
         self.budget.wake()
@@ -60,10 +73,10 @@ def current_lease() -> Lease | None:
 
 
 def hand_over() -> None:
-    """The request's media now belong to the engine: its bytes leave the budget."""
+    """The request's decoded media now belong to the engine: they leave the budget."""
     lease = _LEASE.get()
     if lease is not None:
-        lease.release()
+        lease.hand_over()
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from vlmserve.errors import ServiceUnavailable
+from vlmserve.media.workers.memory import return_large_buffers
 from vlmserve.media.workers.shared import from_shared, to_shared
 
 __all__ = ["MediaPool", "default_workers"]
@@ -39,6 +40,7 @@ def default_workers(cpus: int | None = None) -> int:
 
 
 def _start_worker(nice: int) -> None:
+    return_large_buffers()
     if nice > 0:
         with contextlib.suppress(OSError):  # not permitted here: the same priority
             os.nice(nice)
