@@ -48,6 +48,7 @@ ENV_ONLY = (
     "media_image_formats",
     "media_fetch_timeout",
     "media_max_redirects",
+    "media_queue",
     "media_allow_private_networks",
     "max_n",
     "logprobs_mode",
