@@ -95,3 +95,38 @@ async def test_media_over_the_media_timeout_is_a_408(make_client: Any, workers: 
     answer = await client.post("/v1/chat/completions", json=_body(), timeout=60)
     assert answer.status_code == 408, answer.text
     assert "VLMSERVE_MEDIA_TIMEOUT" in answer.json()["error"]["message"]
+
+
+async def test_metrics_count_media_items_and_their_seconds_and_nothing_stays_in_flight(
+    make_client: Any,
+) -> None:
+    client = await make_client(media_workers=1)
+    answer = await client.post("/v1/chat/completions", json=_body(), timeout=120)
+    assert answer.status_code == 200, answer.text
+    text = (await client.get("/metrics")).text
+    assert 'vlmserve_media_items_total{kind="image"} 1.0' in text
+    assert 'vlmserve_media_preprocess_seconds_count{kind="video"} 1.0' in text
+    for gauge in ("media_bytes_in_flight", "media_queue_depth", "media_decodes_in_flight"):
+        assert f"vlmserve_{gauge} 0.0" in text, gauge
+
+
+async def test_with_the_media_memory_full_a_text_chat_is_answered_and_a_large_body_is_a_429(
+    make_client: Any,
+) -> None:
+    client = await make_client(media_queue=0)
+    budget = client._transport.app.state.services.media.budget  # type: ignore[attr-defined]
+    held = await budget.admit(budget.total)  # other requests' media fill the budget
+    try:
+        text = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert (await client.post("/v1/chat/completions", json=text)).status_code == 200
+        body = _body()
+        body["messages"][0]["content"][0]["image_url"]["url"] = data_url(
+            _noise_png(200, 200), "image/png"
+        )
+        answer = await client.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 429, answer.text
+        assert int(answer.headers["retry-after"]) >= 1
+        assert answer.json()["error"]["code"] == "media_memory_busy"
+    finally:
+        held.release()
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
