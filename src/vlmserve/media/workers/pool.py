@@ -18,6 +18,7 @@ import contextlib
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -41,9 +42,18 @@ def default_workers(cpus: int | None = None) -> int:
 
 def _start_worker(nice: int) -> None:
     return_large_buffers()
+    parent = os.getppid()
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     if nice > 0:
         with contextlib.suppress(OSError):  # not permitted here: the same priority
             os.nice(nice)
+
+
+def _exit_with(parent: int) -> None:
+    """A worker outlives no server: killed with ``kill -9``, the server cannot stop it."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
