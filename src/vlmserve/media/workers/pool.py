@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
@@ -59,6 +59,12 @@ def _exit_with(parent: int) -> None:
 def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Runs in the worker: the call, its images moved into shared memory."""
     return to_shared(fn(*args, **kwargs))
+
+
+def _discard(future: Future[Any]) -> None:
+    """Free the shared blocks of a result nobody waits for any more."""
+    if not future.cancelled() and future.exception() is None:
+        from_shared(future.result())
 
 
 def _ready() -> int:
@@ -123,9 +129,14 @@ class MediaPool:
                 executor, generation = self._current()
                 try:
                     future = executor.submit(_call, fn, args, kwargs)
-                    return from_shared(await asyncio.wrap_future(future))  # type: ignore[no-any-return]
+                    shared = await asyncio.wrap_future(future)
                 except BrokenProcessPool:
                     self._replace(generation)
+                    continue
+                except asyncio.CancelledError:  # a timeout or a client gone: the call may
+                    future.add_done_callback(_discard)  # still finish, its blocks are freed
+                    raise
+                return from_shared(shared)  # type: ignore[no-any-return]
         finally:
             self.in_flight -= 1
         raise ServiceUnavailable(
