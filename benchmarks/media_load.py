@@ -88,16 +88,22 @@ async def probe(client: httpx.AsyncClient, model: str, n: int) -> list[float]:
 async def flood(
     client: httpx.AsyncClient, bodies: Any, clients: int, stop: asyncio.Event, rate: float = 0
 ) -> int:
-    """``clients`` loops posting ``next(bodies)`` until ``stop``; at most ``rate`` requests/s
-    in all when given. -> requests answered 200."""
+    """``clients`` loops posting ``next(bodies)`` until ``stop`` (or ``bodies`` runs out: more
+    ``--images`` needed, said on stderr); at most ``rate`` requests/s in all when given.
+    -> requests answered 200."""
     done = 0
     interval = clients / rate if rate else 0.0
 
     async def loop() -> None:
         nonlocal done
         while not stop.is_set():
+            body = next(bodies, None)
+            if body is None:
+                print("the distinct images ran out: pass a larger --images", file=sys.stderr)
+                stop.set()
+                return
             began = time.perf_counter()
-            r = await client.post("/v1/chat/completions", json=next(bodies))
+            r = await client.post("/v1/chat/completions", json=body)
             done += r.status_code == 200
             await asyncio.sleep(max(0.0, interval - (time.perf_counter() - began)))
 
