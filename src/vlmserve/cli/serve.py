@@ -49,6 +49,7 @@ ENV_ONLY = (
     "media_fetch_timeout",
     "media_max_redirects",
     "media_queue",
+    "media_worker_nice",
     "media_allow_private_networks",
     "max_n",
     "logprobs_mode",

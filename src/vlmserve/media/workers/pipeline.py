@@ -29,7 +29,8 @@ class MediaPipeline:
         budget = MediaBudget(
             settings.media_memory, queue_max=settings.media_queue, max_wait=settings.media_timeout
         )
-        return cls(budget, MediaPool(workers) if workers > 0 else None)
+        pool = MediaPool(workers, nice=settings.media_worker_nice) if workers > 0 else None
+        return cls(budget, pool)
 
     async def start(self) -> None:
         """Start the workers now, so the first image does not pay for their start."""
