@@ -31,7 +31,7 @@ class SharedImage:
         data = image.tobytes()
         block = shared_memory.SharedMemory(create=True, size=max(1, len(data)))
         try:
-            block.buf[: len(data)] = data
+            _view(block)[: len(data)] = data
         finally:
             block.close()
         return cls(block.name, image.mode, image.size, len(data))
@@ -40,10 +40,17 @@ class SharedImage:
         """The image, copied out of its block; the block is gone afterwards."""
         block = shared_memory.SharedMemory(name=self.name)
         try:
-            return Image.frombytes(self.mode, self.size, bytes(block.buf[: self.nbytes]))
+            return Image.frombytes(self.mode, self.size, bytes(_view(block)[: self.nbytes]))
         finally:
             block.close()
             block.unlink()
+
+
+def _view(block: shared_memory.SharedMemory) -> memoryview:
+    view = block.buf
+    if view is None:  # only after close()
+        raise RuntimeError(f"shared memory block {block.name} is closed")
+    return view
 
 
 def to_shared(value: Any) -> Any:
