@@ -29,6 +29,7 @@ def make_settings(tiny_dir: Path, **overrides: Any) -> Settings:
         "served_model_name": MODEL,
         "device": "cpu",
         "engine_process": False,
+        "media_workers": 0,  # decode on a thread: no worker processes per test app
     }
     return Settings(**{**base, **overrides})
 

@@ -5,6 +5,7 @@ Nothing reads the environment at import time; ``load_settings`` is the one place
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,15 @@ _UNITS = {
     "tb": 10**12,
     "tib": 2**40,
 }
+
+
+def default_media_memory() -> int:
+    """A quarter of the RAM, at most 4 GiB (2 GiB where the RAM size is unknown)."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 2 * 2**30
+    return min(ram // 4, 4 * 2**30)
 
 
 def parse_size(text: str) -> int:
@@ -191,6 +201,15 @@ class Settings(BaseSettings):
     media_max_redirects: int = 3
     allowed_local_media_path: list[str] = Field(default_factory=list)
     media_allow_private_networks: bool = False
+    # bytes of media in flight (bodies as received and parsed, decoded pixels) until the engine
+    # takes them; a body that does not fit waits in a queue of media_queue requests, then 429
+    media_memory: int = Field(default_factory=lambda: default_media_memory(), ge=1)
+    media_queue: int = Field(default=32, ge=0)  # requests waiting for media memory
+    # worker processes that read and decode media; None: half the cores (1-4); 0: a thread of
+    # the API process (no workers)
+    media_workers: int | None = Field(default=None, ge=0)
+    media_worker_nice: int = Field(default=5, ge=0, le=19)  # their OS priority below requests'
+    media_timeout: float = Field(default=60.0, gt=0)  # seconds to read + decode a request's media
     # choices (`n`) one chat completion may ask for; above it a 400. On the batched engine
     # the n choices share one prefill; choice i samples with seed + i
     max_n: int = Field(default=8, ge=1)
@@ -258,7 +277,9 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("kv_cache_memory", "files_max_bytes", "files_quota_bytes", mode="before")
+    @field_validator(
+        "kv_cache_memory", "files_max_bytes", "files_quota_bytes", "media_memory", mode="before"
+    )
     @classmethod
     def _size(cls, value: object) -> object:
         return parse_size(value) if isinstance(value, str) else value

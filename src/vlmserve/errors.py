@@ -11,6 +11,7 @@ it into ``{"error": {"message", "type", "param", "code"}}`` in one place.
     │   └── UnsupportedFeature         400 a feature this server or model does not offer
     ├── AuthenticationError            401
     ├── NotFound                       404 unknown model, session, ...
+    ├── RequestTimeout                 408 media preprocessing over its time limit
     ├── PayloadTooLarge                413 body, media item, pixels, frames over a limit
     ├── Overloaded                     429 queue full
     ├── ServiceUnavailable             503 model not ready; carries Retry-After
@@ -28,6 +29,7 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "PayloadTooLarge",
+    "RequestTimeout",
     "ServiceUnavailable",
     "UnsupportedFeature",
     "VlmserveError",
@@ -73,6 +75,12 @@ class NotFound(VlmserveError):
     status_code = 404
     error_type = "not_found_error"
     default_code = "not_found"
+
+
+class RequestTimeout(VlmserveError):
+    status_code = 408
+    error_type = "invalid_request_error"
+    default_code = "media_timeout"
 
 
 class PayloadTooLarge(VlmserveError):

@@ -157,8 +157,10 @@ def test_the_engine_process_ends_with_the_server(tiny_dir: Path, how: str) -> No
     )
     try:
         server.wait_ready()
-        [engine] = psutil.Process(server.proc.pid).children()
-        assert "vlmserve.engine.proc" in engine.cmdline()
+        children = psutil.Process(server.proc.pid).children()
+        [engine] = [c for c in children if "vlmserve.engine.proc" in c.cmdline()]
+        media = [c for c in children if any("spawn_main" in a for a in c.cmdline())]
+        assert media, "no media worker"
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
@@ -168,6 +170,8 @@ def test_the_engine_process_ends_with_the_server(tiny_dir: Path, how: str) -> No
             server.proc.terminate()
         server.proc.wait(30)
         engine.wait(30)  # psutil.TimeoutExpired if it outlived the server
+        for worker in media:  # the media workers too
+            worker.wait(30)
     finally:
         server.stop()
 

@@ -32,6 +32,7 @@ from vlmserve.api.endpoints.tasks import router as tasks
 from vlmserve.api.endpoints.tokenize import router as tokenize
 from vlmserve.api.endpoints.worker import router as worker
 from vlmserve.api.errors import ERROR_RESPONSES, install_error_handlers
+from vlmserve.api.media_admission import MediaAdmissionMiddleware
 from vlmserve.api.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from vlmserve.api.middleware import (
     BodyLimitMiddleware,
@@ -194,6 +195,8 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
             asyncio.create_task(announce(loading)),
             asyncio.create_task(services.batches.start(loading)),
         ]
+        if services.media is not None:
+            tasks.append(asyncio.create_task(services.media.start()))
         if watchdog is not None:
             watchdog.start()
         try:
@@ -209,6 +212,8 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
                 await watchdog.stop()
             await sessions.close()
             await services.responses.close()  # store: false streams, held in memory
+            if services.media is not None:
+                services.media.close()
             if owns_models:
                 await models.aclose()  # upstream clients closed, vllm process groups stopped
 
@@ -219,9 +224,11 @@ def _install_middleware(
     app: FastAPI, services: Services, clock: ActivityClock, console_paths: tuple[str, ...]
 ) -> None:
     # Outermost first: RequestId -> Metrics -> CORS -> ErrorShield -> Auth -> Activity
-    # -> BodyLimit -> Passthrough (a gateway's streams to vlmserve workers) -> app
+    # -> BodyLimit -> MediaAdmission -> Passthrough (a gateway's streams to vlmserve workers) -> app
     settings, metrics = services.settings, services.metrics
     app.add_middleware(PassthroughMiddleware, services=services)
+    if services.media is not None:  # bodies admitted by size against the media memory
+        app.add_middleware(MediaAdmissionMiddleware, budget=services.media.budget)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(ActivityMiddleware, clock=clock)
     app.add_middleware(

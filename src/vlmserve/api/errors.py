@@ -44,6 +44,7 @@ _DOCUMENTED = {
     401: "missing or wrong API key",
     403: "forbidden",
     404: "unknown model, session or route",
+    408: "media preprocessing took longer than the limit (VLMSERVE_MEDIA_TIMEOUT)",
     413: "over a size limit (body, media bytes, pixels, frames)",
     422: "the model's answer does not fit the task's schema (task routes)",
     429: "queue full; retry after Retry-After seconds",

@@ -11,7 +11,7 @@ middleware cannot know which model served a request, so an endpoint tags it with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -150,6 +150,7 @@ class Metrics:
         )
         self.media_bytes = make(Counter, "media_bytes", "media bytes read", ["kind"])
         self.media_frames = make(Counter, "media_frames", "video frames decoded")
+        self._add_media_pipeline_series()
         self.vision_cache_hits = make(
             Counter,
             "vision_cache_hits",
@@ -176,6 +177,34 @@ class Metrics:
         )
         self._cache_seen: dict[tuple[str, str], tuple[int, int]] = {}
         self._add_engine_series()
+
+    def _add_media_pipeline_series(self) -> None:
+        make = self._make
+        self.media_items = make(Counter, "media_items", "images and videos decoded", ["kind"])
+        self.media_seconds = make(
+            Histogram,
+            "media_preprocess_seconds",
+            "seconds to read and decode one image or video",
+            ["kind"],
+            buckets=_DURATION_BUCKETS,
+        )
+        self.media_queue_depth = make(
+            Gauge, "media_queue_depth", "requests waiting for media memory (VLMSERVE_MEDIA_MEMORY)"
+        )
+        self.media_decodes = make(
+            Gauge, "media_decodes_in_flight", "reads and decodes queued or running in workers"
+        )
+        self.media_in_flight = make(
+            Gauge, "media_bytes_in_flight", "media bytes held by requests not yet at the engine"
+        )
+
+    def watch_media(
+        self, waiting: Callable[[], int], decodes: Callable[[], int], held: Callable[[], int]
+    ) -> None:
+        """The media pipeline's gauges, read at scrape time."""
+        self.media_queue_depth.set_function(waiting)
+        self.media_decodes.set_function(decodes)
+        self.media_in_flight.set_function(held)
 
     def _add_engine_series(self) -> None:
         """The engine's figures: where step time goes, what memory is held."""
@@ -317,8 +346,12 @@ class Metrics:
     # -- media and caches --
     def observe_media(self, kind: str, nbytes: int, frames: int = 0) -> None:
         self.media_bytes.labels(kind=kind).inc(nbytes)
+        self._child(self.media_items, kind).inc()
         if frames:
             self.media_frames.inc(frames)
+
+    def observe_media_seconds(self, kind: str, seconds: float) -> None:
+        self._child(self.media_seconds, kind).observe(seconds)
 
     def set_vision_cache(self, model: str, stats: dict[str, int]) -> None:
         """Read the engine's cumulative cache counters (at scrape time) into the series."""

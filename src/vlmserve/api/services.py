@@ -25,6 +25,7 @@ from vlmserve.api.endpoints.tasks.service import TaskService
 from vlmserve.api.endpoints.worker.service import WorkerService
 from vlmserve.api.metrics import Metrics
 from vlmserve.config import Settings
+from vlmserve.media.workers.pipeline import MediaPipeline
 from vlmserve.registry.manager import ModelManager
 from vlmserve.streaming import SessionManager
 
@@ -58,11 +59,14 @@ class Services:
     batches: BatchesService
     rerank: RerankService
     started_at: int = field(default_factory=lambda: int(time.time()))
+    media: MediaPipeline | None = None  # the media budget and workers
 
     @classmethod
     def build(cls, settings: Settings, models: ModelManager, sessions: SessionManager) -> Services:
         metrics = Metrics()
-        converter = Converter.from_settings(settings, metrics)
+        media = MediaPipeline.from_settings(settings)
+        metrics.watch_media(media.waiting, media.decodes, media.held)
+        converter = Converter.from_settings(settings, metrics, media.pool)
         chat = ChatService(
             models,
             converter,
@@ -94,6 +98,7 @@ class Services:
             files,
             batches,
             RerankService(models, converter, files, settings.rerank_max_documents),
+            media=media,
         )
 
 

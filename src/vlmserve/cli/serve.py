@@ -60,6 +60,8 @@ ENV_ONLY = (
     "media_image_formats",
     "media_fetch_timeout",
     "media_max_redirects",
+    "media_queue",
+    "media_worker_nice",
     "media_allow_private_networks",
     "max_n",
     "logprobs_mode",
@@ -217,6 +219,17 @@ HELP = {
     "max_media_bytes": (REQUESTS, "Bytes per image or video."),
     "max_image_pixels": (REQUESTS, "Width x height per image, checked before decoding."),
     "max_video_frames": (REQUESTS, "Frames sampled per video."),
+    "media_memory": (
+        REQUESTS,
+        "Bytes of media in flight (bodies, decoded pixels), a size (256MiB, "
+        "4GiB); over it a body waits, then 429. Default: 1/4 of RAM, at most 4 GiB.",
+    ),
+    "media_workers": (
+        REQUESTS,
+        "Processes that read and decode media; 0 = a thread of the API process "
+        "(default: half the cores, 1-4).",
+    ),
+    "media_timeout": (REQUESTS, "Seconds to read and decode one request's media (408)."),
     "allowed_local_media_path": (
         REQUESTS,
         "Directory that local media paths may be read from (repeatable; default: none).",
@@ -327,6 +340,9 @@ def command(
     max_media_bytes: Annotated[Int, _opt("max_media_bytes")] = None,
     max_image_pixels: Annotated[Int, _opt("max_image_pixels")] = None,
     max_video_frames: Annotated[Int, _opt("max_video_frames")] = None,
+    media_memory: Annotated[Str, _opt("media_memory")] = None,
+    media_workers: Annotated[Int, _opt("media_workers")] = None,
+    media_timeout: Annotated[Float, _opt("media_timeout")] = None,
     allowed_local_media_path: Annotated[Strs, _opt("allowed_local_media_path")] = None,
     strict_fields: Annotated[Bool, _opt("strict_fields", "--strict-fields")] = None,
     lazy_load: Annotated[Bool, _opt("load_on_startup", "--lazy-load")] = None,
@@ -384,6 +400,7 @@ def run(settings: Settings) -> None:
     import uvicorn
 
     from vlmserve.api.app import build_app
+    from vlmserve.media.workers.memory import return_large_buffers
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -396,6 +413,7 @@ def run(settings: Settings) -> None:
     # default, so after each torch call the engine could wait up to 5 ms for the loop's SSE work;
     # at 1 ms it gets it back sooner (measured: +18% output tokens/s at 8 concurrent streams).
     sys.setswitchinterval(0.001)
+    return_large_buffers()  # a media burst's buffers leave RSS when freed (media/workers)
     # httptools (C) with the request head capped here: h11 (pure Python) capped it itself but
     # cost ~1.7x the CPU per request and per SSE event (cli/http_protocol.py has the figures).
     from vlmserve.cli.http_protocol import with_head_timeout

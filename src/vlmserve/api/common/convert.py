@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from PIL import Image
 
@@ -31,13 +33,17 @@ from vlmserve.engine.types import (
     TextPart,
     VideoPart,
 )
-from vlmserve.errors import InvalidRequest, VlmserveError
+from vlmserve.errors import InvalidRequest, RequestTimeout, VlmserveError
 from vlmserve.media import MediaPolicy, VideoFrames, decode_image, decode_video, read_source
+from vlmserve.media.fetch import MediaKind
 from vlmserve.media.video import source_fps
+from vlmserve.media.workers import MediaPool, current_lease, read_and_decode
+from vlmserve.media.workers.budget import PIXEL_FACTOR
 
 __all__ = ["Converter", "media_policy", "response_format", "sample_frames"]
 
 
+T = TypeVar("T")
 DEFAULT_MAX_N = 8  # choices per request when the settings do not say (VLMSERVE_MAX_N)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 EMPTY_FRAMES = "frames is empty; send at least one base64 JPEG frame"
@@ -172,6 +178,12 @@ def _video_part(video: VideoFrames) -> VideoPart:
     )
 
 
+def _pixel_bytes(decoded: object) -> int:
+    """Bytes of the decoded pixels: one image, or a clip's frames."""
+    frames = decoded.frames if isinstance(decoded, VideoFrames) else [decoded]
+    return sum(len(f.getbands()) * f.width * f.height for f in frames if isinstance(f, Image.Image))
+
+
 def _check_frames(messages: list[ChatMessageIn]) -> None:
     for i, m in enumerate(messages):
         for j, p in enumerate(m.content if isinstance(m.content, list) else []):
@@ -184,17 +196,40 @@ class Converter:
     settings: Settings
     policy: MediaPolicy
     metrics: Metrics | None = None
+    pool: MediaPool | None = None  # media workers; None: decode on a thread of this process
 
     @classmethod
-    def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> Converter:
-        return cls(settings=settings, policy=media_policy(settings), metrics=metrics)
+    def from_settings(
+        cls, settings: Settings, metrics: Metrics | None = None, pool: MediaPool | None = None
+    ) -> Converter:
+        return cls(settings=settings, policy=media_policy(settings), metrics=metrics, pool=pool)
+
+    async def _read_decode(
+        self, kind: MediaKind, source: str, decode: Any, *args: Any, **kwargs: Any
+    ) -> tuple[Any, int]:
+        """``decode(data, *args, **kwargs)`` of the bytes ``source`` names, and their size: in
+        a media worker (reading included) or, without workers, on a thread of this process.
+        The decoded pixels are charged to the request's media memory lease."""
+        started = time.perf_counter()
+        if self.pool is not None:
+            decoded, size = await self.pool.run(
+                read_and_decode, source, self.policy, kind, decode, *args, **kwargs
+            )
+        else:
+            data = await read_source(source, self.policy, kind=kind)
+            decoded, size = await asyncio.to_thread(decode, data, *args, **kwargs), len(data)
+        lease = current_lease()
+        if lease is not None:
+            lease.grow(size + PIXEL_FACTOR * _pixel_bytes(decoded))
+        if self.metrics is not None:
+            self.metrics.observe_media_seconds(kind, time.perf_counter() - started)
+        return decoded, size
 
     async def image(self, source: str) -> Image.Image:
-        data = await read_source(source, self.policy, kind="image")
-        image = await asyncio.to_thread(decode_image, data, self.policy)
+        image, size = await self._read_decode("image", source, decode_image, self.policy)
         if self.metrics is not None:
-            self.metrics.observe_media("image", len(data))
-        return image
+            self.metrics.observe_media("image", size)
+        return image  # type: ignore[no-any-return]
 
     async def frames(self, frames: list[str]) -> list[Image.Image]:
         """A clip sent as frames: uniformly sampled to the frame limit, then decoded."""
@@ -204,11 +239,10 @@ class Converter:
         return list(await asyncio.gather(*(self.image(f) for f in picked)))
 
     async def video(self, source: str) -> VideoFrames:
-        data = await read_source(source, self.policy, kind="video")
-        video = await asyncio.to_thread(decode_video, data, self.policy)
+        video, size = await self._read_decode("video", source, decode_video, self.policy)
         if self.metrics is not None:
-            self.metrics.observe_media("video", len(data), frames=len(video.frames))
-        return video
+            self.metrics.observe_media("video", size, frames=len(video.frames))
+        return video  # type: ignore[no-any-return]
 
     def check(self, body: ChatCompletionRequest) -> None:
         """Every check that needs no I/O; runs before any media is fetched (the fields
@@ -272,7 +306,9 @@ class Converter:
     async def to_request(self, body: ChatCompletionRequest, request_id: str) -> GenerateRequest:
         self.check(body)
         CHAT_FIELDS.check(body.model_extra or {}, strict=False)  # a 400 for what is not served
-        messages = await asyncio.gather(*(self._message(i, m) for i, m in enumerate(body.messages)))
+        messages = await self._within_media_timeout(
+            asyncio.gather(*(self._message(i, m) for i, m in enumerate(body.messages)))
+        )
         return GenerateRequest(
             request_id=request_id,
             messages=list(messages),
@@ -281,6 +317,18 @@ class Converter:
             output=output_options(body),
             cache_salt=body.cache_salt,
         )
+
+    async def _within_media_timeout(self, work: Awaitable[T]) -> T:
+        """408 when reading and decoding a request's media take over ``media_timeout``."""
+        limit = getattr(self.settings, "media_timeout", None)
+        try:
+            return await asyncio.wait_for(work, limit)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(
+                f"reading and decoding the request's media took over {limit:g} s "
+                "(VLMSERVE_MEDIA_TIMEOUT); send smaller or fewer media items",
+                param="messages",
+            ) from None
 
     async def _message(self, index: int, message: ChatMessageIn) -> ChatMessage:
         role = "system" if message.role == "developer" else message.role

@@ -26,6 +26,7 @@ from vlmserve.api.metrics import Metrics
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, GenerateRequest, Serves
 from vlmserve.errors import UnsupportedFeature
+from vlmserve.media.workers import hand_over
 from vlmserve.registry.manager import ModelManager
 
 __all__ = [
@@ -190,6 +191,7 @@ async def open_generation(
             request.cache_salt = keys.salt(owner, request.cache_salt)
         prepared = await backend.prepare(request)
         clock.prepared = time.perf_counter()
+        hand_over()  # the engine holds the media now: their bytes leave the media budget
     except BaseException:
         release()
         if prepared is not None:

@@ -1,0 +1,289 @@
+"""Does a text request notice other users' pictures? Text TTFT idle, under an image flood and
+under a text flood of the same request rate and prompt length; image requests/s; peak RSS.
+
+    python benchmarks/media_load.py --peer vllm                 # vlmserve (workers 0 1 2) + vLLM
+    python benchmarks/media_load.py --media-workers 0 2 --seconds 20 --runs 3
+    python benchmarks/media_load.py --pool-only --media-workers 1 2   # the worker pool alone
+
+Per server: ``--probes`` streamed text requests one at a time, idle; then ``--clients`` loops
+sending never-repeated 1280x960 JPEGs (``max_tokens`` 1) for ``--seconds`` while the probes
+run; then the same number of loops sending text whose prompt has the image request's token
+count, paced to the image flood's request rate, with the probes again. Peak RSS is the sum
+of VmHWM over the server's process group, reset before each flood. Results: a table and
+``--out`` JSON. ``--pool-only`` decodes data-URL JPEGs in ``MediaPool(n)`` (no model, no
+HTTP): images/s for each worker count (0 = a thread of this process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import io
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peers.servers import Server, ServerSpec, free_ports, vllm_spec, vlmserve_spec
+from peers.settle import wait_idle
+
+PEERS_DIR = Path.home() / ".cache" / "vlmserve" / "peers"
+SIZE = (1280, 960)
+
+
+def photos(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct 1280x960 JPEG data URLs (a gradient with a random 40x30 mosaic on it:
+    photo-sized files, ~150 KB, none equal to another)."""
+    rng = random.Random(seed)
+    base = Image.linear_gradient("L").resize(SIZE).convert("RGB")
+    out = []
+    for _ in range(n):
+        mosaic = Image.frombytes("RGB", (40, 30), rng.randbytes(40 * 30 * 3)).resize(SIZE)
+        buf = io.BytesIO()
+        Image.blend(base, mosaic, 0.5).save(buf, format="JPEG", quality=90)
+        out.append("data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode())
+    return out
+
+
+def image_body(model: str, url: str) -> dict[str, Any]:
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]
+    return {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
+
+
+def text_body(model: str, words: int, stream: bool = False) -> dict[str, Any]:
+    text = " ".join(random.choice(("red", "green", "blue", "sky")) for _ in range(words))
+    body = {"model": model, "max_tokens": 2 if stream else 1, "stream": stream}
+    return {**body, "messages": [{"role": "user", "content": text}]}
+
+
+async def probe(client: httpx.AsyncClient, model: str, n: int) -> list[float]:
+    """TTFT (ms) of ``n`` streamed text requests, one at a time."""
+    times = []
+    for _ in range(n):
+        began, first = time.perf_counter(), None
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=text_body(model, 8, True)
+        ) as r:
+            async for line in r.aiter_lines():
+                if first is None and '"content":"' in line and '"content":""' not in line:
+                    first = (time.perf_counter() - began) * 1000
+        if first is not None:
+            times.append(first)
+        await asyncio.sleep(0.02)
+    return times
+
+
+async def flood(
+    client: httpx.AsyncClient, bodies: Any, clients: int, stop: asyncio.Event, rate: float = 0
+) -> int:
+    """``clients`` loops posting ``next(bodies)`` until ``stop`` (or ``bodies`` runs out: more
+    ``--images`` needed, said on stderr); at most ``rate`` requests/s in all when given.
+    -> requests answered 200."""
+    done = 0
+    interval = clients / rate if rate else 0.0
+
+    async def loop() -> None:
+        nonlocal done
+        while not stop.is_set():
+            body = next(bodies, None)
+            if body is None:
+                print("the distinct images ran out: pass a larger --images", file=sys.stderr)
+                stop.set()
+                return
+            began = time.perf_counter()
+            r = await client.post("/v1/chat/completions", json=body)
+            done += r.status_code == 200
+            await asyncio.sleep(max(0.0, interval - (time.perf_counter() - began)))
+
+    await asyncio.gather(*(loop() for _ in range(clients)))
+    return done
+
+
+def group_hwm_mib(pid: int) -> tuple[float, list[int]]:
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    total = 0
+    for p in procs:
+        with open(f"/proc/{p.pid}/status") as f:
+            total += next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
+    return total / 1024, [p.pid for p in procs]
+
+
+def reset_peaks(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+async def under_flood(
+    client: httpx.AsyncClient, model: str, bodies: Any, args: argparse.Namespace, rate: float
+) -> tuple[list[float], float]:
+    """Probe TTFTs while ``bodies`` flood the server; -> (TTFTs, flood requests/s)."""
+    stop = asyncio.Event()
+    began = time.perf_counter()
+    flooding = asyncio.create_task(flood(client, bodies, args.clients, stop, rate))
+    await asyncio.sleep(1.0)  # the flood is on
+    ttfts = await probe(client, model, args.probes)
+    await asyncio.sleep(max(0.0, args.seconds - (time.perf_counter() - began)))
+    stop.set()
+    done = await flooding
+    return ttfts, done / (time.perf_counter() - began)
+
+
+async def measure(spec: ServerSpec, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    images = iter(image_body(spec.model, u) for u in photos(args.images, seed=args.seed))
+    async with httpx.AsyncClient(base_url=spec.url, timeout=300) as client:
+        r = await client.post("/v1/chat/completions", json=next(images))
+        r.raise_for_status()
+        tokens = r.json()["usage"]["prompt_tokens"]
+        idle = await probe(client, spec.model, args.probes)
+        _, pids = group_hwm_mib(pid)
+        reset_peaks(pids)
+        flooded, image_rate = await under_flood(client, spec.model, images, args, 0)
+        peak, _ = group_hwm_mib(pid)
+        texts = iter(lambda: text_body(spec.model, tokens), None)
+        wait_idle(args.settle)
+        text_flooded, text_rate = await under_flood(client, spec.model, texts, args, image_rate)
+    return {
+        "server": spec.name,
+        "prompt_tokens": tokens,
+        "idle": idle,
+        "image_flood": flooded,
+        "text_flood": text_flooded,
+        "image_rps": image_rate,
+        "text_rps": text_rate,
+        "peak_rss_mib": peak,
+    }
+
+
+def specs(args: argparse.Namespace, model_dir: str) -> list[ServerSpec]:
+    out = []
+    ports = free_ports(len(args.media_workers) + 1)
+    for workers, port in zip(args.media_workers, ports, strict=False):
+        spec = vlmserve_spec(model_dir, port, "float32")
+        spec.argv += ["--media-workers", str(workers)]
+        spec.name = f"vlmserve-w{workers}"
+        out.append(spec)
+    if args.peer == "vllm":
+        out.append(vllm_spec(model_dir, ports[-1], "float32", args.peers_dir))
+    return out
+
+
+def run_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from vlmserve.testing.tiny import build_qwen2_vl
+
+    model_dir = str(build_qwen2_vl())
+    log_dir = Path(tempfile.mkdtemp(prefix="media-load-"))
+    results = []
+    for _ in range(args.runs):
+        for spec in specs(args, model_dir):
+            if spec.missing:
+                print(f"{spec.name}: not installed: {spec.missing}")
+                continue
+            server = Server(spec, log_dir)
+            try:
+                server.start(args.startup_timeout)
+                wait_idle(args.settle)
+                assert server.proc is not None
+                results.append(asyncio.run(measure(spec, server.proc.pid, args)))
+            finally:
+                server.stop()
+    return results
+
+
+def pool_only(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from vlmserve.media import MediaPolicy, decode_image, read_source
+    from vlmserve.media.workers import MediaPool, read_and_decode
+
+    policy, urls = MediaPolicy(), photos(args.images, seed=args.seed)
+
+    async def one(workers: int) -> dict[str, Any]:
+        pool = MediaPool(workers) if workers else None
+        if pool is not None:
+            await pool.start()
+
+        async def decode(url: str) -> None:
+            if pool is not None:
+                await pool.run(read_and_decode, url, policy, "image", decode_image, policy)
+            else:
+                await asyncio.to_thread(
+                    decode_image, await read_source(url, policy, kind="image"), policy
+                )
+
+        began, queue = time.perf_counter(), iter(urls)
+
+        async def worker() -> None:
+            for url in queue:
+                await decode(url)
+
+        await asyncio.gather(*(worker() for _ in range(max(2, 2 * workers))))
+        seconds = time.perf_counter() - began
+        if pool is not None:
+            pool.close()
+        return {
+            "server": f"pool-w{workers}",
+            "images": len(urls),
+            "images_per_s": len(urls) / seconds,
+        }
+
+    return [asyncio.run(one(w)) for w in args.media_workers]
+
+
+def p(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    if results and "images_per_s" in results[0]:
+        for r in results:
+            print(f"{r['server']:>12}  {r['images_per_s']:7.1f} images/s  ({r['images']} images)")
+        return
+    head = "server            idle p50/p90    image flood p50/p90   text flood p50/p90"
+    print(head + "   img/s  txt/s  peak RSS MiB")
+    for r in results:
+        cells = [
+            f"{p(r[k], 50):6.1f}/{p(r[k], 90):6.1f}" for k in ("idle", "image_flood", "text_flood")
+        ]
+        print(
+            f"{r['server']:<16}  {cells[0]:>14}  {cells[1]:>20}  {cells[2]:>18}"
+            f"  {r['image_rps']:6.1f} {r['text_rps']:6.1f}  {r['peak_rss_mib']:8.0f}"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--peer", choices=["vllm"], help="also measure vLLM on the same checkpoint")
+    ap.add_argument("--peers-dir", type=Path, default=PEERS_DIR)
+    ap.add_argument("--media-workers", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--pool-only", action="store_true", help="the worker pool alone, no model")
+    ap.add_argument("--clients", type=int, default=4, help="flood loops")
+    ap.add_argument("--seconds", type=float, default=20.0, help="length of each flood")
+    ap.add_argument("--probes", type=int, default=40, help="text TTFT probes per phase")
+    ap.add_argument("--images", type=int, default=600, help="distinct JPEGs made up front")
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settle", type=float, default=10.0, help="max seconds to wait for idle CPUs")
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = ap.parse_args()
+    results = pool_only(args) if args.pool_only else run_servers(args)
+    report(results)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

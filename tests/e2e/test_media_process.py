@@ -1,0 +1,223 @@
+"""The media pipeline on a real server process: a flood of 20 MB images held to the media
+memory budget (peak RSS of the server's processes, the excess answered 429), and a media
+worker killed with ``kill -9`` mid-decode (its request retried, the worker replaced)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from support import MODEL, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MiB = 2**20
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the media workers, their resource tracker)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def _kib(pid: int, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peaks(pids: list[int]) -> None:
+    for pid in pids:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+
+
+class TreeSampler:
+    """The peak of the summed RSS of ``pids`` (KiB), sampled every 5 ms from a thread: the
+    processes peak at different moments, so the sum of their own peaks would overstate it."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.peak = pids, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, sum(_kib(p, "VmRSS") for p in self.pids))
+            self._stop.wait(0.005)
+
+    def __enter__(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def photo() -> bytes:
+    """A 2200x1650 noise JPEG at quality 100: ~14 MB, ~19 MB as base64 (~11 MB of pixels)."""
+    size = (2200, 1650)
+    image = Image.frombytes("RGB", size, random.Random(4).randbytes(size[0] * size[1] * 3))
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=100, subsampling=0)
+    return buf.getvalue()
+
+
+def _chat(photo: bytes) -> bytes:
+    url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    return httpx.Request("POST", "/", json={**body, "max_tokens": 4, "temperature": 0}).content
+
+
+def _server(tiny_dir: Path, *flags: str) -> ServerProcess:
+    args = ["serve", "--model", str(tiny_dir), "--served-model-name", MODEL, "--device", "cpu"]
+    return ServerProcess([*args, "--max-model-len", "8192", *flags], engine_process=True)
+
+
+@pytest.fixture(scope="module")
+def flood_server(tiny_dir: Path) -> Iterator[ServerProcess]:
+    proc = _server(tiny_dir, "--media-memory", "256MiB", "--media-workers", "1")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+async def _flood(url: str, body: bytes, n: int) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        calls = [
+            client.post("/v1/chat/completions", content=body, headers=headers) for _ in range(n)
+        ]
+        return list(await asyncio.gather(*calls))
+
+
+def test_64_concurrent_20_mb_images_hold_to_the_media_memory_and_the_excess_gets_429(
+    flood_server: ServerProcess, photo: bytes
+) -> None:
+    body = _chat(photo)
+    assert 18 * MiB < len(body) < 21 * MiB
+    first = httpx.post(
+        f"{flood_server.url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=120,
+    )
+    assert first.status_code == 200, first.text
+    expected = first.json()["choices"][0]["message"]["content"]
+    warm = asyncio.run(_flood(flood_server.url, body, 4))  # the threads' first allocations
+    assert {a.status_code for a in warm} == {200}
+    server = flood_server.proc.pid
+    pids = _tree(server)
+    before, api_before = sum(_kib(p, "VmRSS") for p in pids), _kib(server, "VmRSS")
+    _reset_peaks(pids)
+    with TreeSampler(pids) as sampled:
+        answers = asyncio.run(_flood(flood_server.url, body, 64))
+    rise = (sampled.peak - before) * 1024
+    api_rise = (_kib(server, "VmHWM") - api_before) * 1024
+    statuses = sorted(a.status_code for a in answers)
+    print(
+        f"64 x {len(body) / MiB:.1f} MiB: {statuses.count(200)} answered, "
+        f"{statuses.count(429)} got 429; peak RSS of the server's processes rose "
+        f"{rise / MiB:.0f} MiB (the API process's own peak: {api_rise / MiB:.0f} MiB)"
+    )
+    assert set(statuses) <= {200, 429}, [a.text[:200] for a in answers if a.status_code >= 400]
+    refused = [a for a in answers if a.status_code == 429]
+    assert refused and all(int(a.headers["retry-after"]) >= 1 for a in refused)
+    assert "VLMSERVE_MEDIA_MEMORY" in refused[0].json()["error"]["message"]
+    accepted = [a for a in answers if a.status_code == 200]
+    assert accepted and all(
+        a.json()["choices"][0]["message"]["content"] == expected for a in accepted
+    )
+    assert rise <= 256 * MiB + 256 * MiB, f"peak RSS rose {rise / MiB:.0f} MiB"
+    assert api_rise <= 256 * MiB + 256 * MiB, f"the API's peak RSS rose {api_rise / MiB:.0f} MiB"
+
+
+def _media_workers(server: int) -> list[int]:
+    """The server's spawned multiprocessing children (not the resource tracker, not the
+    engine process)."""
+    found = []
+    for pid in _tree(server):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append(pid)
+    return found
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def test_a_media_worker_killed_mid_decode_is_replaced_and_its_request_retried(
+    flood_server: ServerProcess, photo: bytes
+) -> None:
+    server = flood_server.proc.pid
+    workers = _media_workers(server)
+    assert len(workers) == 1, workers
+    (worker,) = workers
+    idle = _cpu_ticks(worker)
+    result: dict[str, httpx.Response] = {}
+
+    def send() -> None:
+        result["answer"] = httpx.post(
+            f"{flood_server.url}/v1/chat/completions",
+            content=_chat(photo),
+            headers={"content-type": "application/json"},
+            timeout=120,
+        )
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while _cpu_ticks(worker) < idle + 5:  # 50 ms into its decode
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    os.kill(worker, signal.SIGKILL)
+    thread.join(120)
+    answer = result["answer"]
+    assert answer.status_code == 200, answer.text
+    replaced = _media_workers(server)
+    assert len(replaced) == 1 and replaced != [worker], replaced
+    again = httpx.post(
+        f"{flood_server.url}/v1/chat/completions",
+        content=_chat(photo),
+        headers={"content-type": "application/json"},
+        timeout=120,
+    )
+    assert again.status_code == 200, again.text

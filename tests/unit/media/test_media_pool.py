@@ -1,0 +1,110 @@
+"""Media workers, real processes: the same decode as in-process, pixels through shared memory,
+a worker killed mid-call replaced and its call retried once, then a clear 503."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from PIL import Image
+
+from vlmserve.errors import MediaError, ServiceUnavailable
+from vlmserve.media import MediaPolicy, decode_image, decode_video
+from vlmserve.media.workers import MediaPool, read_and_decode
+from vlmserve.testing.media import image_bytes, mp4_bytes
+
+POLICY = MediaPolicy()
+
+
+def _shared_blocks(nbytes: int) -> set[str]:
+    """Shared memory blocks of ``nbytes`` (other processes on the machine make their own)."""
+    names = set()
+    for name in os.listdir("/dev/shm"):
+        with contextlib.suppress(OSError):
+            if name.startswith("psm_") and os.stat(f"/dev/shm/{name}").st_size == nbytes:
+                names.add(name)
+    return names
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[MediaPool]:
+    pool = MediaPool(1, nice=0)
+    await pool.start()
+    yield pool
+    pool.close()
+
+
+async def test_an_image_decoded_in_a_worker_is_the_same_pixels_as_in_process(
+    pool: MediaPool,
+) -> None:
+    data = image_bytes(320, 200, fmt="JPEG", seed=3)
+    source = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+    blocks = _shared_blocks(320 * 200 * 3)
+    image, size = await pool.run(read_and_decode, source, POLICY, "image", decode_image, POLICY)
+    local = decode_image(data, POLICY)
+    assert _shared_blocks(320 * 200 * 3) == blocks  # the pixels' block is unlinked once copied out
+    assert size == len(data)
+    assert (image.mode, image.size) == (local.mode, local.size)
+    assert image.tobytes() == local.tobytes()
+
+
+async def test_video_frames_come_back_with_their_timing(pool: MediaPool) -> None:
+    data = mp4_bytes()
+    source = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    video, _ = await pool.run(read_and_decode, source, POLICY, "video", decode_video, POLICY)
+    local = decode_video(data, POLICY)
+    assert video.frame_indices == local.frame_indices and video.fps == local.fps
+    assert [f.tobytes() for f in video.frames] == [f.tobytes() for f in local.frames]
+
+
+async def test_a_decode_error_in_a_worker_is_the_same_400(pool: MediaPool) -> None:
+    with pytest.raises(MediaError, match="not a recognised image"):
+        await pool.run(decode_image, b"not an image at all", POLICY)
+
+
+async def test_a_worker_killed_mid_call_is_replaced_and_the_call_retried(pool: MediaPool) -> None:
+    (pid,) = pool.pids()
+    call = asyncio.create_task(pool.run(time.sleep, 1.0))
+    await asyncio.sleep(0.3)  # the worker is inside the call
+    os.kill(pid, signal.SIGKILL)
+    assert await asyncio.wait_for(call, 30) is None  # the retry ran on a fresh worker
+    assert pool.replaced == 1 and pool.pids() != [pid]
+    source = base64.b64encode(image_bytes()).decode()
+    image, _ = await pool.run(read_and_decode, source, POLICY, "image", decode_image, POLICY)
+    assert image.size == (64, 64)
+
+
+async def test_a_call_whose_worker_dies_twice_is_a_503_and_the_next_call_succeeds(
+    pool: MediaPool,
+) -> None:
+    with pytest.raises(ServiceUnavailable, match="media worker process died") as caught:
+        await pool.run(os._exit, 9)
+    assert caught.value.status_code == 503 and caught.value.retry_after >= 1
+    assert pool.replaced == 2
+    assert await pool.run(sum, [1, 2, 3]) == 6
+
+
+def _late_image(seconds: float) -> Image.Image:
+    time.sleep(seconds)
+    return Image.new("RGB", (64, 64), (1, 2, 3))
+
+
+async def test_a_call_given_up_while_it_runs_leaves_no_shared_memory_behind(
+    pool: MediaPool,
+) -> None:
+    blocks = _shared_blocks(64 * 64 * 3)
+    call = asyncio.create_task(pool.run(_late_image, 0.5))
+    await asyncio.sleep(0.2)  # the worker is inside the call
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    image = await pool.run(_late_image, 0)  # after the abandoned one, in the one worker
+    assert image.getpixel((0, 0)) == (1, 2, 3)
+    await asyncio.sleep(0.1)
+    assert _shared_blocks(64 * 64 * 3) == blocks
