@@ -30,7 +30,7 @@ from vlmserve.api.endpoints.system import router as system
 from vlmserve.api.endpoints.tasks import router as tasks
 from vlmserve.api.endpoints.tokenize import router as tokenize
 from vlmserve.api.endpoints.worker import router as worker
-from vlmserve.api.errors import ERROR_RESPONSES, install_error_handlers
+from vlmserve.api.errors import ERROR_RESPONSES, error_response, install_error_handlers
 from vlmserve.api.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from vlmserve.api.middleware import (
     BodyLimitMiddleware,
@@ -219,7 +219,14 @@ def _install_middleware(
     # Outermost first: RequestId -> Metrics -> CORS -> ErrorShield -> Auth -> Activity
     # -> BodyLimit -> Passthrough (a gateway's streams to vlmserve workers) -> app
     settings, metrics = services.settings, services.metrics
-    app.add_middleware(PassthroughMiddleware, services=services)
+    app.add_middleware(
+        PassthroughMiddleware,
+        settings=settings,
+        sessions=services.sessions,
+        models=services.models,
+        metrics=metrics,
+        errors=error_response,
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(ActivityMiddleware, clock=clock)
     app.add_middleware(
