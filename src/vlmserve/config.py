@@ -5,20 +5,26 @@ Nothing reads the environment at import time; ``load_settings`` is the one place
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
 from vlmserve.errors import ConfigError
 
-__all__ = ["ModelConfig", "Settings", "load_settings", "parse_size"]
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+__all__ = ["ModelConfig", "Settings", "load_settings", "parse_size", "settings_over"]
 
 MiB = 2**20
 _UNITS = {
@@ -282,24 +288,33 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
-        toml_file = settings_cls.model_config.get("toml_file")
-        if toml_file:
-            sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml_file),)
-        return sources
+        return (init_settings, env_settings)  # no .env file, no secrets directory
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Build the settings; ``overrides`` (CLI flags) whose value is None are ignored."""
-    given = {k: v for k, v in overrides.items() if v is not None}
     if config_file is None:
-        return Settings(**given)
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
     if not config_file.is_file():
         raise ConfigError(f"config file {config_file} does not exist")
+    return settings_over(tomllib.loads(config_file.read_text()), overrides)
+
+
+def settings_over(table: dict[str, Any], overrides: dict[str, Any]) -> Settings:
+    """The settings of a config file's ``table``, under the ``VLMSERVE_*`` variables, under
+    the flags in ``overrides`` (those whose value is None are ignored)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
 
     class _FileSettings(Settings):
-        model_config = SettingsConfigDict(
-            env_prefix="VLMSERVE_", extra="forbid", toml_file=config_file
-        )
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, InitSettingsSource(settings_cls, table))
 
     return Settings.model_validate(_FileSettings(**given).model_dump())
