@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
@@ -90,6 +90,8 @@ class ModelConfig(BaseSettings):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VLMSERVE_", extra="forbid")
+    # the lowest-precedence source: a config file's table (``settings_over``)
+    file_table: ClassVar[dict[str, Any] | None] = None
 
     # --- model -------------------------------------------------------------------------
     model: str | None = None
@@ -288,7 +290,11 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)  # no .env file, no secrets directory
+        """Flags, then ``VLMSERVE_*`` variables, then a config file's table (no .env file, no
+        secrets directory)."""
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        table = getattr(settings_cls, "file_table", None)
+        return sources if table is None else (*sources, InitSettingsSource(settings_cls, table))
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
@@ -306,15 +312,6 @@ def settings_over(table: dict[str, Any], overrides: dict[str, Any]) -> Settings:
     given = {k: v for k, v in overrides.items() if v is not None}
 
     class _FileSettings(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, InitSettingsSource(settings_cls, table))
+        file_table = table
 
     return Settings.model_validate(_FileSettings(**given).model_dump())

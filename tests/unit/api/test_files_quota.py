@@ -119,6 +119,9 @@ async def test_another_keys_file_is_exactly_an_unknown_one(tmp_path: Path) -> No
         files.get("a", "f" * 129)
     assert caught.value.param is None
     assert files.read_text("a", made["id"]) == "secret"
+    with pytest.raises(NotFound) as caught:
+        files.read_text("b", made["id"], "input_file_id")
+    assert caught.value.param == "input_file_id"
     assert files.list("b", None, 10, None, "asc")["data"] == []
     assert files.delete("a", made["id"]) == {"id": made["id"], "object": "file", "deleted": True}
     with pytest.raises(NotFound):
@@ -144,6 +147,8 @@ async def test_listing_pages_with_has_more_and_cursors(tmp_path: Path) -> None:
     assert [f["id"] for f in rest["data"]] == ids[2:] and rest["has_more"] is False
     newest = files.list("a", None, 5, None, "desc")
     assert [f["id"] for f in newest["data"]] == ids[::-1]
+    exactly = files.list("a", None, 3, None, "asc")
+    assert len(exactly["data"]) == 3 and exactly["has_more"] is False
     empty = files.list("a", "vision", 5, None, "asc")
     assert empty == {
         "object": "list",
@@ -357,3 +362,10 @@ def test_the_sweep_deletes_what_outlived_its_retention(
     keeper.store.add_file(FileRow("file-x", "a", "f", "batch", 1, now, now - 5))
     keeper.sweep()
     assert keeper.store.db().execute("SELECT COUNT(*) FROM files WHERE id = 'file-x'").fetchone()[0]
+
+
+def test_a_file_that_is_not_utf8_reads_with_replacement_characters(tmp_path: Path) -> None:
+    files = service(tmp_path)
+    file_id = add_file(files, "a", 4)
+    files.store.blob(file_id).write_bytes(b"ok\xff\xfe")
+    assert files.read_text("a", file_id) == "ok\ufffd\ufffd"

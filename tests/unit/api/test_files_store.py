@@ -51,6 +51,11 @@ def test_nothing_is_made_on_disk_until_the_first_write(store: FilesStore) -> Non
     assert store.exists() and store.db_path.is_file()
 
 
+def test_closing_a_store_that_never_opened_is_a_no_op(store: FilesStore) -> None:
+    store.close()
+    assert not store.exists()
+
+
 def test_a_new_store_over_an_existing_database_reads_it(store: FilesStore) -> None:
     store.add_file(row("file-1"))
     store.close()
