@@ -129,11 +129,14 @@ async def test_another_keys_file_is_exactly_an_unknown_one(tmp_path: Path) -> No
     assert not files.store.blob(made["id"]).exists()
 
 
-def test_an_id_of_the_longest_allowed_length_is_looked_up(tmp_path: Path) -> None:
+def test_an_id_is_looked_up_only_up_to_128_characters(tmp_path: Path) -> None:
     files = service(tmp_path)
-    long_id = "f" * 128
+    long_id, too_long = "f" * 128, "g" * 129
     add_file(files, "a", 1, long_id)
+    add_file(files, "a", 1, too_long)  # never made by an upload; refused unread
     assert files.get("a", long_id).id == long_id
+    with pytest.raises(NotFound):
+        files.get("a", too_long)
 
 
 async def test_listing_pages_with_has_more_and_cursors(tmp_path: Path) -> None:
