@@ -229,7 +229,7 @@ def test_charges_hold_bytes_until_released_and_refuse_past_the_quota(tmp_path: P
     assert files.used("a") == 700 and files._pending == {"a": 600}
     with pytest.raises(PayloadTooLarge) as caught:
         first(1)
-    assert "VLMSERVE_FILES_MAX_BYTES" in caught.value.message
+    assert "VLMSERVE_FILES_MAX_BYTES" in caught.value.message and caught.value.param == "file"
     second(300)  # 100 + 600 + 300 = 1000: the quota
     with pytest.raises(PayloadTooLarge) as caught:
         second(1)
@@ -268,13 +268,13 @@ def test_an_over_quota_message_counts_the_whole_upload_and_what_is_stored(
 def test_a_release_leaves_the_other_uploads_holds(tmp_path: Path) -> None:
     files = service(tmp_path, quota=10_000)
     charge, release = files._charger("a")
-    files._pending["a"] = 50  # another upload's hold
+    files._pending["a"] = 1  # another upload's hold
     charge(20)
     release()
-    assert files._pending == {"a": 50}
+    assert files._pending == {"a": 1}
     _, release_it = files._charger("a")
     release_it()  # nothing held: the other hold stays
-    assert files._pending == {"a": 50}
+    assert files._pending == {"a": 1}
 
 
 async def test_parallel_uploads_of_one_key_never_pass_the_quota_together(tmp_path: Path) -> None:
@@ -372,3 +372,58 @@ def test_a_file_that_is_not_utf8_reads_with_replacement_characters(tmp_path: Pat
     file_id = add_file(files, "a", 4)
     files.store.blob(file_id).write_bytes(b"ok\xff\xfe")
     assert files.read_text("a", file_id) == "ok\ufffd\ufffd"
+
+
+def test_one_upload_may_fill_the_quota_to_the_byte(tmp_path: Path) -> None:
+    files = service(tmp_path, quota=1000)
+    charge, release = files._charger("a")
+    charge(1000)
+    with pytest.raises(PayloadTooLarge):
+        charge(1)
+    release()
+
+
+async def test_the_quota_counts_what_the_uploading_key_already_stores(tmp_path: Path) -> None:
+    files = service(tmp_path, quota=10_000)
+    add_file(files, "a", 9000)
+    read = []
+
+    async def body() -> AsyncIterator[bytes]:
+        read.append(True)
+        yield form(b"x")
+
+    with pytest.raises(PayloadTooLarge) as caught:  # by the declared length, unread
+        await files.upload("a", CONTENT_TYPE, str(FORM_OVERHEAD + 2000), body())
+    assert caught.value.code == "files_quota_exceeded" and read == []
+    with pytest.raises(PayloadTooLarge) as caught:  # no length: while it streams
+        await files.upload("a", CONTENT_TYPE, None, pieces(form(b"x" * 2000)))
+    assert caught.value.code == "files_quota_exceeded"
+    assert (await upload(files, "b", b"x" * 2000))["bytes"] == 2000  # another key's quota
+
+
+async def test_a_form_without_a_purpose_is_refused(tmp_path: Path) -> None:
+    files = service(tmp_path)
+    body = (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\n'
+        f"x\r\n--{BOUNDARY}--\r\n"
+    ).encode()
+    with pytest.raises(InvalidRequest) as caught:
+        await files.upload("a", CONTENT_TYPE, None, pieces(body))
+    assert caught.value.message == "purpose '' is not one of batch, vision, user_data"
+    assert list(files.store.blobs.iterdir()) == []
+
+
+def test_the_sweep_goes_on_past_a_blob_it_cannot_delete(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    files = service(tmp_path, ttl=60)
+    now = int(time.time())
+    for file_id in ("file-1", "file-2"):
+        files.store.add_file(FileRow(file_id, "a", "f", "batch", 1, now, now - 1))
+    files.store.blob("file-1").mkdir(parents=True)  # unlink fails: a directory
+    files.store.blob("file-2").write_bytes(b"x")
+    caplog.set_level("INFO", logger="vlmserve.api.endpoints.files.service")
+    files.sweep()
+    assert not files.store.blob("file-2").exists()
+    assert files.store.expired(now + 10) == ([], [])
+    assert [r.getMessage() for r in caplog.records] == ["retention: deleted 2 files and 0 batches"]
