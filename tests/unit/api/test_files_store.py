@@ -3,6 +3,7 @@ bytes of a key, retention, batch rows and their result lines, private modes on d
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
@@ -48,7 +49,8 @@ def test_nothing_is_made_on_disk_until_the_first_write(store: FilesStore) -> Non
     assert store.unfinished_batches() == [] and store.line_counts("batch-1") == (0, 0)
     assert not store.root.exists()
     store.db()
-    assert store.exists() and store.db_path.is_file()
+    assert store.exists() and store.db_path == store.root / "files.db"
+    assert store.db_path.is_file()
 
 
 def test_closing_a_store_that_never_opened_is_a_no_op(store: FilesStore) -> None:
@@ -285,6 +287,7 @@ def test_results_keep_preserialised_parts_and_integers_wider_than_64_bits(
     wide = {
         "big": 2**70,
         "edge": 2**64,
+        "flag": True,
         "neg": -(2**63) - 1,
         "ok": [2**64 - 1, -(2**63)],
         "a": fragment,
@@ -312,3 +315,8 @@ def test_a_file_row_is_openai_s_file_object() -> None:
         "status": "processed",
         "status_details": None,
     }
+
+
+async def test_the_store_answers_from_any_thread(store: FilesStore) -> None:
+    store.add_file(row("file-1", size=7))  # opened on this thread
+    assert await asyncio.to_thread(store.file_bytes, "a") == 7
