@@ -45,7 +45,7 @@ async def register_replica(models: Models, model: str, url: str, instance: str) 
     if backend is None or not backend.accepts_replicas:
         raise InvalidRequest(
             f"model {handle.name!r} is a {handle.backend.kind} entry, not an openai (upstream) "
-            "entry; replicas register only with `backend = \"openai\"` entries of the "
+            'entry; replicas register only with `backend = "openai"` entries of the '
             "gateway's registry",
             param="model",
             code="not_an_upstream",
