@@ -45,6 +45,16 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     ],
     "src/vlmserve/api/resume_token.py": ["tests/unit/api/test_resume_token.py"],
     "src/vlmserve/api/common/keys.py": ["tests/unit/api/common/test_key_policy.py"],
+    # the quota and ownership of stored files (tests/integration/test_files_batches_api.py and
+    # tests/robustness pin them through the app, too slow to run per mutant)
+    "src/vlmserve/api/endpoints/files/service.py": [
+        "tests/unit/api/endpoints/files/test_files_quota.py",
+        "tests/unit/api/endpoints/files/test_files_store.py",
+    ],
+    "src/vlmserve/api/endpoints/files/store.py": [
+        "tests/unit/api/endpoints/files/test_files_store.py",
+        "tests/unit/api/endpoints/files/test_files_quota.py",
+    ],
     "src/vlmserve/gateway/passthrough*.py": [
         "tests/unit/gateway/test_passthrough_relay.py",
         "tests/integration/test_gateway_passthrough.py",

@@ -74,17 +74,23 @@ class ServerProcess:
     pipe nobody reads fills up (access logs) and blocks the server's event loop."""
 
     def __init__(
-        self, args: list[str], env: dict[str, str] | None = None, *, engine_process: bool = False
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        engine_process: bool = False,
+        command: list[str] | None = None,
     ):
         """``engine_process``: the product's default, an engine process per chat model. Off
         unless a test asks (or ``env`` sets VLMSERVE_ENGINE_PROCESS): starting one costs a
-        second interpreter, ~5 s a server on a 2-core CI machine."""
+        second interpreter, ~5 s a server on a 2-core CI machine. ``command``: the program
+        (default ``vlmserve``), ``args`` and ``--port`` follow it."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop()
         engine = {"VLMSERVE_ENGINE_PROCESS": "1" if engine_process else "0"}
         self.proc = subprocess.Popen(
-            [*vlmserve_cmd(), *args, "--port", str(self.port)],
+            [*(command or vlmserve_cmd()), *args, "--port", str(self.port)],
             env={**os.environ, **engine, **(env or {})},
             stdout=self.log,
             stderr=subprocess.STDOUT,

@@ -6,20 +6,26 @@ Nothing reads the environment at import time; ``load_settings`` is the one place
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
 from vlmserve.errors import ConfigError
 
-__all__ = ["ModelConfig", "Settings", "load_settings", "parse_size"]
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+__all__ = ["ModelConfig", "Settings", "load_settings", "parse_size", "settings_over"]
 
 MiB = 2**20
 _UNITS = {
@@ -94,6 +100,8 @@ class ModelConfig(BaseSettings):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VLMSERVE_", extra="forbid")
+    # the lowest-precedence source: a config file's table (``settings_over``)
+    file_table: ClassVar[dict[str, Any] | None] = None
 
     # --- model -------------------------------------------------------------------------
     model: str | None = None
@@ -309,24 +317,28 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags, then ``VLMSERVE_*`` variables, then a config file's table (no .env file, no
+        secrets directory)."""
         sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
-        toml_file = settings_cls.model_config.get("toml_file")
-        if toml_file:
-            sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml_file),)
-        return sources
+        table = getattr(settings_cls, "file_table", None)
+        return sources if table is None else (*sources, InitSettingsSource(settings_cls, table))
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Build the settings; ``overrides`` (CLI flags) whose value is None are ignored."""
-    given = {k: v for k, v in overrides.items() if v is not None}
     if config_file is None:
-        return Settings(**given)
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
     if not config_file.is_file():
         raise ConfigError(f"config file {config_file} does not exist")
+    return settings_over(tomllib.loads(config_file.read_text()), overrides)
+
+
+def settings_over(table: dict[str, Any], overrides: dict[str, Any]) -> Settings:
+    """The settings of a config file's ``table``, under the ``VLMSERVE_*`` variables, under
+    the flags in ``overrides`` (those whose value is None are ignored)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
 
     class _FileSettings(Settings):
-        model_config = SettingsConfigDict(
-            env_prefix="VLMSERVE_", extra="forbid", toml_file=config_file
-        )
+        file_table = table
 
     return Settings.model_validate(_FileSettings(**given).model_dump())

@@ -5,10 +5,16 @@ Pass: 0 responses >= 500, 0 response-schema / content-type / header violations, 
 call has a 10 s limit), and no body leaks a traceback, an address or a server path. Because the
 operations come from ``app.openapi()``, routes added later (the gateway's) are fuzzed as soon as
 they exist. Generation stays cheap: ``max_tokens`` defaults to 8 and the context is 64 tokens.
+
+The limits are set low (``LIMITS``: upload size, stored bytes per key, unfinished batches per
+key, media per request, generations per key), so fuzzed calls run into them; and
+``test_each_limit_answers_its_documented_4xx`` drives each one on purpose, checking the
+answer against the schema as the fuzzer does.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from typing import Any
@@ -40,6 +46,14 @@ CHEAP = {
     "admin_keys": ["fuzz-admin"],
     "api_keys": ["fuzz-user"],
     "media_fetch_timeout": 2.0,
+}
+# The bounds a request meets before work, set low so that the fuzzer reaches them.
+LIMITS = {
+    "files_max_bytes": 4096,
+    "files_quota_bytes": 8192,
+    "batch_max_unfinished": 1,
+    "max_media_per_request": 2,
+    "max_concurrent_per_key": 2,
 }
 CALL_TIMEOUT = 10.0
 
@@ -115,7 +129,7 @@ def _fuzz(op: Any, mode: GenerationMode, base: str, n: int, found: dict, stats: 
 def test_operation_never_5xx_never_violates_its_schema(
     op: Any, live_server: Any, scale: Scale, record_property: Any
 ) -> None:
-    server = live_server(**CHEAP)
+    server = live_server(**CHEAP, **LIMITS)
     found: dict[str, list[str]] = {
         k: [] for k in ("5xx", "schema", "hang", "leak", "undocumented_status")
     }
@@ -133,3 +147,69 @@ def test_operation_never_5xx_never_violates_its_schema(
     assert found["leak"] == [], found["leak"][:5]
     assert found["schema"] == [], found["schema"][:3]
     assert found["undocumented_status"] == [], found["undocumented_status"][:5]
+
+
+def _operation(method: str, path: str) -> Any:
+    return next(o for o in OPERATIONS if o.method.upper() == method and o.path == path)
+
+
+def _documented(
+    method: str, path: str, response: Any, media_type: str = "application/json"
+) -> None:
+    """A 4xx in OpenAI's error shape that the schema documents for the operation."""
+    case = _operation(method, path).Case(media_type=media_type)
+    checks = [content_type_conformance, response_schema_conformance, status_code_conformance]
+    case.validate_response(response, checks=checks)
+    assert 400 <= response.status_code < 500, response.text[:300]
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_each_limit_answers_its_documented_4xx(live_server: Any) -> None:
+    base = live_server(**CHEAP, **LIMITS).url
+    http = requests.Session()
+    http.headers.update({"Authorization": "Bearer fuzz-user"})
+
+    def upload(data: bytes, purpose: str = "batch") -> Any:
+        files = {"file": ("in.jsonl", data)}
+        return http.post(f"{base}/v1/files", files=files, data={"purpose": purpose}, timeout=30)
+
+    too_big = upload(b"x" * 4097)
+    _documented("POST", "/v1/files", too_big, "multipart/form-data")
+    assert too_big.status_code == 413 and "VLMSERVE_FILES_MAX_BYTES" in too_big.text
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions"}
+    line["body"] = {
+        "model": "tiny",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    data = (json.dumps(line) + "\n").encode()
+    file_id = upload(data).json()["id"]
+    create = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}):
+        answer = http.post(f"{base}/v1/batches", json={**create, "metadata": metadata}, timeout=30)
+        _documented("POST", "/v1/batches", answer)
+        assert answer.status_code == 400, answer.text[:300]
+    first = http.post(f"{base}/v1/batches", json=create, timeout=30)
+    assert first.status_code == 200, first.text[:300]
+    second = http.post(f"{base}/v1/batches", json=create, timeout=30)
+    _documented("POST", "/v1/batches", second)
+    assert second.json()["error"]["code"] == "batch_quota_exceeded"
+    while (over := upload(b"y" * 4000)).status_code == 200:
+        pass  # the quota fills
+    _documented("POST", "/v1/files", over, "multipart/form-data")
+    assert over.json()["error"]["code"] == "files_quota_exceeded"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": [image] * 3}]}
+    answer = http.post(f"{base}/v1/chat/completions", json=chat, timeout=30)
+    _documented("POST", "/v1/chat/completions", answer)
+    assert "VLMSERVE_MAX_MEDIA_PER_REQUEST" in answer.text
+    parts = [{"type": "input_image", "file_id": file_id}] * 3
+    responses = {"model": "tiny", "input": [{"role": "user", "content": parts}]}
+    answer = http.post(f"{base}/v1/responses", json=responses, timeout=30)
+    _documented("POST", "/v1/responses", answer)
+    assert "VLMSERVE_MAX_MEDIA_PER_REQUEST" in answer.text
+    long_text = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 5000}]}
+    answer = http.post(f"{base}/v1/chat/completions", json=long_text, timeout=30)
+    _documented("POST", "/v1/chat/completions", answer)
+    http.post(f"{base}/v1/batches/{first.json()['id']}/cancel", timeout=30)
+    http.close()

@@ -31,7 +31,7 @@ from vlmserve.api.endpoints.system import router as system
 from vlmserve.api.endpoints.tasks import router as tasks
 from vlmserve.api.endpoints.tokenize import router as tokenize
 from vlmserve.api.endpoints.worker import router as worker
-from vlmserve.api.errors import ERROR_RESPONSES, install_error_handlers
+from vlmserve.api.errors import ERROR_RESPONSES, error_response, install_error_handlers
 from vlmserve.api.media_admission import MediaAdmissionMiddleware
 from vlmserve.api.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from vlmserve.api.middleware import (
@@ -226,7 +226,14 @@ def _install_middleware(
     # Outermost first: RequestId -> Metrics -> CORS -> ErrorShield -> Auth -> Activity
     # -> BodyLimit -> MediaAdmission -> Passthrough (a gateway's streams to vlmserve workers) -> app
     settings, metrics = services.settings, services.metrics
-    app.add_middleware(PassthroughMiddleware, services=services)
+    app.add_middleware(
+        PassthroughMiddleware,
+        settings=settings,
+        sessions=services.sessions,
+        models=services.models,
+        metrics=metrics,
+        errors=error_response,
+    )
     if services.media is not None:  # bodies admitted by size against the media memory
         app.add_middleware(MediaAdmissionMiddleware, budget=services.media.budget)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -21,6 +21,9 @@ from rich.markup import escape
 
 from vlmserve.config import Settings, load_settings
 from vlmserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vlmserve.registry.manager import ModelManager
 
 __all__ = [
     "ENV_ONLY",
@@ -395,8 +398,9 @@ def fail(exc: Exception) -> NoReturn:
     raise typer.Exit(code=2)
 
 
-def run(settings: Settings) -> None:
-    """Serve until stopped; exit 1 with the reason when a model fails to load at start-up."""
+def run(settings: Settings, models: ModelManager | None = None) -> None:
+    """Serve until stopped; exit 1 with the reason when a model fails to load at start-up.
+    ``models``: the manager to serve (default: the one ``settings`` describe)."""
     import uvicorn
 
     from vlmserve.api.app import build_app
@@ -406,7 +410,7 @@ def run(settings: Settings) -> None:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        app = build_app(settings)  # a bad model entry (parser, template, key) fails here
+        app = build_app(settings, models)  # a bad model entry (parser, template, key) fails here
     except ConfigError as exc:
         fail(exc)
     # The engine thread and the event loop share the GIL. Python hands it over every 5 ms by

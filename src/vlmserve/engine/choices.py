@@ -4,19 +4,42 @@ An ``n`` > 1 stream that has to go on after a failure (a restarted server contin
 stream, the Ray ingress after its model replica died) cannot be continued as one request: its
 choices' tokens are not one prefix. Each unfinished choice goes on as a request of its own
 (``n`` = 1, ``seed + i``: what choice ``i`` samples with, ``SamplingParams.choice_seed``, and
-its own tokens as the prefix), and ``merge_choices`` puts their chunks back under each
-choice's index.
+its own tokens as the prefix), opened by ``open_choices``, and ``merge_choices`` puts their
+chunks back under each choice's index.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Container
+from typing import TypeVar
 
 from vlmserve.engine.types import Chunk
 
-__all__ = ["merge_choices"]
+__all__ = ["merge_choices", "open_choices"]
+
+T = TypeVar("T")
+
+
+async def open_choices(
+    n: int,
+    ended: Container[int],
+    open_one: Callable[[int], Awaitable[T]],
+    abandon: Callable[[T], Awaitable[object]],
+) -> list[tuple[int, T]]:
+    """``(i, open_one(i))`` for each of the ``n`` choices not in ``ended``, in index order.
+    When one fails to open, those already opened are abandoned and the error raised."""
+    opened: list[tuple[int, T]] = []
+    try:
+        for i in range(n):
+            if i not in ended:
+                opened.append((i, await open_one(i)))
+    except BaseException:
+        for _, item in opened:
+            await abandon(item)
+        raise
+    return opened
 
 
 async def merge_choices(streams: list[tuple[int, AsyncIterator[Chunk]]]) -> AsyncIterator[Chunk]:

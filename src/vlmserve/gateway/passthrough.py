@@ -30,19 +30,19 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vlmserve.api.errors import error_response
-from vlmserve.api.services import Services
-from vlmserve.engine.protocol import PassedAnswer, Proxied, as_proxied
+from vlmserve.config import Settings
+from vlmserve.engine.protocol import Backend, PassedAnswer, Proxied, as_proxied
 from vlmserve.engine.types import ModelState, Serves
 from vlmserve.errors import VlmserveError
 from vlmserve.gateway.passed import PassedStream, PassedStreams
 from vlmserve.gateway.passthrough_relay import (
+    GenerationMetrics,
     Observed,
     read_body,
     relay,
@@ -50,10 +50,10 @@ from vlmserve.gateway.passthrough_relay import (
     replay,
     unless_gone,
 )
-from vlmserve.streaming import parse_event_id
+from vlmserve.streaming import SessionManager, parse_event_id
 from vlmserve.streaming.store.base import already_exists
 
-__all__ = ["PassthroughMiddleware"]
+__all__ = ["ErrorAnswer", "Models", "PassthroughMiddleware"]
 
 CHAT = "/v1/chat/completions"
 _REQUEST_HEADERS = ("accept", "last-event-id", "content-type")
@@ -64,6 +64,30 @@ _MEDIA = {
     "video_url": "video",
     "input_video": "video",
 }
+
+
+class _Held(Protocol):
+    """A served model (a handle) or one request's hold on it (a lease)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+
+class _Lease(_Held, Protocol):
+    def release(self) -> None: ...
+
+
+class Models(Protocol):
+    """The served models (the registry's manager), as the pass-through uses them."""
+
+    def resolve(self, name: str) -> _Held: ...
+
+    async def acquire(
+        self, name: str | None, role: str, serves: Serves, needs: frozenset[str] = ...
+    ) -> _Lease: ...
+
+
+ErrorAnswer = Callable[[VlmserveError], ASGIApp]  # the API's error answer (OpenAI's shape)
 
 
 @dataclass(slots=True)
@@ -79,13 +103,26 @@ class _Plan:
 
 
 class PassthroughMiddleware:
-    def __init__(self, app: ASGIApp, services: Services) -> None:
+    """What it needs of the API comes in from ``api/app.py``: the settings, the sessions, the
+    models, the metrics and the API's error answer (the gateway imports nothing of the API)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        settings: Settings,
+        sessions: SessionManager,
+        models: Models,
+        metrics: GenerationMetrics,
+        errors: ErrorAnswer,
+    ) -> None:
         self.app = app
-        self.services = services
-        self.streams = PassedStreams(services.settings.sessions_ttl_seconds)
+        self.settings, self.sessions, self.models = settings, sessions, models
+        self.metrics, self.errors = metrics, errors
+        self.streams = PassedStreams(settings.sessions_ttl_seconds)
         self._reserved: set[str] = set()  # client session ids of passes under way
         # A gateway with a durable store keeps its own sessions (restart, takeover, Redis).
-        self.enabled = services.settings.gateway_passthrough and not services.sessions.durable
+        self.enabled = settings.gateway_passthrough and not sessions.durable
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.enabled:
@@ -125,7 +162,7 @@ class PassthroughMiddleware:
         try:
             plan = None if given is not None else self._plan(body, scope)
         except VlmserveError as exc:  # a session_id a passed stream has
-            await error_response(exc)(scope, receive, send)
+            await self.errors(exc)(scope, receive, send)
             return
         if plan is None:
             await self.app(scope, replay(body, receive), send)
@@ -151,12 +188,12 @@ class PassthroughMiddleware:
         if not isinstance(data, dict):
             return None
         name, session_id = data.get("model"), data.get("session_id")
-        if session_id is not None and self.services.settings.api_keys:
+        if session_id is not None and self.settings.api_keys:
             return None  # the workers see one key, the gateway's: its own session keeps it apart
         if not isinstance(name, str) or (session_id is not None and not self._free(session_id)):
             return None
         try:
-            backend = as_proxied(self.services.models.resolve(name).backend)
+            backend = as_proxied(self.models.resolve(name).backend)
         except VlmserveError:
             return None
         media = _media_kinds(data)
@@ -183,7 +220,7 @@ class PassthroughMiddleware:
     def _within_limits(self, data: dict[str, Any], media: int) -> bool:
         """The gateway's own request limits (``Converter.check``'s counts), read off the raw
         body; a request over one goes to the full path, which refuses it with the same 400."""
-        settings = self.services.settings
+        settings = self.settings
         n = data.get("n", 1)
         tokens = data.get("max_completion_tokens") or data.get("max_tokens") or 0
         if not isinstance(n, int) or not isinstance(tokens, int):
@@ -197,7 +234,7 @@ class PassthroughMiddleware:
     def _free(self, session_id: object) -> bool:
         """A client's own ``session_id`` that no stream here has: False sends it to the full
         path (a session of the gateway's own has it: its 400); a passed stream's is a 400."""
-        if not isinstance(session_id, str) or self.services.sessions.get(session_id) is not None:
+        if not isinstance(session_id, str) or self.sessions.get(session_id) is not None:
             return False
         if self.streams.get(session_id) is not None or session_id in self._reserved:
             raise already_exists(session_id)
@@ -209,9 +246,9 @@ class PassthroughMiddleware:
     ) -> None:
         scope.setdefault("state", {})["model"] = plan.name  # the metrics' model label
         try:
-            lease = await self.services.models.acquire(plan.name, "chat", Serves.CHAT, plan.needs)
+            lease = await self.models.acquire(plan.name, "chat", Serves.CHAT, plan.needs)
         except VlmserveError as exc:
-            await error_response(exc)(scope, receive, send)
+            await self.errors(exc)(scope, receive, send)
             return
         reserved = plan.session_id
         try:
@@ -234,11 +271,11 @@ class PassthroughMiddleware:
         try:
             passage = await backend.pass_stream(CHAT, plan.content, _upstream_headers(scope))
         except VlmserveError as exc:
-            await error_response(exc)(scope, receive, send)
+            await self.errors(exc)(scope, receive, send)
             return
         completed = False
         try:
-            observed = Observed(self.services.metrics, backend.model_id)
+            observed = Observed(self.metrics, backend.model_id)
             names = self._remember(plan, backend, passage)
 
             def see(events: bytes) -> None:
@@ -250,7 +287,7 @@ class PassthroughMiddleware:
             else:
                 completed = await relay_whole(passage, send, plan.rename, see, observed.finished)
         except VlmserveError as exc:  # the answer broke off before any of it was sent
-            await error_response(exc)(scope, receive, send)
+            await self.errors(exc)(scope, receive, send)
         finally:
             passage.close(completed)
 
@@ -278,11 +315,11 @@ class PassthroughMiddleware:
         """A later request of a passed stream, to its replica; its answer back as it comes."""
         query = scope["query_string"].decode("latin-1")
         path = scope["path"] + (f"?{query}" if query else "")
-        models = self.services.models
+        models = self.models
         try:  # leased: a model unloaded meanwhile is routing again, and stays while it relays
             lease = await models.acquire(passed.backend.model_id, "chat", Serves.CHAT)
         except VlmserveError as exc:
-            await error_response(exc)(scope, receive, send)
+            await self.errors(exc)(scope, receive, send)
             return
         backend = as_proxied(lease.backend)
         if backend is None:  # the entry is a local model now: the full path answers
@@ -295,7 +332,7 @@ class PassthroughMiddleware:
             )
         except VlmserveError as exc:
             lease.release()
-            await error_response(exc)(scope, receive, send)
+            await self.errors(exc)(scope, receive, send)
             return
         completed = False
         try:

@@ -7,16 +7,23 @@ import asyncio
 import re
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.types import Message, Receive, Send
 
-from vlmserve.api.metrics import Metrics
 from vlmserve.engine.protocol import PassedAnswer
 from vlmserve.errors import VlmserveError
 from vlmserve.streaming.events import error_emit
 
-__all__ = ["Observed", "read_body", "relay", "relay_whole", "replay", "unless_gone"]
+__all__ = [
+    "GenerationMetrics",
+    "Observed",
+    "read_body",
+    "relay",
+    "relay_whole",
+    "replay",
+    "unless_gone",
+]
 
 _ANSWER_HEADERS = (
     "content-type",
@@ -33,6 +40,16 @@ _TOKEN = re.compile(
 )
 
 
+class GenerationMetrics(Protocol):
+    """What a passed request tells the metrics (the API's ``Metrics``)."""
+
+    def observe_ttft(self, model: str, seconds: float) -> None: ...
+
+    def observe_generation(
+        self, model: str, *, prompt_tokens: int, output_tokens: int, ttft: float, total: float
+    ) -> None: ...
+
+
 class Observed:
     """The generation metrics of a passed request, from its bytes: the time to its first
     content token, and its token counts from the usage the answer ends with (a streamed
@@ -41,7 +58,7 @@ class Observed:
 
     __slots__ = ("finish", "first", "metrics", "model", "started", "usage")
 
-    def __init__(self, metrics: Metrics, model: str) -> None:
+    def __init__(self, metrics: GenerationMetrics, model: str) -> None:
         self.metrics, self.model = metrics, model
         self.started = time.perf_counter()
         self.first: float | None = None

@@ -42,14 +42,14 @@ async def register_replica(models: Models, model: str, url: str, instance: str) 
     pass. One instance serves one URL: a worker that moved to another model leaves the old."""
     handle = models.resolve(model)
     backend = as_proxied(handle.backend)
-    if backend is None:
+    if backend is None or not backend.accepts_replicas:
         raise InvalidRequest(
-            f"model {handle.backend.model_id!r} is not an openai (upstream) entry; replicas "
-            'register only with `backend = "openai"` entries of the gateway\'s registry',
+            f"model {handle.name!r} is a {handle.backend.kind} entry, not an openai (upstream) "
+            'entry; replicas register only with `backend = "openai"` entries of the '
+            "gateway's registry",
             param="model",
+            code="not_an_upstream",
         )
-    if not backend.accepts_replicas:
-        await backend.add_replica(url, instance)
     for other in models.handles:
         if other is not handle and (proxied := as_proxied(other.backend)) is not None:
             proxied.remove_replica(instance)

@@ -32,7 +32,7 @@ from ray import exceptions as ray_errors
 from ray.serve import exceptions as serve_errors
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from vlmserve.engine.choices import merge_choices
+from vlmserve.engine.choices import merge_choices, open_choices
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import Chunk, EmbedInput, GenerateRequest, ModelState, Serves
 from vlmserve.errors import Overloaded, ServiceUnavailable
@@ -216,15 +216,14 @@ class RayBackend(Backend):
         """An ``n`` > 1 stream whose replica died: each unfinished choice goes on as a request
         of its own (``n`` = 1, seed + i as choice i samples with, its tokens as the prefix), and
         their chunks come back under the choice's index."""
-        opened: list[tuple[int, RayCall]] = []
-        try:
-            for i in range(_choices(request)):
-                if i not in finished:
-                    opened.append((i, await self._open(_one_choice(request, i, sent.get(i, [])))))
-        except BaseException:
-            for _, call in opened:
-                call.stream.cancel()
-            raise
+
+        async def open_one(i: int) -> RayCall:
+            return await self._open(_one_choice(request, i, sent.get(i, [])))
+
+        async def abandon(call: RayCall) -> None:
+            call.stream.cancel()
+
+        opened = await open_choices(_choices(request), finished, open_one, abandon)
         async for chunk in merge_choices([(i, self._chunks(call)) for i, call in opened]):
             yield chunk
 
@@ -274,10 +273,7 @@ def _choices(request: GenerateRequest) -> int:
 
 def _one_choice(request: GenerateRequest, index: int, tokens: list[int]) -> GenerateRequest:
     """Choice ``index`` of ``request`` as a request of its own, continuing after ``tokens``."""
-    seed = request.sampling.seed
-    sampling = dataclasses.replace(
-        request.sampling, n=1, seed=None if seed is None else seed + index
-    )
+    sampling = dataclasses.replace(request.sampling, n=1, seed=request.sampling.choice_seed(index))
     return dataclasses.replace(
         request,
         request_id=f"{request.request_id}-choice{index}",

@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
 
-from vlmserve.config import Settings, load_settings
+from vlmserve.config import Settings, load_settings, settings_over
 from vlmserve.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -190,21 +189,7 @@ def _with_registry(settings: Settings) -> tuple[Settings, list[dict[str, Any]]]:
 def _settings(rest: dict[str, Any], overrides: dict[str, Any]) -> Settings:
     """The settings of the file without its ``[ray]`` table: flags, then ``VLMSERVE_*``
     variables, then the file win, exactly as ``load_settings`` orders them."""
-    given = {k: v for k, v in overrides.items() if v is not None}
-
-    class _FileSettings(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, InitSettingsSource(settings_cls, rest))
-
     try:
-        return Settings.model_validate(_FileSettings(**given).model_dump())
+        return settings_over(rest, overrides)
     except ValidationError as exc:
         raise ConfigError(str(exc)) from exc

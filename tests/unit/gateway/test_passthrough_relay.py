@@ -182,8 +182,14 @@ def test_the_gateways_own_limits_send_a_request_to_the_full_path(extra, passes) 
     from vlmserve.gateway.passthrough import PassthroughMiddleware
 
     settings = Settings(max_n=2, max_model_len=100, max_media_per_request=2)
-    services = SimpleNamespace(settings=settings, sessions=SimpleNamespace(durable=False))
-    middleware = PassthroughMiddleware(None, services)  # type: ignore[arg-type]
+    middleware = PassthroughMiddleware(
+        None,  # type: ignore[arg-type]
+        settings=settings,
+        sessions=SimpleNamespace(durable=False),  # type: ignore[arg-type]
+        models=SimpleNamespace(),  # type: ignore[arg-type]
+        metrics=SimpleNamespace(),  # type: ignore[arg-type]
+        errors=print,  # type: ignore[arg-type]
+    )
     image = {"type": "image_url", "image_url": {"url": "data:"}}
     content = [image] * extra.pop("images", 1) + [{"type": "text", "text": "x"}]
     body = {"model": "m", "messages": [{"role": "user", "content": content}], **extra}

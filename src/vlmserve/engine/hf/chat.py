@@ -18,12 +18,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+from vlmserve.engine.admission import QueuePlaces
 from vlmserve.engine.coalesce import coalesced
 from vlmserve.engine.configs import ChatEngineConfig
 from vlmserve.engine.core.engine import END, BatchEngine
 from vlmserve.engine.core.faults import describe
 from vlmserve.engine.hf.capabilities import Capabilities, capabilities
-from vlmserve.engine.hf.generation import run_generation
+from vlmserve.engine.hf.generation import eos_ids, run_generation
 from vlmserve.engine.hf.inputs import Prepared, build_inputs, render_prompt
 from vlmserve.engine.hf.lifecycle import HFModel, ModelState
 from vlmserve.engine.hf.loading import LoadOptions
@@ -41,7 +42,7 @@ from vlmserve.engine.types import (
     Serves,
     Tokenized,
 )
-from vlmserve.errors import InvalidRequest, Overloaded
+from vlmserve.errors import InvalidRequest
 
 __all__ = ["HFChatBackend", "ModelState"]
 
@@ -68,7 +69,7 @@ class HFChatBackend(HFModel):
         self.in_flight = 0  # requests streaming now (queued or decoding)
         self.engine: BatchEngine | None = None  # None: not loaded, or not a batchable model
         self._tokens_before = 0  # tokens produced by earlier engines and the fallback path
-        self._reserved = 0  # admitted requests still preparing (queue places held for them)
+        self._places = QueuePlaces(model_id)  # held by admitted requests still preparing
         self._grammars: Any = None  # engine.hf.grammar.GrammarCompiler, built on first use
         # Told (on the engine's thread) when the engine failed for good, with an event loop of
         # a request it ended (or None): the model manager schedules the reload there.
@@ -100,7 +101,7 @@ class HFChatBackend(HFModel):
         return BatchEngine(
             loaded.model,
             loaded.processor.tokenizer,
-            _eos_ids(loaded.model),
+            eos_ids(loaded.model),
             self.config,
             submit=lambda fn: self._executor.submit(fn),
             model_id=self.model_id,
@@ -265,30 +266,13 @@ class HFChatBackend(HFModel):
         engine = self.engine
         return engine.queued if engine is not None else max(0, self.in_flight - 1)
 
-    def _refuse_if_full(self, waiting: int) -> None:
-        if waiting >= self.config.max_queued:
-            raise Overloaded(
-                f"{waiting} requests are already waiting for {self.model_id!r} "
-                "(VLMSERVE_MAX_QUEUED_REQUESTS); retry later"
-            )
-
     def admit(self) -> Callable[[], None]:
         """Reserve a place in the queue before any work is done (Overloaded, 429, when full).
 
         Requests prepare concurrently, so the place is held from here until the request
         reaches the engine: call the returned function then (or on failure; it is idempotent).
         """
-        self._refuse_if_full(self._waiting() + self._reserved)
-        self._reserved += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._reserved -= 1
-
-        return release
+        return self._places.admit(self._waiting(), self.config.max_queued)
 
     def generate(self, prepared: Prepared) -> AsyncIterator[Chunk]:
         """The request's chunks; a thinking model's reasoning and tool calls split out."""
@@ -297,7 +281,8 @@ class HFChatBackend(HFModel):
 
     async def _chunks(self, prepared: Prepared) -> AsyncIterator[Chunk]:
         self._require()
-        self._refuse_if_full(self._waiting())  # callers that did not admit (worker routes)
+        # callers that did not admit (worker routes)
+        self._places.refuse_if_full(self._waiting(), self.config.max_queued)
         engine = self.engine
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -339,13 +324,6 @@ class HFChatBackend(HFModel):
 
         self._executor.submit(job)
         return cancel.set
-
-
-def _eos_ids(model: Any) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
 
 
 def _check_logit_bias(bias: dict[int, float], model: Any) -> None:

@@ -21,7 +21,7 @@ from vlmserve.engine.hf.tracker import OutputTracker
 from vlmserve.engine.types import Chunk, SamplingParams
 from vlmserve.errors import UnsupportedFeature
 
-__all__ = ["run_generation", "tokens_after"]
+__all__ = ["eos_ids", "run_generation", "tokens_after"]
 
 
 class _Stop(StoppingCriteria):
@@ -202,7 +202,8 @@ def _generation_config(model: Any, s: SamplingParams, max_new: int, structured: 
     return gc
 
 
-def _eos_ids(model: Any) -> set[int]:
+def eos_ids(model: Any) -> set[int]:
+    """The token ids that end a generation (the checkpoint's generation config)."""
     eos = model.generation_config.eos_token_id
     if eos is None:
         return set()
@@ -245,7 +246,7 @@ def _generate_one(
         if seed is not None:
             torch.manual_seed(seed)
         _generate(model, prepared, run, guide, cancel, device, max_new)
-    run.finish(cancel.is_set(), _eos_ids(model), guide is not None and guide.done)
+    run.finish(cancel.is_set(), eos_ids(model), guide is not None and guide.done)
 
 
 def _generate(

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import torch
+
+from vlmserve.engine.byte_lru import ByteLRU
 
 __all__ = ["CachedImageProcessor", "install"]
 
@@ -30,8 +31,7 @@ class _Entry:
     def __init__(self, pixels: torch.Tensor, grid: torch.Tensor, key: bytes):
         self.pixels, self.grid, self.key = pixels, grid, key
 
-    @property
-    def nbytes(self) -> int:
+    def size(self) -> int:
         return self.pixels.numel() * self.pixels.element_size()
 
 
@@ -52,10 +52,9 @@ class CachedImageProcessor:
     def __init__(self, inner: Any, max_bytes: int):
         self.inner = inner
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
-        self._lock = threading.Lock()
+        self._entries: ByteLRU[bytes, _Entry] = ByteLRU(max_bytes, _Entry.size)
+        self._lock = threading.Lock()  # request threads share the entries
         self._local = threading.local()  # keys of this thread's last call (see ``take_keys``)
-        self.bytes = self.hits = self.misses = 0
         self._bypass = False  # set when the output layout turns out not to be per-image rows
 
     def __getattr__(self, name: str) -> Any:
@@ -102,32 +101,15 @@ class CachedImageProcessor:
 
     def _get(self, key: bytes) -> _Entry | None:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return entry
+            return self._entries.get(key)
 
     def _put(self, key: bytes, entry: _Entry) -> None:
         with self._lock:
-            if entry.nbytes > self.max_bytes or key in self._entries:
-                return
-            self._entries[key] = entry
-            self.bytes += entry.nbytes
-            while self.bytes > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self.bytes -= evicted.nbytes
+            self._entries.put(key, entry)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "hits": self.hits,
-                "misses": self.misses,
-                "bytes": self.bytes,
-                "entries": len(self._entries),
-            }
+            return self._entries.stats()
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Vision-tower outputs kept by content hash, least recently used evicted first, bounded in bytes.
+"""Vision-tower outputs kept by content hash in a ``ByteLRU`` (bounded in bytes).
 
 A chat that sends the same image again (every turn of a conversation about one picture, a
 batch of questions about one document) skips the vision tower: its merged patch features
@@ -8,9 +8,10 @@ are looked up by a hash of the exact preprocessed pixels and grid.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 
 import torch
+
+from vlmserve.engine.byte_lru import ByteLRU
 
 __all__ = ["VisionCache", "content_key"]
 
@@ -25,47 +26,16 @@ def content_key(kind: str, pixels: torch.Tensor, grid_thw: torch.Tensor) -> byte
     return digest.digest()
 
 
-class VisionCache:
+def _tensor_bytes(features: torch.Tensor) -> int:
+    return features.numel() * features.element_size()
+
+
+class VisionCache(ByteLRU[bytes, torch.Tensor]):
     """Thread-unsafe by design: only the engine thread touches it (``stats`` reads ints)."""
 
     def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
+        super().__init__(max_bytes, _tensor_bytes)
 
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
-
-    def get(self, key: bytes) -> torch.Tensor | None:
-        found = self._entries.get(key)
-        if found is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
-        return found
-
-    def put(self, key: bytes, features: torch.Tensor) -> None:
-        size = features.numel() * features.element_size()
-        if size > self.max_bytes or key in self._entries:
-            return
-        self._entries[key] = features
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.bytes -= evicted.numel() * evicted.element_size()
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.bytes = 0
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "hits": self.hits,
-            "misses": self.misses,
-            "bytes": self.bytes,
-            "entries": len(self._entries),
-        }

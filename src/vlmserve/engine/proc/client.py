@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import vlmserve
+from vlmserve.engine.admission import QueuePlaces
 from vlmserve.engine.coalesce import END, coalesced
 from vlmserve.engine.proc.wire import Ready, Sender, decode_error, read_forever
 from vlmserve.engine.protocol import Backend
@@ -44,7 +45,7 @@ from vlmserve.engine.types import (
     Serves,
     Tokenized,
 )
-from vlmserve.errors import Overloaded, ServiceUnavailable
+from vlmserve.errors import ServiceUnavailable
 
 __all__ = ["EngineProcClient"]
 
@@ -81,7 +82,7 @@ class EngineProcClient(Backend):
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
-        self._reserved = 0  # admitted requests not streaming yet
+        self._places = QueuePlaces(model_id)  # held by admitted requests not streaming yet
         self._closing = False
         self._on_failure: Callable[[Any], None] | None = None
         self._failures = 0  # engine failures and process deaths, across reloads
@@ -160,22 +161,8 @@ class EngineProcClient(Backend):
     # --- generation ----------------------------------------------------------------------
     def admit(self) -> Callable[[], None]:
         limit = self._ready.max_queued if self._ready is not None else 0
-        waiting = sum(1 for s in self._streams.values() if not s.started) + self._reserved
-        if limit and waiting >= limit:
-            raise Overloaded(
-                f"{waiting} requests are already waiting for {self.model_id!r} "
-                "(VLMSERVE_MAX_QUEUED_REQUESTS); retry later"
-            )
-        self._reserved += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._reserved -= 1
-
-        return release
+        waiting = sum(1 for s in self._streams.values() if not s.started)
+        return self._places.admit(waiting, limit or None)
 
     async def prepare(self, request: GenerateRequest) -> int:
         self.check_ready()

@@ -32,8 +32,11 @@ __all__ = [
     "SPEC",
     "build_cached",
     "family_tokenizer",
+    "qwen_tokens",
+    "qwen_vision",
     "read_template",
     "save_checkpoint",
+    "vit_config",
 ]
 
 # Bump when a family builder's output changes for an unchanged spec: part of every cache key.
@@ -168,4 +171,57 @@ def text_config(vocab_size: int, spec: TinySpec = SPEC, **extra: Any) -> dict[st
         "rms_norm_eps": 1e-6,
         "initializer_range": INIT_STD,
         **extra,
+    }
+
+
+def vit_config(image_size: Any, patch: Any, spec: TinySpec = SPEC, **extra: Any) -> dict[str, Any]:
+    """A ViT vision tower's common fields (CLIP, SigLIP, InternViT, Idefics3 names)."""
+    return {
+        "hidden_size": spec.vision_embed_dim,
+        "intermediate_size": 2 * spec.vision_embed_dim,
+        "num_hidden_layers": spec.vision_depth,
+        "num_attention_heads": spec.vision_num_heads,
+        "image_size": image_size,
+        "patch_size": patch,
+        "initializer_range": INIT_STD,
+        **extra,
+    }
+
+
+def qwen_vision(patch: int, hidden_act: str, spec: TinySpec = SPEC, **extra: Any) -> dict[str, Any]:
+    """A Qwen-VL vision tower's common fields (2x2 merge, 2-frame temporal patches)."""
+    return {
+        "depth": spec.vision_depth,
+        "hidden_size": spec.vision_embed_dim,
+        "intermediate_size": 2 * spec.vision_embed_dim,
+        "num_heads": spec.vision_num_heads,
+        "out_hidden_size": spec.hidden_size,
+        "hidden_act": hidden_act,
+        "patch_size": patch,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": INIT_STD,
+        **extra,
+    }
+
+
+def qwen_tokens(tokenizer: PreTrainedTokenizerBase, eos: str, pad: str) -> dict[str, int]:
+    """The ids of a Qwen-VL checkpoint's end, pad and vision tokens, as its config names them
+    (``image_token_id``...), plus ``eos`` and ``pad``."""
+    eos_id, pad_id, image, video, start, end = token_ids(
+        tokenizer,
+        eos,
+        pad,
+        "<|image_pad|>",
+        "<|video_pad|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+    )
+    return {
+        "eos": eos_id,
+        "pad": pad_id,
+        "image_token_id": image,
+        "video_token_id": video,
+        "vision_start_token_id": start,
+        "vision_end_token_id": end,
     }

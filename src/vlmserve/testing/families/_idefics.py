@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmserve.testing.families._common import INIT_STD, SPEC, family_tokenizer, text_config
+from vlmserve.testing.families._common import (
+    family_tokenizer,
+    text_config,
+    vit_config,
+)
 
 __all__ = ["IMAGE_SIZE", "SCALE", "SEQ_LEN", "TOKENS", "config_parts", "tiles", "tokenizer"]
 
@@ -47,17 +51,8 @@ def config_parts(vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
         pad_token_id=ids["pad"],
         tie_word_embeddings=False,
     )
-    vision = {
-        "hidden_size": SPEC.vision_embed_dim,
-        "intermediate_size": 2 * SPEC.vision_embed_dim,
-        "num_hidden_layers": SPEC.vision_depth,
-        "num_attention_heads": SPEC.vision_num_heads,
-        "image_size": IMAGE_SIZE,
-        "patch_size": PATCH,
-        "initializer_range": INIT_STD,
-    }
     return {
-        "vision_config": vision,
+        "vision_config": vit_config(IMAGE_SIZE, PATCH),
         "text_config": text,
         "scale_factor": SCALE,
         "image_token_id": ids["image"],

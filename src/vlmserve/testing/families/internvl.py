@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.testing.families._common import (
-    INIT_STD,
-    SPEC,
     build_cached,
     family_tokenizer,
     read_template,
     save_checkpoint,
     text_config,
     token_ids,
+    vit_config,
 )
 from vlmserve.testing.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN
 
@@ -81,12 +80,4 @@ def _write(out: Path) -> None:
 
 
 def _vision() -> dict[str, Any]:
-    return {
-        "hidden_size": SPEC.vision_embed_dim,
-        "intermediate_size": 2 * SPEC.vision_embed_dim,
-        "num_hidden_layers": SPEC.vision_depth,
-        "num_attention_heads": SPEC.vision_num_heads,
-        "image_size": [IMAGE_SIZE, IMAGE_SIZE],
-        "patch_size": [PATCH, PATCH],
-        "initializer_range": INIT_STD,
-    }
+    return vit_config([IMAGE_SIZE, IMAGE_SIZE], [PATCH, PATCH])

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.testing.families._common import (
-    INIT_STD,
     SPEC,
     build_cached,
     family_tokenizer,
@@ -18,6 +17,7 @@ from vlmserve.testing.families._common import (
     save_checkpoint,
     text_config,
     token_ids,
+    vit_config,
 )
 
 __all__ = ["FAMILY", "build"]
@@ -75,15 +75,10 @@ def _write(out: Path) -> None:
 
 
 def _vision() -> dict[str, Any]:
-    return {
-        "model_type": "clip_vision_model",
-        "hidden_size": SPEC.vision_embed_dim,
-        "intermediate_size": 2 * SPEC.vision_embed_dim,
-        "num_hidden_layers": SPEC.vision_depth,
-        "num_attention_heads": SPEC.vision_num_heads,
-        "image_size": IMAGE_SIZE,
-        "patch_size": PATCH,
-        "projection_dim": SPEC.vision_embed_dim,
-        "hidden_act": "quick_gelu",
-        "initializer_range": INIT_STD,
-    }
+    return vit_config(
+        IMAGE_SIZE,
+        PATCH,
+        model_type="clip_vision_model",
+        projection_dim=SPEC.vision_embed_dim,
+        hidden_act="quick_gelu",
+    )

@@ -10,14 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.testing.families._common import (
-    INIT_STD,
-    SPEC,
     build_cached,
     family_tokenizer,
     read_template,
     save_checkpoint,
     text_config,
     token_ids,
+    vit_config,
 )
 from vlmserve.testing.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN
 
@@ -78,14 +77,4 @@ def _write(out: Path) -> None:
 
 
 def _vision() -> dict[str, Any]:
-    return {
-        "model_type": "siglip_vision_model",
-        "hidden_size": SPEC.vision_embed_dim,
-        "intermediate_size": 2 * SPEC.vision_embed_dim,
-        "num_hidden_layers": SPEC.vision_depth,
-        "num_attention_heads": SPEC.vision_num_heads,
-        "image_size": IMAGE_SIZE,
-        "patch_size": PATCH,
-        "vision_use_head": False,
-        "initializer_range": INIT_STD,
-    }
+    return vit_config(IMAGE_SIZE, PATCH, model_type="siglip_vision_model", vision_use_head=False)

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.testing.families._common import (
-    INIT_STD,
     SPEC,
     build_cached,
     family_tokenizer,
+    qwen_tokens,
+    qwen_vision,
     read_template,
     save_checkpoint,
     text_config,
-    token_ids,
 )
 from vlmserve.testing.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN
 
@@ -59,23 +59,13 @@ def _write(out: Path) -> None:
     )
 
     tokenizer = family_tokenizer(extra=_EXTRA, eos=EOS_TOKEN, pad=PAD_TOKEN)
-    eos, pad, image, video, start, end = token_ids(
-        tokenizer,
-        EOS_TOKEN,
-        PAD_TOKEN,
-        "<|image_pad|>",
-        "<|video_pad|>",
-        "<|vision_start|>",
-        "<|vision_end|>",
-    )
+    ids = qwen_tokens(tokenizer, EOS_TOKEN, PAD_TOKEN)
+    eos, pad = ids.pop("eos"), ids.pop("pad")
     config = Qwen3VLConfig(
         text_config=_text(len(tokenizer), pad, eos),
         vision_config=_vision(),
-        image_token_id=image,
-        video_token_id=video,
-        vision_start_token_id=start,
-        vision_end_token_id=end,
         tie_word_embeddings=True,
+        **ids,
     )
     unit = (PATCH * 2) ** 2  # one merged token
     size = {"shortest_edge": unit * 4, "longest_edge": unit * 64}
@@ -114,17 +104,6 @@ def _text(vocab_size: int, pad: int, eos: int) -> dict[str, Any]:
 
 
 def _vision() -> dict[str, Any]:
-    return {
-        "depth": SPEC.vision_depth,
-        "hidden_size": SPEC.vision_embed_dim,
-        "intermediate_size": 2 * SPEC.vision_embed_dim,
-        "num_heads": SPEC.vision_num_heads,
-        "out_hidden_size": SPEC.hidden_size,
-        "hidden_act": "gelu_pytorch_tanh",
-        "patch_size": PATCH,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 256,
-        "deepstack_visual_indexes": [0],
-        "initializer_range": INIT_STD,
-    }
+    return qwen_vision(
+        PATCH, "gelu_pytorch_tanh", num_position_embeddings=256, deepstack_visual_indexes=[0]
+    )

@@ -57,4 +57,4 @@ def test_admission_counts_streams_without_output_and_reserved_places() -> None:
     with pytest.raises(Overloaded):
         client.admit()
     second(), third()
-    assert client._reserved == 0
+    assert client._places.reserved == 0

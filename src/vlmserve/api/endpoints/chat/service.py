@@ -26,7 +26,7 @@ from vlmserve.api.endpoints.chat.objects import CompletionIds, chunk_json, delta
 from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest, StreamOptions
 from vlmserve.api.metrics import Metrics
 from vlmserve.api.resume_token import issue
-from vlmserve.engine.choices import merge_choices
+from vlmserve.engine.choices import merge_choices, open_choices
 from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, FinishReason
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
 from vlmserve.registry.manager import ModelManager
@@ -337,30 +337,18 @@ class ChatService:
                 owner=_owner(record),
             )
             return [(0, generation)]
-        opened: list[tuple[int, Generation]] = []
-        try:
-            for i in range(body.n):
-                if i in sent.completion:
-                    continue
-                seed = None if body.seed is None else body.seed + i
-                alone = body.model_copy(update={"n": 1, "seed": seed})
-                opened.append(
-                    (
-                        i,
-                        await self.open_generation(
-                            alone,
-                            f"resume-{record.session_id}-choice{i}",
-                            model=record.request["model"],
-                            resume_after=sent.tokens.get(i, []),
-                            owner=_owner(record),
-                        ),
-                    )
-                )
-        except BaseException:
-            for _, generation in opened:
-                await generation.abandon()
-            raise
-        return opened
+
+        async def open_one(i: int) -> Generation:
+            seed = None if body.seed is None else body.seed + i
+            return await self.open_generation(
+                body.model_copy(update={"n": 1, "seed": seed}),
+                f"resume-{record.session_id}-choice{i}",
+                model=record.request["model"],
+                resume_after=sent.tokens.get(i, []),
+                owner=_owner(record),
+            )
+
+        return await open_choices(body.n, sent.completion, open_one, Generation.abandon)
 
 
 def _owner(record: SessionRecord) -> str:

@@ -81,20 +81,25 @@ class LineResult:
     result: dict[str, Any]  # the line written to the output or error file
 
 
-def _fragment(value: Any) -> Any:
-    if isinstance(value, orjson.Fragment):  # pre-serialised JSON (chat logprobs)
-        return json.loads(value.contents)
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+def _wide_ints(value: Any) -> Any:
+    """``value`` with each integer orjson cannot write (wider than 64 bits) as a JSON number
+    fragment."""
+    if isinstance(value, dict):
+        return {k: _wide_ints(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_wide_ints(v) for v in value]
+    if isinstance(value, int) and not -(2**63) <= value < 2**64:
+        return orjson.Fragment(str(value).encode())
+    return value
 
 
 def _result_json(result: dict[str, Any]) -> str:
-    """A line's result as JSON text: orjson (which writes the pre-serialised parts of an answer
-    as they are), the standard library for what orjson refuses (an integer wider than 64
-    bits)."""
+    """A line's result as JSON text, by orjson (which writes the pre-serialised parts of an
+    answer as they are); an integer wider than 64 bits is written as the number it is."""
     try:
         return orjson.dumps(result).decode()
     except orjson.JSONEncodeError:
-        return json.dumps(result, default=_fragment)
+        return orjson.dumps(_wide_ints(result)).decode()
 
 
 class FilesStore:
