@@ -49,6 +49,8 @@ class GenerationMetrics(Protocol):
         self, model: str, *, prompt_tokens: int, output_tokens: int, ttft: float, total: float
     ) -> None: ...
 
+    def observe_finished(self, model: str, done: dict[str, Any]) -> None: ...
+
 
 class Observed:
     """The generation metrics of a passed request, from its bytes: the time to its first
