@@ -220,17 +220,26 @@ def run_processor(
 
 
 def build_inputs(
-    processor: Any, request: GenerateRequest, caps: Capabilities | None = None
+    processor: Any,
+    request: GenerateRequest,
+    caps: Capabilities | None = None,
+    processor_kwargs: dict[str, Any] | None = None,
 ) -> Prepared:
     """Tokenised, preprocessed inputs for one request; 400 for media the model cannot take.
 
-    ``caps`` defaults to ``processor_capabilities(processor)``.
+    ``caps`` defaults to ``processor_capabilities(processor)``; ``processor_kwargs``: the
+    request's media options for the processor (``media_options.processor_kwargs``).
     """
     check_media(caps or processor_capabilities(processor), request.messages)
     rendered = _template_messages(request.messages, patch_factor(processor))
     text = _apply_template(processor, rendered.messages, _template_kwargs(request))
     inputs = run_processor(
-        processor, [text], rendered.images, rendered.videos, video_metadata=rendered.metadata
+        processor,
+        [text],
+        rendered.images,
+        rendered.videos,
+        video_metadata=rendered.metadata,
+        **(processor_kwargs or {}),
     )
     if request.prefix_token_ids:
         inputs = _append_prefix(inputs, request.prefix_token_ids)
