@@ -162,6 +162,9 @@ class Metrics:
         )
         self.media_bytes = make(Counter, "media_bytes", "media bytes read", ["kind"])
         self.media_frames = make(Counter, "media_frames", "video frames decoded")
+        self.media_uuid = make(
+            Counter, "media_uuid", "media parts by uuid: kept (stored), reused (hit)", ["result"]
+        )
         self.vision_cache_hits = make(
             Counter,
             "vision_cache_hits",
@@ -321,6 +324,9 @@ class Metrics:
         self.media_bytes.labels(kind=kind).inc(nbytes)
         if frames:
             self.media_frames.inc(frames)
+
+    def observe_media_uuid(self, result: str) -> None:
+        self.media_uuid.labels(result=result).inc()
 
     def set_vision_cache(self, model: str, stats: dict[str, int]) -> None:
         """Read the engine's cumulative cache counters (at scrape time) into the series."""

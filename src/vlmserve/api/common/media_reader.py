@@ -151,7 +151,9 @@ class MediaReader:
         is_image = isinstance(part, ImageUrlPart | InputImagePart)
         options = media.controls.key("image" if is_image else "video", media.sampling)
         if part.uuid is not None and not part.has_data and self.refs is not None:
-            return self.refs.get(media.owner, part.uuid, options, where)
+            held = self.refs.get(media.owner, part.uuid, options, where)
+            self._count_uuid("hit")
+            return held
         out: Part
         if is_image:
             out = ImagePart(await self.image(part.source))
@@ -161,4 +163,9 @@ class MediaReader:
             out = _video_part(await self.video(part.source, media.sampling, media.controls.frames))
         if part.uuid is not None and self.refs is not None:
             self.refs.put(media.owner, part.uuid, out, options)
+            self._count_uuid("stored")
         return out
+
+    def _count_uuid(self, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_media_uuid(result)

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vlmserve.engine.types import ImagePart, Part, VideoPart
+from vlmserve.engine.types import ImagePart, Part
 from vlmserve.errors import InvalidRequest
 
 __all__ = ["MediaRefs"]
@@ -108,7 +108,3 @@ class MediaRefs:
                 "bytes": self.bytes,
                 "entries": len(self._held),
             }
-
-
-def video_part_bytes(part: VideoPart) -> int:
-    return _nbytes(part)

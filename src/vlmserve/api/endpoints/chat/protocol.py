@@ -16,6 +16,7 @@ __all__ = [
     "ImageUrlPart",
     "InputImagePart",
     "InputVideoPart",
+    "MediaUuid",
     "StreamOptions",
     "TextContentPart",
     "VideoUrlPart",

@@ -73,8 +73,12 @@ def _part(where: str, part: BaseModel) -> dict[str, Any]:
     if isinstance(part, RefusalPart):
         return {"type": "text", "text": part.refusal}
     if isinstance(part, InputImagePart):
+        ref = {"uuid": part.uuid} if part.uuid else {}
         if part.image_url:
-            return {"type": "image_url", "image_url": {"url": part.image_url}}
+            url = {"url": part.image_url, "detail": part.detail}
+            return {"type": "image_url", "image_url": url, **ref}
+        if part.uuid:  # by reference: the data was sent before
+            return {"type": "image_url", "image_url": None, **ref}
         message = (
             "input_image needs image_url (a URL or a data URL) or file_id (a file "
             "uploaded to /v1/files with purpose 'vision' or 'user_data')"

@@ -16,7 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vlmserve.api.common.fields import RESPONSES_FIELDS
 from vlmserve.api.common.text import UnicodeText, valid_unicode
-from vlmserve.api.endpoints.chat.protocol import InputVideoPart, VideoUrlPart, auto_detail
+from vlmserve.api.endpoints.chat.protocol import (
+    InputVideoPart,
+    MediaUuid,
+    VideoUrlPart,
+    auto_detail,
+)
 
 __all__ = [
     "InputFilePart",
@@ -48,6 +53,7 @@ class InputImagePart(_Part):
     image_url: str | None = None
     file_id: str | None = None
     detail: str | None = None
+    uuid: MediaUuid | None = None  # media by reference, as chat's parts
 
     @field_validator("detail")
     @classmethod

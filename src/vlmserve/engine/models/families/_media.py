@@ -22,7 +22,7 @@ from typing import Any
 
 from vlmserve.media.sampling import UNIFORM, VideoSampling
 
-__all__ = ["DETAILS", "MediaRules", "detail_kwargs", "video_sampling"]
+__all__ = ["DETAILS", "MediaRules", "detail_kwargs", "pixel_budget", "video_sampling"]
 
 DETAILS = ("low", "high", "auto")
 _LOW_TOKENS = 256  # merged patches in a `low` image (pixels families)
@@ -50,7 +50,7 @@ def video_sampling(rules: MediaRules, processor: Any) -> VideoSampling:
     )
 
 
-def _budget(processor: Any) -> tuple[int, int, int] | None:
+def pixel_budget(processor: Any) -> tuple[int, int, int] | None:
     """(min pixels, max pixels, patch * merge) of a Qwen-style image processor."""
     ip = getattr(processor, "image_processor", None)
     size = getattr(ip, "size", None)
@@ -69,9 +69,9 @@ def detail_kwargs(rules: MediaRules, processor: Any, detail: str | None) -> dict
         return {"do_image_splitting": False}
     if rules.detail == "crop":
         return {"crop_to_patches": False}
-    budget = _budget(processor)
+    budget = pixel_budget(processor)
     if budget is None:
         return {}
     lo, hi, factor = budget
     top = max(factor * factor, min(_LOW_TOKENS * factor * factor, hi // 4))
-    return {"min_pixels": min(lo, top), "max_pixels": top}
+    return {"size": {"shortest_edge": min(lo, top), "longest_edge": top}}
