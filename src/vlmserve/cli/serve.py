@@ -49,6 +49,8 @@ ENV_ONLY = (
     "media_fetch_timeout",
     "media_max_redirects",
     "media_allow_private_networks",
+    "media_uuid_ttl",
+    "media_uuid_cache_bytes",
     "max_n",
     "logprobs_mode",
     "metrics_public",
