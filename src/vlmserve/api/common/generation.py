@@ -25,6 +25,7 @@ from vlmserve.api.metrics import Metrics
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, GenerateRequest, Serves
 from vlmserve.errors import UnsupportedFeature
+from vlmserve.gateway.media_routes import scoped_uuids
 from vlmserve.registry.manager import ModelManager
 
 __all__ = [
@@ -216,12 +217,9 @@ async def _engine_request(
             f"{backend.model_id!r} yet",
             param="n" if body.n > 1 else "logprobs",
         )
+    raw = scoped_uuids(body.model_dump(mode="json", exclude_unset=True), owner)
     return GenerateRequest(
-        request_id,
-        [],
-        converter.sampling(body),
-        response_format=response_format(body),
-        raw=body.model_dump(mode="json", exclude_unset=True),
+        request_id, [], converter.sampling(body), response_format=response_format(body), raw=raw
     )
 
 
