@@ -170,3 +170,13 @@ async def test_verbosity_other_than_medium_is_a_400_on_both_endpoints(
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.verbosity"
     ok = await client.post("/v1/responses", json={**body, "text": {"verbosity": "medium"}})
     assert ok.status_code == 200, ok.text
+
+
+async def test_responses_items_accept_output_fields_and_name_unknown_ones(make_client: Any) -> None:
+    http = await make_client(strict_fields=True)
+    item = {"role": "user", "content": "Hi", "id": "msg_1", "status": "completed"}
+    body = {"model": MODEL, "input": [item], "max_output_tokens": 4}
+    ok = await http.post("/v1/responses", json=body)
+    assert ok.status_code == 200, ok.text
+    r = await http.post("/v1/responses", json={**body, "input": [{**item, "colour": "red"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].colour", r.text

@@ -22,6 +22,7 @@ from vlmserve.errors import InvalidRequest, UnsupportedFeature, VlmserveError
 
 __all__ = [
     "CHAT_FIELDS",
+    "ITEM_FIELDS",
     "MESSAGE_FIELDS",
     "RESPONSES_FIELDS",
     "FieldTable",
@@ -185,17 +186,37 @@ MESSAGE_FIELDS = FieldTable(
 )
 
 
-def check_messages(extras: list[dict[str, Any]], *, strict: bool, refuse: bool = True) -> None:
-    """``MESSAGE_FIELDS.check`` on each message's undeclared fields; the 400 names the
-    message (``messages[i].field``)."""
+# Fields of a /v1/responses input message item (declared: type, role, content): an earlier
+# output item sent back carries its id, status and phase.
+ITEM_FIELDS = FieldTable(
+    no_ops={
+        "id": "an earlier output item's id",
+        "status": "an earlier output item's status",
+        "phase": "an earlier output item's phase",
+    },
+)
+
+
+def check_messages(
+    extras: list[dict[str, Any]],
+    *,
+    strict: bool,
+    refuse: bool = True,
+    table: FieldTable = MESSAGE_FIELDS,
+    where: str = "messages",
+) -> None:
+    """``table.check`` on each message's undeclared fields; the 400 names the message
+    (``messages[i].field``; ``where``: ``input`` for Responses items)."""
     for i, extra in enumerate(extras):
         try:
-            MESSAGE_FIELDS.check(extra, strict=strict, refuse=refuse)
+            table.check(extra, strict=strict, refuse=refuse)
         except VlmserveError as exc:
-            exc.param = f"messages[{i}].{exc.param}"
+            exc.param = f"{where}[{i}].{exc.param}"
             raise
 
 
-def unknown_in_messages(extras: list[dict[str, Any]]) -> list[str]:
+def unknown_in_messages(
+    extras: list[dict[str, Any]], table: FieldTable = MESSAGE_FIELDS, where: str = "messages"
+) -> list[str]:
     """``messages[i].name`` for each unknown message field (to log)."""
-    return [f"messages[{i}].{n}" for i, e in enumerate(extras) for n in MESSAGE_FIELDS.unknown(e)]
+    return [f"{where}[{i}].{n}" for i, e in enumerate(extras) for n in table.unknown(e)]
