@@ -158,7 +158,6 @@ class Converter(MediaReader):
         check_messages([m.model_extra or {} for m in body.messages], strict=strict, refuse=False)
         _unsupported(body, getattr(self.settings, "max_n", DEFAULT_MAX_N))
         _check_frames(body.messages)
-        controls(body, self.settings)
         count = _media_count(body.messages)
         if count > self.settings.max_media_per_request:
             raise InvalidRequest(
