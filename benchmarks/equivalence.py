@@ -113,8 +113,9 @@ def run_server(
         server.stop()
 
 
-def generate_text(model_dir: Path, messages: list[dict[str, Any]], max_tokens: int) -> str:
-    """transformers' ``generate`` on the frames vlmserve picks (its family's rule)."""
+def generate_pieces(model_dir: Path, messages: list[dict[str, Any]], max_tokens: int) -> list[str]:
+    """transformers' ``generate`` on the frames vlmserve picks (its family's rule): each new
+    token's text, as a logprob entry names it."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from vlmserve.engine.hf.inputs import build_inputs
@@ -148,7 +149,8 @@ def generate_text(model_dir: Path, messages: list[dict[str, Any]], max_tokens: i
         out = model.generate(
             **inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
         )
-    return str(processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :]))
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return [str(processor.tokenizer.decode([t])) for t in new]
 
 
 def verdicts(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
@@ -196,8 +198,8 @@ def family_report(family: str, ns: argparse.Namespace, logs: Path) -> dict[str, 
         n: (a.prompt_tokens, theirs["alone"][n].prompt_tokens) for n, a in ours["alone"].items()
     }
     if "video" in messages and not ns.no_generate:
-        reference = generate_text(model_dir, messages["video"], ns.max_tokens)
-        report["video_equals_generate"] = ours["alone"]["video"].text == reference
+        reference = generate_pieces(model_dir, messages["video"], ns.max_tokens)
+        report["video_equals_generate"] = ours["alone"]["video"].pieces == reference
     return report
 
 

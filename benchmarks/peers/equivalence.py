@@ -29,6 +29,8 @@ class Answer:
     prompt_tokens: int
     text: str
     error: str | None = None
+    pieces: list[str] = field(default_factory=list)  # each logprob entry's token text
+    split: bool = False  # a reasoning parser took part of the text out of `content`
 
 
 @dataclass(slots=True)
@@ -63,6 +65,10 @@ def read_answer(status: int, body: dict[str, Any]) -> Answer:
         gaps=gaps,
         prompt_tokens=int(body["usage"]["prompt_tokens"]),
         text=choice["message"].get("content") or "",
+        pieces=[str(e.get("token", "")) for e in content],
+        split=bool(
+            choice["message"].get("reasoning") or choice["message"].get("reasoning_content")
+        ),
     )
 
 
@@ -78,13 +84,15 @@ def _same(a: bytes, b: bytes) -> bool:
 
 def compare(ours: Answer, theirs: Answer) -> Verdict:
     """Same tokens: as many, each with the same bytes (a partial character on either side
-    matches), and the same text (which settles the partial ones)."""
+    matches), and the same text (which settles the partial ones; where a reasoning parser
+    moved part of one side's text out of ``content``, the tokens alone decide)."""
     if ours.error or theirs.error:
         note = f"ours: {ours.error}" if ours.error else f"peer: {theirs.error}"
         return Verdict(False, False, notes=[note])
     pairs = list(zip(ours.tokens, theirs.tokens, strict=False))
     common = next((i for i, (a, b) in enumerate(pairs) if not _same(a, b)), len(pairs))
-    same = len(ours.tokens) == len(theirs.tokens) == common and ours.text == theirs.text
+    text = ours.text == theirs.text or ours.split or theirs.split
+    same = len(ours.tokens) == len(theirs.tokens) == common and text
     verdict = Verdict(same, ours.prompt_tokens == theirs.prompt_tokens)
     if not same:
         verdict.diverged_at = common

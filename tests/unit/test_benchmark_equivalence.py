@@ -56,3 +56,10 @@ def test_an_error_answer_is_never_the_same() -> None:
     ok = read_answer(200, response([("a", [97], -1.0, -2.0)]))
     failed = read_answer(400, {"error": {"message": "no"}})
     assert not compare(ok, failed).same_tokens and "HTTP 400" in compare(ok, failed).notes[0]
+
+
+def test_a_reasoning_parser_moving_text_out_of_content_leaves_the_tokens_to_decide() -> None:
+    steps = [("<think>", [1], -1.0, -2.0), ("a", [97], -1.0, -2.0)]
+    split = response(steps)
+    split["choices"][0]["message"] = {"content": "a", "reasoning": "..."}
+    assert compare(read_answer(200, split), read_answer(200, response(steps))).same_tokens
