@@ -63,3 +63,11 @@ def test_a_reasoning_parser_moving_text_out_of_content_leaves_the_tokens_to_deci
     split = response(steps)
     split["choices"][0]["message"] = {"content": "a", "reasoning": "..."}
     assert compare(read_answer(200, split), read_answer(200, response(steps))).same_tokens
+
+
+def test_a_last_character_cut_by_max_tokens_is_the_same_written_either_way() -> None:
+    steps = [("a", [97], -1.0, -2.0), ("\ufffd", [239, 191, 189], -1.0, -2.0)]
+    kept = response(steps)
+    dropped = response(steps)
+    dropped["choices"][0]["message"]["content"] = "a"
+    assert compare(read_answer(200, kept), read_answer(200, dropped)).same_tokens
