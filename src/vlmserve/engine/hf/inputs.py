@@ -2,9 +2,11 @@
 
 Media the model cannot take (a video for LLaVA-1.5, Idefics3 or Gemma 3) is refused with a
 400 naming the architecture (``capabilities``), never dropped by the template. Video frames
-reach the processor with their timing (``VideoMetadata``: the clip's fps, frame count and
-each frame's source index), so the processor neither re-samples them (``do_sample_frames``
-is off) nor guesses an fps for its timestamps.
+were chosen where the clip was decoded, by the family's rule (``families/_media.py``; for
+Qwen3-VL the same frames its video processor's own 2-fps sampling picks), and reach the
+processor with their timing (``VideoMetadata``: the clip's fps, frame count and each frame's
+source index), so the processor neither samples them again (``do_sample_frames`` is off: it
+would index the whole clip) nor guesses an fps for its timestamps.
 """
 
 from __future__ import annotations
