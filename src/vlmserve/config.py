@@ -218,6 +218,10 @@ class Settings(BaseSettings):
     media_workers: int | None = Field(default=None, ge=0)
     media_worker_nice: int = Field(default=5, ge=0, le=19)  # their OS priority below requests'
     media_timeout: float = Field(default=60.0, gt=0)  # seconds to read + decode a request's media
+    # media by reference: a part's `uuid` keeps its decoded media this many minutes after
+    # last use, within this many bytes (least recently used first); 0 bytes: off
+    media_uuid_ttl: float = Field(default=10.0, gt=0)
+    media_uuid_cache_bytes: int = Field(default=256 * MiB, ge=0)
     # choices (`n`) one chat completion may ask for; above it a 400. On the batched engine
     # the n choices share one prefill; choice i samples with seed + i
     max_n: int = Field(default=8, ge=1)

@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from support import MODEL
-from vlmserve.testing.media import data_url, image_bytes
 
 
 def chat(**extra: Any) -> dict[str, Any]:
@@ -23,30 +22,9 @@ def chat(**extra: Any) -> dict[str, Any]:
     }
 
 
-def image(**ref: Any) -> dict[str, Any]:
-    url = data_url(image_bytes(32, 32), "image/png")
-    return chat(
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {
-                        "type": "image_url",
-                        "image_url": {"url": url, **ref.pop("image_url", {})},
-                        **ref,
-                    },
-                    {"type": "text", "text": "Describe."},
-                ],
-            }
-        ]
-    )
-
-
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("mm_processor_kwargs", {"max_pixels": 1000}),
-        ("media_io_kwargs", {"video": {"num_frames": 4}}),
         ("guided_json", {"type": "object"}),
         ("guided_choice", ["a", "b"]),
         ("allowed_token_ids", [1, 2]),
@@ -108,18 +86,43 @@ async def test_unknown_fields_are_a_400_under_strict_fields(make_client: Any) ->
     assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
 
 
+def with_message(**fields: Any) -> dict[str, Any]:
+    return chat(messages=[{"role": "user", "content": "Hello", **fields}])
+
+
 @pytest.mark.parametrize(
-    ("part", "param"),
-    [({"uuid": "img-1"}, "uuid"), ({"image_url": {"detail": "low"}}, "detail")],
+    ("field", "value"),
+    [("audio", {"id": "audio_1"}), ("function_call", {"name": "f"}), ("refusal", "No.")],
 )
-async def test_media_options_not_served_are_400s(
-    client: httpx.AsyncClient, part: dict[str, Any], param: str
+async def test_a_message_field_that_would_change_the_answer_is_a_400_naming_it(
+    client: httpx.AsyncClient, field: str, value: Any
 ) -> None:
-    r = await client.post("/v1/chat/completions", json=image(**part))
+    r = await client.post("/v1/chat/completions", json=with_message(**{field: value}))
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"].startswith("messages[0].content[0]")
-    assert r.json()["error"]["param"].endswith(param)
-    ok = await client.post("/v1/chat/completions", json=image(image_url={"detail": "auto"}))
+    assert r.json()["error"]["param"] == f"messages[0].{field}"
+
+
+async def test_message_no_ops_are_accepted_and_unknown_message_fields_logged(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An earlier answer sent back as the SDK returned it (null refusal, audio, function
+    call; empty annotations) is the same prompt; an unknown message field is named in the
+    log."""
+    plain = await client.post("/v1/chat/completions", json=chat())
+    sdk = {"refusal": None, "audio": None, "function_call": None, "annotations": []}
+    with caplog.at_level(logging.WARNING):
+        r = await client.post("/v1/chat/completions", json=with_message(**sdk, colour="red"))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    named = [rec.getMessage() for rec in caplog.records if "unknown fields" in rec.getMessage()]
+    assert len(named) == 1 and "messages[0].colour" in named[0]
+
+
+async def test_unknown_message_fields_are_a_400_under_strict_fields(make_client: Any) -> None:
+    http = await make_client(strict_fields=True)
+    r = await http.post("/v1/chat/completions", json=with_message(colour="red"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].colour"
+    ok = await http.post("/v1/chat/completions", json=with_message(annotations=[]))
     assert ok.status_code == 200, ok.text
 
 
@@ -167,3 +170,13 @@ async def test_verbosity_other_than_medium_is_a_400_on_both_endpoints(
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.verbosity"
     ok = await client.post("/v1/responses", json={**body, "text": {"verbosity": "medium"}})
     assert ok.status_code == 200, ok.text
+
+
+async def test_responses_items_accept_output_fields_and_name_unknown_ones(make_client: Any) -> None:
+    http = await make_client(strict_fields=True)
+    item = {"role": "user", "content": "Hi", "id": "msg_1", "status": "completed"}
+    body = {"model": MODEL, "input": [item], "max_output_tokens": 4}
+    ok = await http.post("/v1/responses", json=body)
+    assert ok.status_code == 200, ok.text
+    r = await http.post("/v1/responses", json={**body, "input": [{**item, "colour": "red"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].colour", r.text

@@ -64,7 +64,13 @@ async def test_a_prompt_is_tokenized_alone_and_detokenized_back(
             {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False},
             "add_generation_prompt",
         ),
-        ({"prompt": "a", "mm_processor_kwargs": {"max_pixels": 100}}, "mm_processor_kwargs"),
+        (
+            {
+                "messages": [{"role": "user", "content": "b"}],
+                "mm_processor_kwargs": {"max_pixels": 10**12},
+            },
+            "mm_processor_kwargs.max_pixels",
+        ),
         (
             {
                 "messages": [

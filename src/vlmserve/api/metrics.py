@@ -151,6 +151,9 @@ class Metrics:
         self.media_bytes = make(Counter, "media_bytes", "media bytes read", ["kind"])
         self.media_frames = make(Counter, "media_frames", "video frames decoded")
         self._add_media_pipeline_series()
+        self.media_uuid = make(
+            Counter, "media_uuid", "media parts by uuid: kept (stored), reused (hit)", ["result"]
+        )
         self.vision_cache_hits = make(
             Counter,
             "vision_cache_hits",
@@ -352,6 +355,9 @@ class Metrics:
 
     def observe_media_seconds(self, kind: str, seconds: float) -> None:
         self._child(self.media_seconds, kind).observe(seconds)
+
+    def observe_media_uuid(self, result: str) -> None:
+        self.media_uuid.labels(result=result).inc()
 
     def set_vision_cache(self, model: str, stats: dict[str, int]) -> None:
         """Read the engine's cumulative cache counters (at scrape time) into the series."""

@@ -66,6 +66,8 @@ ENV_ONLY = (
     "media_queue",
     "media_worker_nice",
     "media_allow_private_networks",
+    "media_uuid_ttl",
+    "media_uuid_cache_bytes",
     "max_n",
     "logprobs_mode",
     "metrics_public",

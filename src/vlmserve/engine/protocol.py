@@ -39,6 +39,8 @@ from vlmserve.errors import InvalidRequest, ServiceUnavailable
 if TYPE_CHECKING:
     import numpy as np
 
+    from vlmserve.media.sampling import VideoSampling
+
 __all__ = ["Backend", "PassedAnswer", "Proxied", "as_proxied"]
 
 
@@ -166,6 +168,11 @@ class Backend(Protocol):
     def capabilities(self) -> frozenset[str] | None:
         """Input kinds the loaded model takes ("vision", "video"); None: unknown (not loaded,
         or decided upstream)."""
+        return None
+
+    def video_sampling(self) -> VideoSampling | None:
+        """The loaded model's frame rule (its family's, ``media.sampling``): which frames of a
+        clip the API decodes for it; None: uniform (not loaded, or decided upstream)."""
         return None
 
     # --- observation ---------------------------------------------------------------------

@@ -22,6 +22,7 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "ImagePart",
+    "MediaOptions",
     "ModelState",
     "OutputOptions",
     "Part",
@@ -183,6 +184,18 @@ class GenerateRequest:
     # Prefix caching: only requests with the same salt share cached K/V blocks (vLLM's
     # ``cache_salt``, against another tenant timing the cache to guess prompts).
     cache_salt: str | None = None
+    media: MediaOptions = field(default_factory=lambda: MediaOptions())
+
+
+@dataclass(slots=True)
+class MediaOptions:
+    """A request's own media processing: ``mm_processor_kwargs``' pixel budgets
+    (``min_pixels``, ``max_pixels``) and the images' ``detail``; the backend maps ``detail``
+    to its family's budget and refuses a budget its processor does not have. (Frame choice,
+    ``fps`` and ``num_frames``, is applied where the video is decoded.)"""
+
+    processor_kwargs: dict[str, int] = field(default_factory=dict)
+    detail: str | None = None  # low | high | auto (None: auto)
 
 
 @dataclass(slots=True)

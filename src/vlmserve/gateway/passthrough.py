@@ -40,6 +40,7 @@ from vlmserve.config import Settings
 from vlmserve.engine.protocol import Backend, PassedAnswer, Proxied, as_proxied
 from vlmserve.engine.types import ModelState, Serves
 from vlmserve.errors import VlmserveError
+from vlmserve.gateway.media_routes import has_uuids
 from vlmserve.gateway.passed import PassedStream, PassedStreams
 from vlmserve.gateway.passthrough_relay import (
     GenerationMetrics,
@@ -190,6 +191,8 @@ class PassthroughMiddleware:
         name, session_id = data.get("model"), data.get("session_id")
         if session_id is not None and self.settings.api_keys:
             return None  # the workers see one key, the gateway's: its own session keeps it apart
+        if has_uuids(data):
+            return None  # media by uuid: scoped to the key and routed on the full path
         if not isinstance(name, str) or (session_id is not None and not self._free(session_id)):
             return None
         try:

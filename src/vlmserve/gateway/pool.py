@@ -3,7 +3,9 @@
 Why these rules (Envoy's outlier detection, trimmed to what a gateway of a few workers needs):
 
 - **choice**: the healthy, non-ejected replica with the fewest requests in flight (ties go to
-  the one used longest ago), so a slow replica gets less work without any tuning.
+  the one used longest ago), so a slow replica gets less work without any tuning; a request
+  that must reach one replica (media sent there by ``uuid``, ``media_routes.py``) names it as
+  ``prefer`` and gets it while it is usable and has room.
 - **passive ejection**: ``max_failures`` consecutive failures (connection refused or reset,
   5xx) take a replica out for ``eject_seconds``; it comes back by itself afterwards.
 - **active checks**: ``check`` marks a replica healthy or not with the reason; a replica that
@@ -116,8 +118,11 @@ class ReplicaPool:
         return len(self.replicas) != before
 
     # --- choice ----------------------------------------------------------------------------
-    def choose(self, exclude: set[str] | frozenset[str] = frozenset()) -> Replica | None:
-        """The usable replica with the fewest requests in flight (None: none has room)."""
+    def choose(
+        self, exclude: set[str] | frozenset[str] = frozenset(), prefer: str | None = None
+    ) -> Replica | None:
+        """``prefer`` when it can take the request, else the usable replica with the fewest
+        requests in flight (None: none has room)."""
         now = self._clock()
         cap = self.policy.max_concurrency
         options = [
@@ -127,7 +132,10 @@ class ReplicaPool:
         ]
         if not options:
             return None
-        return min(options, key=lambda r: (r.outstanding, r.last_used))
+        preferred = [r for r in options if r.url == prefer]
+        return (
+            preferred[0] if preferred else min(options, key=lambda r: (r.outstanding, r.last_used))
+        )
 
     def unavailable(self, exclude: set[str] | frozenset[str] = frozenset()) -> ServiceUnavailable:
         """The 503 that says why no replica can take the request, and when to retry."""
@@ -161,11 +169,13 @@ class ReplicaPool:
     def leave(self) -> None:
         self.admitted = max(0, self.admitted - 1)
 
-    async def take(self, exclude: set[str] | frozenset[str] = frozenset()) -> Replica:
+    async def take(
+        self, exclude: set[str] | frozenset[str] = frozenset(), prefer: str | None = None
+    ) -> Replica:
         """A replica slot for one attempt (waits while every usable replica is at its cap);
         503 when no replica is usable at all."""
         while True:
-            replica = self.choose(exclude)
+            replica = self.choose(exclude, prefer)
             if replica is not None:
                 replica.outstanding += 1
                 replica.requests += 1

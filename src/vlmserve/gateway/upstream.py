@@ -21,6 +21,7 @@ from typing import Any
 from vlmserve.engine.protocol import Proxied
 from vlmserve.engine.types import Chunk, GenerateRequest, ModelState, Serves
 from vlmserve.errors import InvalidRequest, ServiceUnavailable, VlmserveError
+from vlmserve.gateway.media_routes import MediaRoutes
 from vlmserve.gateway.pool import PoolPolicy, Replica, ReplicaPool
 from vlmserve.gateway.upstream_http import RETRYABLE, UpstreamAnswer, UpstreamHTTP
 from vlmserve.gateway.upstream_passthrough import PassThrough
@@ -83,6 +84,7 @@ class UpstreamBackend(PassThrough, Proxied):
         self.model_id = model_id
         self.config = config
         self.pool = ReplicaPool(model_id, config.base_urls, config.policy)
+        self.media_routes = MediaRoutes()  # media uuid -> the replica that has it
         self.state = ModelState.UNLOADED
         self.error: str | None = None
         self.load_seconds: float | None = None
@@ -256,30 +258,38 @@ class UpstreamBackend(PassThrough, Proxied):
         self._require()
         self.pool.admit()
         try:
-            return await self._open(body, set())
+            stream = await self._open(body, set(), self.media_routes.replica_for(body))
         except BaseException:
             self.pool.leave()
             raise
+        self.media_routes.remember(body, stream.replica.url)
+        return stream
 
-    async def _open(self, body: dict[str, Any], tried: set[str]) -> UpstreamStream:
+    async def _open(
+        self, body: dict[str, Any], tried: set[str], prefer: str | None = None
+    ) -> UpstreamStream:
         client = self._require()
 
         def send(replica: Replica) -> Awaitable[UpstreamAnswer]:
             url, content = replica.url + "/v1/chat/completions", encode_body(body)
             return client.open("POST", url, content=content, headers=_STREAM_HEADERS, lean=True)
 
-        replica, response = await self._first_success(tried, send)
+        replica, response = await self._first_success(tried, send, prefer)
         return UpstreamStream(body, replica, response, tried)
 
     async def _first_success(
-        self, tried: set[str], send: Callable[[Replica], Awaitable[UpstreamAnswer]]
+        self,
+        tried: set[str],
+        send: Callable[[Replica], Awaitable[UpstreamAnswer]],
+        prefer: str | None = None,
     ) -> tuple[Replica, UpstreamAnswer]:
-        """Replicas in turn until one answers 2xx: connection errors, 5xx and 429 try the next;
-        a 4xx raises at once; none left raises the last error (or 503)."""
+        """Replicas in turn (``prefer`` first while usable) until one answers 2xx: connection
+        errors, 5xx and 429 try the next; a 4xx raises at once; none left raises the last
+        error (or 503)."""
         last: VlmserveError | None = None
         while True:
             try:
-                replica = await self.pool.take(tried)
+                replica = await self.pool.take(tried, prefer)
             except ServiceUnavailable:
                 raise (last if last is not None else self.pool.unavailable(tried)) from None
             tried.add(replica.url)

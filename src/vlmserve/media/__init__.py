@@ -3,7 +3,8 @@ under a ``MediaPolicy`` (SSRF rules, byte, pixel, frame and time limits), then d
 
     source ──▶ fetch.read_source (data:/base64/path/http(s) + netguard) ──▶ bytes
            ──▶ image.decode_image  -> RGB PIL image
-           ──▶ video.decode_video  -> VideoFrames (uniformly sampled RGB frames)
+           ──▶ video.decode_video  -> VideoFrames (the frames a family's rule picks,
+                                      ``sampling.VideoSampling``)
 
 No torch here; decoding runs in worker threads via ``load_image`` / ``load_video``.
 """

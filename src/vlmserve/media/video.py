@@ -1,7 +1,8 @@
 """Sample frames from one video under the policy (PyAV, no torch).
 
-Frames are picked uniformly over the stream: with ``n`` wanted out of ``total``, frame ``i`` is
-the centre of the ``i``-th of ``n`` equal slices, ``(2i + 1) * total // (2n)``. Decoding is
+Which frames are kept is the model family's rule (``media.sampling``: uniform by default, frame
+``i`` the centre of the ``i``-th of ``n`` equal slices; Qwen's 2-fps rules), from the clip's
+frame count and rate, under ``max_video_frames``. Decoding is
 sequential (inter-frame codecs need every frame before a kept one) and stops right after the
 last kept frame, so the cost is bounded by ``max_video_decode_frames``.
 
@@ -32,6 +33,7 @@ from vlmserve.errors import InvalidRequest, MediaError, PayloadTooLarge, Vlmserv
 from vlmserve.media.fetch import read_source
 from vlmserve.media.netguard import Resolver
 from vlmserve.media.policy import SETTING, MediaPolicy, VideoFrames
+from vlmserve.media.sampling import UNIFORM, FrameRequest, VideoSampling, pick_frames
 
 __all__ = ["decode_video", "load_video", "source_fps"]
 
@@ -106,11 +108,6 @@ def _too_many_frames(total: int, policy: MediaPolicy, *, at_least: bool = False)
     )
 
 
-def _targets(total: int, wanted: int) -> list[int]:
-    n = min(total, wanted)
-    return [(2 * i + 1) * total // (2 * n) for i in range(n)]
-
-
 def _to_image(frame: VideoFrame, max_pixels: int) -> Image.Image:
     width, height = frame.width, frame.height
     if width * height > max_pixels:  # keep the aspect ratio; scale happens in swscale
@@ -139,7 +136,9 @@ def _decode_targets(
     return kept, indices, decoded, True
 
 
-def _sample(data: bytes, policy: MediaPolicy, wanted: int) -> VideoFrames:
+def _sample(
+    data: bytes, policy: MediaPolicy, rule: VideoSampling, ask: FrameRequest
+) -> VideoFrames:
     container = _open(data)
     try:
         stream = _video_stream(container, policy)
@@ -151,12 +150,14 @@ def _sample(data: bytes, policy: MediaPolicy, wanted: int) -> VideoFrames:
             stream = _video_stream(container, policy)
         if total < 1:
             raise MediaError("the video has no frames")
-        targets = _targets(total, wanted)
+        rate = stream.average_rate or stream.guessed_rate
+        targets = pick_frames(
+            total, float(rate) if rate else None, rule, policy.max_video_frames, ask
+        )
         if targets[-1] >= policy.max_video_decode_frames:
             raise _too_many_frames(total, policy)
         stream.thread_type = "AUTO"
         kept, indices, decoded, ended = _decode_targets(container, stream, targets, policy)
-        rate = stream.average_rate or stream.guessed_rate
     finally:
         container.close()
     if not kept:
@@ -177,15 +178,24 @@ def source_fps(video: VideoFrames) -> float | None:
     return video.fps * video.source_frames / len(video.frames)
 
 
-def decode_video(data: bytes, policy: MediaPolicy, *, num_frames: int | None = None) -> VideoFrames:
-    """Bytes -> up to ``min(num_frames, max_video_frames)`` RGB frames spread over the video."""
+def decode_video(
+    data: bytes,
+    policy: MediaPolicy,
+    *,
+    num_frames: int | None = None,
+    sampling: VideoSampling = UNIFORM,
+    fps: float | None = None,
+) -> VideoFrames:
+    """Bytes -> the RGB frames ``sampling`` picks (a family's rule; ``num_frames`` or ``fps``:
+    the request's own), at most ``max_video_frames``."""
     if num_frames is not None and num_frames < 1:
         raise InvalidRequest("num_frames must be at least 1", param="num_frames")
+    if fps is not None and not fps > 0:
+        raise InvalidRequest("fps must be above 0", param="fps")
     if not data:
         raise MediaError("the video is empty")
-    wanted = min(num_frames or policy.max_video_frames, policy.max_video_frames)
     try:
-        return _sample(data, policy, wanted)
+        return _sample(data, policy, sampling, FrameRequest(num_frames=num_frames, fps=fps))
     except (VlmserveError, MemoryError):
         raise
     except Exception:  # hostile input: any demuxer/decoder failure is a fault in the client's data

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from PIL import Image
-
-from vlmserve.api.common.fields import CHAT_FIELDS
+from vlmserve.api.auth import ANONYMOUS
+from vlmserve.api.common.fields import CHAT_FIELDS, check_messages
+from vlmserve.api.common.media_reader import (
+    EMPTY_FRAMES,
+    MediaRead,
+    MediaReader,
+    controls,
+    media_policy,
+    sample_frames,
+)
 from vlmserve.api.endpoints.chat.protocol import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -20,25 +26,18 @@ from vlmserve.api.endpoints.chat.protocol import (
     TextContentPart,
     VideoUrlPart,
 )
-from vlmserve.api.metrics import Metrics
 from vlmserve.config import Settings
 from vlmserve.engine.parsers import tool_call_response_format
 from vlmserve.engine.types import (
     ChatMessage,
     GenerateRequest,
-    ImagePart,
     OutputOptions,
     Part,
     SamplingParams,
     TextPart,
-    VideoPart,
 )
 from vlmserve.errors import InvalidRequest, RequestTimeout, VlmserveError
-from vlmserve.media import MediaPolicy, VideoFrames, decode_image, decode_video, read_source
-from vlmserve.media.fetch import MediaKind
-from vlmserve.media.video import source_fps
-from vlmserve.media.workers import MediaPool, current_lease, read_and_decode
-from vlmserve.media.workers.budget import PIXEL_FACTOR
+from vlmserve.media.sampling import UNIFORM, VideoSampling
 
 __all__ = ["Converter", "media_policy", "response_format", "sample_frames"]
 
@@ -46,29 +45,6 @@ __all__ = ["Converter", "media_policy", "response_format", "sample_frames"]
 T = TypeVar("T")
 DEFAULT_MAX_N = 8  # choices per request when the settings do not say (VLMSERVE_MAX_N)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
-EMPTY_FRAMES = "frames is empty; send at least one base64 JPEG frame"
-
-
-def sample_frames(frames: list[str], limit: int) -> list[str]:
-    """Uniformly pick at most ``limit`` frames before any is decoded."""
-    if len(frames) <= limit:
-        return frames
-    return [frames[(2 * i + 1) * len(frames) // (2 * limit)] for i in range(limit)]
-
-
-def media_policy(settings: Settings) -> MediaPolicy:
-    return MediaPolicy(
-        max_bytes=settings.max_media_bytes,
-        max_image_pixels=settings.max_image_pixels,
-        max_video_frames=settings.max_video_frames,
-        max_video_pixels=settings.max_video_pixels,
-        max_video_decode_frames=settings.max_video_decode_frames,
-        image_formats=tuple(f.upper() for f in settings.media_image_formats),
-        fetch_timeout=settings.media_fetch_timeout,
-        max_redirects=settings.media_max_redirects,
-        allowed_local_roots=tuple(settings.allowed_local_media_path),
-        allow_private_networks=settings.media_allow_private_networks,
-    )
 
 
 def _unsupported(body: ChatCompletionRequest, max_n: int) -> None:
@@ -165,25 +141,6 @@ def _check_text_fits(messages: list[ChatMessageIn], settings: Settings) -> None:
         )
 
 
-def _video_part(video: VideoFrames) -> VideoPart:
-    """Decoded frames with their place on the clip's timeline (the processors that timestamp
-    frames, Qwen2.5-VL/Qwen3-VL/SmolVLM, read it)."""
-    if not video.frame_indices:
-        return VideoPart(frames=video.frames, fps=video.fps)
-    return VideoPart(
-        frames=video.frames,
-        fps=source_fps(video),
-        frame_indices=list(video.frame_indices),
-        total_frames=video.source_frames,
-    )
-
-
-def _pixel_bytes(decoded: object) -> int:
-    """Bytes of the decoded pixels: one image, or a clip's frames."""
-    frames = decoded.frames if isinstance(decoded, VideoFrames) else [decoded]
-    return sum(len(f.getbands()) * f.width * f.height for f in frames if isinstance(f, Image.Image))
-
-
 def _check_frames(messages: list[ChatMessageIn]) -> None:
     for i, m in enumerate(messages):
         for j, p in enumerate(m.content if isinstance(m.content, list) else []):
@@ -192,63 +149,15 @@ def _check_frames(messages: list[ChatMessageIn]) -> None:
 
 
 @dataclass(slots=True)
-class Converter:
-    settings: Settings
-    policy: MediaPolicy
-    metrics: Metrics | None = None
-    pool: MediaPool | None = None  # media workers; None: decode on a thread of this process
-
-    @classmethod
-    def from_settings(
-        cls, settings: Settings, metrics: Metrics | None = None, pool: MediaPool | None = None
-    ) -> Converter:
-        return cls(settings=settings, policy=media_policy(settings), metrics=metrics, pool=pool)
-
-    async def _read_decode(
-        self, kind: MediaKind, source: str, decode: Any, *args: Any, **kwargs: Any
-    ) -> tuple[Any, int]:
-        """``decode(data, *args, **kwargs)`` of the bytes ``source`` names, and their size: in
-        a media worker (reading included) or, without workers, on a thread of this process.
-        The decoded pixels are charged to the request's media memory lease."""
-        started = time.perf_counter()
-        if self.pool is not None:
-            decoded, size = await self.pool.run(
-                read_and_decode, source, self.policy, kind, decode, *args, **kwargs
-            )
-        else:
-            data = await read_source(source, self.policy, kind=kind)
-            decoded, size = await asyncio.to_thread(decode, data, *args, **kwargs), len(data)
-        lease = current_lease()
-        if lease is not None:
-            lease.grow(size + PIXEL_FACTOR * _pixel_bytes(decoded))
-        if self.metrics is not None:
-            self.metrics.observe_media_seconds(kind, time.perf_counter() - started)
-        return decoded, size
-
-    async def image(self, source: str) -> Image.Image:
-        image, size = await self._read_decode("image", source, decode_image, self.policy)
-        if self.metrics is not None:
-            self.metrics.observe_media("image", size)
-        return image  # type: ignore[no-any-return]
-
-    async def frames(self, frames: list[str]) -> list[Image.Image]:
-        """A clip sent as frames: uniformly sampled to the frame limit, then decoded."""
-        if not frames:
-            raise InvalidRequest(EMPTY_FRAMES, param="frames")
-        picked = sample_frames(frames, self.settings.max_video_frames)
-        return list(await asyncio.gather(*(self.image(f) for f in picked)))
-
-    async def video(self, source: str) -> VideoFrames:
-        video, size = await self._read_decode("video", source, decode_video, self.policy)
-        if self.metrics is not None:
-            self.metrics.observe_media("video", size, frames=len(video.frames))
-        return video  # type: ignore[no-any-return]
+class Converter(MediaReader):
+    """Wire chat request -> engine request (media read by ``MediaReader``)."""
 
     def check(self, body: ChatCompletionRequest) -> None:
         """Every check that needs no I/O; runs before any media is fetched (the fields
         refused for a model served here: ``to_request``)."""
         strict = getattr(self.settings, "strict_fields", False)
         CHAT_FIELDS.check(body.model_extra or {}, strict=strict, refuse=False)
+        check_messages([m.model_extra or {} for m in body.messages], strict=strict, refuse=False)
         _unsupported(body, getattr(self.settings, "max_n", DEFAULT_MAX_N))
         _check_frames(body.messages)
         count = _media_count(body.messages)
@@ -303,11 +212,22 @@ class Converter:
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         )
 
-    async def to_request(self, body: ChatCompletionRequest, request_id: str) -> GenerateRequest:
+    async def to_request(
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        *,
+        sampling: VideoSampling | None = None,
+        owner: str = ANONYMOUS,
+    ) -> GenerateRequest:
+        """``sampling``: the model's frame rule (``Backend.video_sampling``); ``owner``: the
+        API key's digest, whose media uuids the request may use."""
         self.check(body)
         CHAT_FIELDS.check(body.model_extra or {}, strict=False)  # a 400 for what is not served
+        check_messages([m.model_extra or {} for m in body.messages], strict=False)
+        media = MediaRead(controls(body, self.settings), sampling or UNIFORM, owner)
         messages = await self._within_media_timeout(
-            asyncio.gather(*(self._message(i, m) for i, m in enumerate(body.messages)))
+            asyncio.gather(*(self._message(i, m, media) for i, m in enumerate(body.messages)))
         )
         return GenerateRequest(
             request_id=request_id,
@@ -316,6 +236,7 @@ class Converter:
             response_format=response_format(body),
             output=output_options(body),
             cache_salt=body.cache_salt,
+            media=media.controls.options,
         )
 
     async def _within_media_timeout(self, work: Awaitable[T]) -> T:
@@ -330,7 +251,7 @@ class Converter:
                 param="messages",
             ) from None
 
-    async def _message(self, index: int, message: ChatMessageIn) -> ChatMessage:
+    async def _message(self, index: int, message: ChatMessageIn, media: MediaRead) -> ChatMessage:
         role = "system" if message.role == "developer" else message.role
         calls = [c.model_dump(mode="json") for c in message.tool_calls or []] or None
         out = ChatMessage(
@@ -345,24 +266,19 @@ class Converter:
         elif message.content is not None:
             parts = await asyncio.gather(
                 *(
-                    self._part(f"messages[{index}].content[{j}]", p)
+                    self._part(f"messages[{index}].content[{j}]", p, media)
                     for j, p in enumerate(message.content)
                 )
             )
             out.content = list(parts)
         return out
 
-    async def _part(self, where: str, part: object) -> Part:
+    async def _part(self, where: str, part: object, media: MediaRead) -> Part:
         try:
             if isinstance(part, TextContentPart):
                 return TextPart(part.text)
-            if isinstance(part, ImageUrlPart | InputImagePart):
-                return ImagePart(await self.image(part.source))
-            if isinstance(part, InputVideoPart) and part.frames is not None:
-                return VideoPart(frames=await self.frames(part.frames))
-            if isinstance(part, VideoUrlPart | InputVideoPart):
-                video = await self.video(part.source)
-                return _video_part(video)
+            if isinstance(part, ImageUrlPart | InputImagePart | VideoUrlPart | InputVideoPart):
+                return await self._media_part(where, part, media)
             raise InvalidRequest(f"unsupported content part {type(part).__name__}", param=where)
         except ValueError as exc:  # a part missing its payload (e.g. input_image without data)
             raise InvalidRequest(str(exc), param=where) from exc

@@ -18,9 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmserve.errors import InvalidRequest, UnsupportedFeature
+from vlmserve.errors import InvalidRequest, UnsupportedFeature, VlmserveError
 
-__all__ = ["CHAT_FIELDS", "RESPONSES_FIELDS", "FieldTable", "Refusal"]
+__all__ = [
+    "CHAT_FIELDS",
+    "ITEM_FIELDS",
+    "MESSAGE_FIELDS",
+    "RESPONSES_FIELDS",
+    "FieldTable",
+    "Refusal",
+    "check_messages",
+    "unknown_in_messages",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +125,6 @@ CHAT_FIELDS = FieldTable(
         "add_special_tokens": Refusal(_NOT_YET, (None, False)),
         "documents": Refusal(_NOT_YET),
         "chat_template": Refusal("per request is not served; the server sets --chat-template"),
-        "mm_processor_kwargs": Refusal(_NOT_YET, (None, {})),
-        "media_io_kwargs": Refusal(_NOT_YET, (None, {})),
         "guided_json": Refusal(_GUIDED),
         "guided_regex": Refusal(_NOT_YET),
         "guided_choice": Refusal(_NOT_YET),
@@ -160,3 +167,56 @@ RESPONSES_FIELDS = FieldTable(
         "presence_penalty": Refusal(_NOT_YET + " on /v1/responses", (None, 0, 0.0)),
     },
 )
+
+# Fields of a chat message object (the declared ones: role, content, name, tool_calls,
+# tool_call_id, reasoning_content, reasoning). Clients that send an earlier answer back as
+# the SDK returned it carry these with null or empty values.
+MESSAGE_FIELDS = FieldTable(
+    no_ops={
+        "annotations": "an earlier answer's URL citations; chat templates do not render them",
+    },
+    refusals={
+        "refusal": Refusal(
+            "in an earlier answer is not rendered by chat templates; send it as content"
+        ),
+        "audio": Refusal("(an earlier audio answer) is not served: this server answers in text"),
+        "function_call": Refusal("(deprecated) is not served; send tool_calls"),
+        "prefix": Refusal("(continue a partial assistant message) " + _NOT_YET, (None, False)),
+    },
+)
+
+
+# Fields of a /v1/responses input message item (declared: type, role, content): an earlier
+# output item sent back carries its id, status and phase.
+ITEM_FIELDS = FieldTable(
+    no_ops={
+        "id": "an earlier output item's id",
+        "status": "an earlier output item's status",
+        "phase": "an earlier output item's phase",
+    },
+)
+
+
+def check_messages(
+    extras: list[dict[str, Any]],
+    *,
+    strict: bool,
+    refuse: bool = True,
+    table: FieldTable = MESSAGE_FIELDS,
+    where: str = "messages",
+) -> None:
+    """``table.check`` on each message's undeclared fields; the 400 names the message
+    (``messages[i].field``; ``where``: ``input`` for Responses items)."""
+    for i, extra in enumerate(extras):
+        try:
+            table.check(extra, strict=strict, refuse=refuse)
+        except VlmserveError as exc:
+            exc.param = f"{where}[{i}].{exc.param}"
+            raise
+
+
+def unknown_in_messages(
+    extras: list[dict[str, Any]], table: FieldTable = MESSAGE_FIELDS, where: str = "messages"
+) -> list[str]:
+    """``messages[i].name`` for each unknown message field (to log)."""
+    return [f"{where}[{i}].{n}" for i, e in enumerate(extras) for n in table.unknown(e)]

@@ -26,6 +26,7 @@ from vlmserve.api.metrics import Metrics
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import INTERACTIVE_PRIORITY, Chunk, GenerateRequest, Serves
 from vlmserve.errors import UnsupportedFeature
+from vlmserve.gateway.media_routes import scoped_uuids
 from vlmserve.media.workers import hand_over
 from vlmserve.registry.manager import ModelManager
 
@@ -184,7 +185,7 @@ async def open_generation(
         if resume_after is not None and backend.proxied:
             raise ValueError("a proxied generation cannot continue after a restart")
         release = backend.admit()  # a full queue is a 429 now, not an event in a 200 stream
-        request = await _engine_request(converter, backend, body, request_id)
+        request = await _engine_request(converter, backend, body, request_id, owner)
         request.prefix_token_ids = list(resume_after or [])
         request.priority = priority
         if not backend.proxied:
@@ -204,12 +205,18 @@ async def open_generation(
 
 
 async def _engine_request(
-    converter: Converter, backend: Backend, body: ChatCompletionRequest, request_id: str
+    converter: Converter,
+    backend: Backend,
+    body: ChatCompletionRequest,
+    request_id: str,
+    owner: str = ANONYMOUS,
 ) -> GenerateRequest:
-    """The engine request. A proxied model gets the wire body as is: its media are neither
-    fetched nor decoded here (only ``Converter.check``'s limits apply)."""
+    """The engine request: media decoded by the model's frame rule, ``owner``'s media uuids.
+    A proxied model gets the wire body as is: its media are neither fetched nor decoded here
+    (only ``Converter.check``'s limits apply)."""
     if not backend.proxied:
-        return await converter.to_request(body, request_id)
+        sampling = backend.video_sampling()
+        return await converter.to_request(body, request_id, sampling=sampling, owner=owner)
     converter.check(body)
     if body.n > 1 or body.logprobs:  # the upstream wire reads back one choice, no logprobs
         raise UnsupportedFeature(
@@ -217,12 +224,9 @@ async def _engine_request(
             f"{backend.model_id!r} yet",
             param="n" if body.n > 1 else "logprobs",
         )
+    raw = scoped_uuids(body.model_dump(mode="json", exclude_unset=True), owner)
     return GenerateRequest(
-        request_id,
-        [],
-        converter.sampling(body),
-        response_format=response_format(body),
-        raw=body.model_dump(mode="json", exclude_unset=True),
+        request_id, [], converter.sampling(body), response_format=response_format(body), raw=raw
     )
 
 

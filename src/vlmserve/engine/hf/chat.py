@@ -28,10 +28,12 @@ from vlmserve.engine.hf.generation import eos_ids, run_generation
 from vlmserve.engine.hf.inputs import Prepared, build_inputs, render_prompt
 from vlmserve.engine.hf.lifecycle import HFModel, ModelState
 from vlmserve.engine.hf.loading import LoadOptions
+from vlmserve.engine.hf.media_options import family_media, processor_kwargs
 from vlmserve.engine.hf.processor_cache import CachedImageProcessor
 from vlmserve.engine.hf.processor_cache import install as install_processor_cache
 from vlmserve.engine.hf.threads import off_loop
 from vlmserve.engine.models.architectures import supports
+from vlmserve.engine.models.families._media import MediaRules
 from vlmserve.engine.outputs import OutputParsers, parse_outputs
 from vlmserve.engine.parsers import detect_reasoning_parser
 from vlmserve.engine.types import (
@@ -43,6 +45,7 @@ from vlmserve.engine.types import (
     Tokenized,
 )
 from vlmserve.errors import InvalidRequest
+from vlmserve.media.sampling import VideoSampling
 
 __all__ = ["HFChatBackend", "ModelState"]
 
@@ -65,6 +68,7 @@ class HFChatBackend(HFModel):
         self.config = replace(config or ChatEngineConfig.defaults(), **changes)
         self._processor_cache: CachedImageProcessor | None = None
         self._caps: Capabilities | None = None  # what the loaded model takes (image, video)
+        self._media: tuple[MediaRules, VideoSampling] | None = None  # family media rules
         self._reasoning: str | None = None  # the reasoning parser (configured or detected)
         self.in_flight = 0  # requests streaming now (queued or decoding)
         self.engine: BatchEngine | None = None  # None: not loaded, or not a batchable model
@@ -82,6 +86,7 @@ class HFChatBackend(HFModel):
         super().load()
         loaded = self._require()
         self._caps = capabilities(loaded.model, loaded.processor)
+        self._media = family_media(loaded.model, loaded.processor)
         template = getattr(loaded.processor, "chat_template", None)
         detected = detect_reasoning_parser(template if isinstance(template, str) else None)
         self._reasoning = self.config.reasoning_parser or detected
@@ -111,6 +116,15 @@ class HFChatBackend(HFModel):
     def capabilities(self) -> frozenset[str] | None:
         caps = self._caps if self.state is ModelState.READY else None
         return frozenset(caps.enabled()) if caps is not None else None
+
+    def video_sampling(self) -> VideoSampling | None:
+        return self._media[1] if self._media is not None else None
+
+    def _build(self, loaded: Any, request: GenerateRequest) -> Any:
+        """``build_inputs`` (off the loop) with the request's media options."""
+        rules = self._media[0] if self._media is not None else MediaRules()
+        kwargs = processor_kwargs(rules, loaded.processor, request.media)
+        return off_loop(build_inputs, loaded.processor, request, None, kwargs)
 
     def watch_failures(self, callback: Callable[[Any], None]) -> None:
         self.on_engine_failure = callback
@@ -191,7 +205,7 @@ class HFChatBackend(HFModel):
     async def prepare(self, request: GenerateRequest) -> Prepared:
         """Run the chat template and processor (off the loop); check the context length."""
         loaded = self._require()
-        prepared = await off_loop(build_inputs, loaded.processor, request)
+        prepared = await self._build(loaded, request)
         total = prepared.prompt_tokens + request.sampling.max_tokens - len(request.prefix_token_ids)
         if total > self.config.max_model_len:
             raise InvalidRequest(
@@ -221,7 +235,7 @@ class HFChatBackend(HFModel):
             tokenizer = loaded.processor.tokenizer
             ids = tokenizer.encode(what, add_special_tokens=add_special_tokens)
         else:
-            prepared = await off_loop(build_inputs, loaded.processor, what)
+            prepared = await self._build(loaded, what)
             ids = prepared.inputs["input_ids"][0].tolist()
         return Tokenized(ids=list(ids), max_model_len=self.config.max_model_len)
 

@@ -2,9 +2,11 @@
 
 Media the model cannot take (a video for LLaVA-1.5, Idefics3 or Gemma 3) is refused with a
 400 naming the architecture (``capabilities``), never dropped by the template. Video frames
-reach the processor with their timing (``VideoMetadata``: the clip's fps, frame count and
-each frame's source index), so the processor neither re-samples them (``do_sample_frames``
-is off) nor guesses an fps for its timestamps.
+were chosen where the clip was decoded, by the family's rule (``families/_media.py``; for
+Qwen3-VL the same frames its video processor's own 2-fps sampling picks), and reach the
+processor with their timing (``VideoMetadata``: the clip's fps, frame count and each frame's
+source index), so the processor neither samples them again (``do_sample_frames`` is off: it
+would index the whole clip) nor guesses an fps for its timestamps.
 """
 
 from __future__ import annotations
@@ -220,17 +222,26 @@ def run_processor(
 
 
 def build_inputs(
-    processor: Any, request: GenerateRequest, caps: Capabilities | None = None
+    processor: Any,
+    request: GenerateRequest,
+    caps: Capabilities | None = None,
+    processor_kwargs: dict[str, Any] | None = None,
 ) -> Prepared:
     """Tokenised, preprocessed inputs for one request; 400 for media the model cannot take.
 
-    ``caps`` defaults to ``processor_capabilities(processor)``.
+    ``caps`` defaults to ``processor_capabilities(processor)``; ``processor_kwargs``: the
+    request's media options for the processor (``media_options.processor_kwargs``).
     """
     check_media(caps or processor_capabilities(processor), request.messages)
     rendered = _template_messages(request.messages, patch_factor(processor))
     text = _apply_template(processor, rendered.messages, _template_kwargs(request))
     inputs = run_processor(
-        processor, [text], rendered.images, rendered.videos, video_metadata=rendered.metadata
+        processor,
+        [text],
+        rendered.images,
+        rendered.videos,
+        video_metadata=rendered.metadata,
+        **(processor_kwargs or {}),
     )
     if request.prefix_token_ids:
         inputs = _append_prefix(inputs, request.prefix_token_ids)

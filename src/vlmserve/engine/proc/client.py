@@ -311,6 +311,10 @@ class EngineProcClient(Backend):
         ready = self._ready if self.state is ModelState.READY else None
         return ready.capabilities if ready is not None else None
 
+    def video_sampling(self) -> Any:
+        ready = self._ready if self.state is ModelState.READY else None
+        return ready.video_sampling if ready is not None else None
+
     @property
     def memory_bytes(self) -> int:
         return self._memory if self.state is ModelState.READY else 0

@@ -70,6 +70,7 @@ class EngineCore:
             backend.memory_bytes,
             backend.load_seconds,
             int(getattr(config, "max_queued", 0)),
+            backend.video_sampling(),
         )
         self.conn.send([("ready", ready)])
         reader = threading.Thread(

@@ -49,6 +49,7 @@ class Ready:
     memory_bytes: int
     load_seconds: float | None
     max_queued: int  # queue places (VLMSERVE_MAX_QUEUED_REQUESTS): admission in the API process
+    video_sampling: Any = None  # media.sampling.VideoSampling: the family's frame rule
 
 
 def encode_error(exc: BaseException) -> Error:

@@ -32,6 +32,7 @@ __all__ = [
     "SPEC",
     "build_cached",
     "family_tokenizer",
+    "hub_vision_names",
     "qwen_tokens",
     "qwen_vision",
     "read_template",
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 # Bump when a family builder's output changes for an unchanged spec: part of every cache key.
-FAMILY_FORMAT = 1
+FAMILY_FORMAT = 2
 SPEC = TinySpec()
 
 
@@ -121,6 +122,22 @@ def save_checkpoint(
         do_sample=False,
     ).save_pretrained(out)
     processor.save_pretrained(out)
+
+
+def hub_vision_names(out: Path) -> None:
+    """Rename the saved ``vision_tower.*`` weights to the hub's ``vision_tower.vision_model.*``
+    (as ``llava-hf`` checkpoints name them): transformers loads either, vLLM only the hub's."""
+    from safetensors.torch import load_file, save_file
+
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        renamed = {
+            ("vision_tower.vision_model." + k.removeprefix("vision_tower."))
+            if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.")
+            else k: v
+            for k, v in tensors.items()
+        }
+        save_file(renamed, path, metadata={"format": "pt"})
 
 
 def build_cached(

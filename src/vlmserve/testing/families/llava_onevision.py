@@ -12,6 +12,7 @@ from typing import Any
 from vlmserve.testing.families._common import (
     build_cached,
     family_tokenizer,
+    hub_vision_names,
     read_template,
     save_checkpoint,
     text_config,
@@ -29,7 +30,7 @@ PATCH = 14
 
 def build(out_dir: Path | None = None) -> Path:
     """Build (or find in the cache) the tiny LLaVA-OneVision checkpoint and return its directory."""
-    return build_cached(FAMILY, _write, out_dir)
+    return build_cached(FAMILY, _write, out_dir, version=2)
 
 
 def _write(out: Path) -> None:
@@ -74,6 +75,7 @@ def _write(out: Path) -> None:
         eos_ids=[eos, pad],
         pad_id=pad,
     )
+    hub_vision_names(out)  # vLLM loads only the hub's weight names
 
 
 def _vision() -> dict[str, Any]:

@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from vlmserve.api.common.fields import CHAT_FIELDS, RESPONSES_FIELDS, FieldTable
-from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest
+from vlmserve.api.common.fields import (
+    CHAT_FIELDS,
+    MESSAGE_FIELDS,
+    RESPONSES_FIELDS,
+    FieldTable,
+    check_messages,
+)
+from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest, ChatMessageIn
 from vlmserve.api.endpoints.responses.protocol import ResponsesRequest
 from vlmserve.errors import InvalidRequest, UnsupportedFeature
 
@@ -39,6 +45,7 @@ def test_refusals_wait_for_a_model_served_here_and_unknown_names_are_returned() 
     [
         (CHAT_FIELDS, ChatCompletionRequest, "`/v1/chat/completions` fields"),
         (RESPONSES_FIELDS, ResponsesRequest, "`/v1/responses` fields"),
+        (MESSAGE_FIELDS, ChatMessageIn, "fields of a `messages[i]` object"),
     ],
 )
 def test_the_api_page_lists_every_field_with_its_status(
@@ -51,3 +58,14 @@ def test_the_api_page_lists_every_field_with_its_status(
     assert not set(table.no_ops) - listed
     assert not set(table.refusals) - listed
     assert not (set(model.model_fields) | set(table.no_ops)) & set(table.refusals)
+
+
+def test_a_message_field_is_named_with_its_message() -> None:
+    check_messages([{}, {"refusal": None, "annotations": []}], strict=True)  # the SDK's nulls
+    with pytest.raises(UnsupportedFeature) as caught:
+        check_messages([{}, {"audio": {"id": "a"}}], strict=False)
+    assert caught.value.param == "messages[1].audio"
+    with pytest.raises(InvalidRequest) as unknown:
+        check_messages([{"colour": "red"}], strict=True)
+    assert unknown.value.param == "messages[0].colour"
+    check_messages([{"colour": "red"}], strict=False)  # logged, not refused

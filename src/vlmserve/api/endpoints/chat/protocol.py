@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vlmserve.api.common.fields import CHAT_FIELDS
+from vlmserve.api.common.fields import CHAT_FIELDS, unknown_in_messages
 from vlmserve.api.common.text import UnicodeText, valid_unicode
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "ImageUrlPart",
     "InputImagePart",
     "InputVideoPart",
+    "MediaUuid",
     "StreamOptions",
     "TextContentPart",
     "VideoUrlPart",
@@ -41,10 +42,32 @@ class UrlRef(BaseModel):
 
 
 def auto_detail(value: str | None) -> str | None:
-    """``detail`` other than ``auto`` would change the image's pixel budget: not served yet."""
-    if value not in (None, "auto"):
-        raise ValueError(f"detail {value!r} is not served yet; leave it out or send 'auto'")
+    """``detail``: ``low``, ``high`` or ``auto``, the image's pixel budget by the model's family
+    (``engine/models/families/_media.py``)."""
+    if value not in (None, "auto", "low", "high"):
+        raise ValueError(f"detail {value!r} is not one of 'low', 'high' or 'auto'")
     return value
+
+
+MediaUuid = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class _MediaPart(_Part):
+    """A media part may carry ``uuid`` (vLLM's per-item id): a later request of the same API
+    key may send the part with the ``uuid`` and no data (``api/common/media_refs.py``)."""
+
+    uuid: MediaUuid | None = None
+
+    @property
+    def source(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def has_data(self) -> bool:
+        try:
+            return bool(self.source)
+        except ValueError:
+            return False
 
 
 class TextContentPart(_Part):
@@ -52,24 +75,22 @@ class TextContentPart(_Part):
     text: UnicodeText
 
 
-class ImageUrlPart(_Part):
+class ImageUrlPart(_MediaPart):
     type: Literal["image_url"]
-    image_url: str | UrlRef
-    uuid: str | None = None
-
-    @field_validator("uuid")
-    @classmethod
-    def _uuid(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise ValueError("media by uuid is not served yet; send the image itself, no uuid")
-        return value
+    image_url: str | UrlRef | None = None  # None: by reference (``uuid``)
 
     @property
     def source(self) -> str:
+        if self.image_url is None:
+            raise ValueError("image_url needs url (or a uuid sent with the image before)")
         return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
+    @property
+    def detail(self) -> str | None:
+        return self.image_url.detail if isinstance(self.image_url, UrlRef) else None
 
-class InputImagePart(_Part):
+
+class InputImagePart(_MediaPart):
     type: Literal["input_image"]
     b64_json: str | None = None
     image: str | None = None
@@ -82,17 +103,23 @@ class InputImagePart(_Part):
             raise ValueError("input_image needs one of b64_json, image or image_url")
         return ref if isinstance(ref, str) else ref.url
 
+    @property
+    def detail(self) -> str | None:
+        return self.image_url.detail if isinstance(self.image_url, UrlRef) else None
 
-class VideoUrlPart(_Part):
+
+class VideoUrlPart(_MediaPart):
     type: Literal["video_url"]
-    video_url: str | UrlRef
+    video_url: str | UrlRef | None = None  # None: by reference (``uuid``)
 
     @property
     def source(self) -> str:
+        if self.video_url is None:
+            raise ValueError("video_url needs url (or a uuid sent with the video before)")
         return self.video_url if isinstance(self.video_url, str) else self.video_url.url
 
 
-class InputVideoPart(_Part):
+class InputVideoPart(_MediaPart):
     """A video file (``b64_json``, ``video``, ``video_url``), or a clip as its ``frames``
     (base64 JPEG/PNG or image URLs, in order; the GPU worker's form, sampled to
     VLMSERVE_MAX_VIDEO_FRAMES before decoding)."""
@@ -102,6 +129,10 @@ class InputVideoPart(_Part):
     video: str | None = None
     video_url: str | UrlRef | None = None
     frames: list[str] | None = None
+
+    @property
+    def has_data(self) -> bool:
+        return self.frames is not None or bool(self.b64_json or self.video or self.video_url)
 
     @property
     def source(self) -> str:
@@ -118,7 +149,8 @@ ContentPart = Annotated[
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # undeclared fields are checked against api/common/fields.py's MESSAGE_FIELDS
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: UnicodeText | list[ContentPart] | None = None
     name: str | None = None
@@ -189,6 +221,11 @@ class ChatCompletionRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     # resumable streams
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
+    # vLLM's per-request media controls, bounded by the server's caps
+    # (api/common/media_controls.py): {"min_pixels", "max_pixels", "fps", "num_frames"} and
+    # {"video": {"num_frames", "fps"}}
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
     # vLLM's: a secret that keeps this request's prefix-cache entries apart from other
     # tenants' (only requests with the same salt share cached blocks)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
@@ -223,4 +260,5 @@ class ChatCompletionRequest(BaseModel):
     @property
     def unknown_fields(self) -> list[str]:
         """Fields neither served, nor no-ops, nor refused (``api/common/fields.py``)."""
-        return CHAT_FIELDS.unknown(self.model_extra or {})
+        extras = [m.model_extra or {} for m in self.messages]
+        return CHAT_FIELDS.unknown(self.model_extra or {}) + unknown_in_messages(extras)

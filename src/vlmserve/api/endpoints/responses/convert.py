@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from vlmserve.api.common.fields import RESPONSES_FIELDS
+from vlmserve.api.common.fields import ITEM_FIELDS, RESPONSES_FIELDS, check_messages
 from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest
 from vlmserve.api.endpoints.responses.protocol import (
     InputFilePart,
@@ -54,6 +54,7 @@ def check_supported(body: ResponsesRequest, *, strict: bool = False) -> None:
     """Refuse what would change the answer and is not offered (never silently ignored);
     ``strict``: an unknown field too."""
     RESPONSES_FIELDS.check(body.model_extra or {}, strict=strict)
+    check_messages(body.item_extras, strict=strict, table=ITEM_FIELDS, where="input")
     if body.tools:
         raise UnsupportedFeature("tools are not supported by /v1/responses here", param="tools")
     choice = body.tool_choice
@@ -73,8 +74,12 @@ def _part(where: str, part: BaseModel) -> dict[str, Any]:
     if isinstance(part, RefusalPart):
         return {"type": "text", "text": part.refusal}
     if isinstance(part, InputImagePart):
+        ref = {"uuid": part.uuid} if part.uuid else {}
         if part.image_url:
-            return {"type": "image_url", "image_url": {"url": part.image_url}}
+            url = {"url": part.image_url, "detail": part.detail}
+            return {"type": "image_url", "image_url": url, **ref}
+        if part.uuid:  # by reference: the data was sent before
+            return {"type": "image_url", "image_url": None, **ref}
         message = (
             "input_image needs image_url (a URL or a data URL) or file_id (a file "
             "uploaded to /v1/files with purpose 'vision' or 'user_data')"

@@ -14,9 +14,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vlmserve.api.common.fields import RESPONSES_FIELDS
+from vlmserve.api.common.fields import ITEM_FIELDS, RESPONSES_FIELDS, unknown_in_messages
 from vlmserve.api.common.text import UnicodeText, valid_unicode
-from vlmserve.api.endpoints.chat.protocol import InputVideoPart, VideoUrlPart, auto_detail
+from vlmserve.api.endpoints.chat.protocol import (
+    InputVideoPart,
+    MediaUuid,
+    VideoUrlPart,
+    auto_detail,
+)
 
 __all__ = [
     "InputFilePart",
@@ -48,6 +53,7 @@ class InputImagePart(_Part):
     image_url: str | None = None
     file_id: str | None = None
     detail: str | None = None
+    uuid: MediaUuid | None = None  # media by reference, as chat's parts
 
     @field_validator("detail")
     @classmethod
@@ -88,7 +94,7 @@ ResponsePart = Annotated[
 class InputItem(BaseModel):
     """A ``message`` item (``type`` may be left out, as in OpenAI's easy input message)."""
 
-    model_config = ConfigDict(extra="ignore")  # id, status, phase of messages sent back
+    model_config = ConfigDict(extra="allow")  # checked against api/common/fields.py's ITEM_FIELDS
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: UnicodeText | list[ResponsePart]
@@ -191,4 +197,12 @@ class ResponsesRequest(BaseModel):
     @property
     def unknown_fields(self) -> list[str]:
         """Fields neither served, nor no-ops, nor refused (``api/common/fields.py``)."""
-        return RESPONSES_FIELDS.unknown(self.model_extra or {})
+        return RESPONSES_FIELDS.unknown(self.model_extra or {}) + unknown_in_messages(
+            self.item_extras, ITEM_FIELDS, "input"
+        )
+
+    @property
+    def item_extras(self) -> list[dict[str, Any]]:
+        """Each input item's undeclared fields (none for a string input)."""
+        items = self.input if isinstance(self.input, list) else []
+        return [getattr(item, "model_extra", None) or {} for item in items]

@@ -28,6 +28,8 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # as a chat completion's
+    media_io_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -43,15 +43,19 @@ def _refuse(body: TokenizeRequest, strict: bool) -> None:
     CHAT_FIELDS.check(body.model_extra or {}, strict=strict)
 
 
-async def _chat_request(converter: Converter, body: TokenizeRequest, model: str) -> GenerateRequest:
+async def _chat_request(
+    converter: Converter, body: TokenizeRequest, model: str, sampling: Any = None
+) -> GenerateRequest:
     chat = ChatCompletionRequest(
         model=model,
         messages=body.messages or [],
         tools=body.tools,
         chat_template_kwargs=body.chat_template_kwargs,
+        mm_processor_kwargs=body.mm_processor_kwargs,
+        media_io_kwargs=body.media_io_kwargs,
         max_tokens=1,  # no answer: the default must not count against the context limit
     )
-    return await converter.to_request(chat, uuid.uuid4().hex)
+    return await converter.to_request(chat, uuid.uuid4().hex, sampling=sampling)
 
 
 async def tokenize(
@@ -70,7 +74,9 @@ async def tokenize(
             special = body.add_special_tokens is not False
             tokenized = await backend.tokenize(body.prompt, add_special_tokens=special)
         else:
-            request = await _chat_request(converter, body, backend.model_id)
+            request = await _chat_request(
+                converter, body, backend.model_id, backend.video_sampling()
+            )
             tokenized = await backend.tokenize(request)
     return {
         "count": len(tokenized.ids),

@@ -117,7 +117,8 @@ class WorkerService:
                 max_tokens=body.max_new_tokens,
                 temperature=body.temperature,
             )
-            request = await self.converter.to_request(chat, uuid.uuid4().hex)
+            sampling = backend.video_sampling()  # the family's frames, as on chat
+            request = await self.converter.to_request(chat, uuid.uuid4().hex, sampling=sampling)
             return await self._run(backend, request)
 
     async def embeddings(self, body: EmbeddingsRequest) -> dict[str, Any]:

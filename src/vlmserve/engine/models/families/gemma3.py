@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vlmserve.engine.models.families._media import MediaRules
 from vlmserve.engine.models.families.llava import LlavaEmbedder
 from vlmserve.engine.models.linear import fuse
 from vlmserve.engine.models.rope import RotaryTables
@@ -25,9 +26,10 @@ from vlmserve.engine.models.runner import DecoderRunner, PrefillRow, _Layer
 from vlmserve.engine.models.vision import PromptEmbedder, RowInputs
 from vlmserve.engine.models.vision_cache import VisionCache
 
-__all__ = ["MODEL_TYPES", "Gemma3Embedder", "Gemma3Runner", "build", "supports"]
+__all__ = ["MEDIA", "MODEL_TYPES", "Gemma3Embedder", "Gemma3Runner", "build", "supports"]
 
 MODEL_TYPES = ("gemma3",)
+MEDIA = MediaRules()  # frame rule and `detail` (families/_media.py)
 _SLIDING = "sliding_attention"
 _STATIC_ROPE = ("default", "linear")  # frequencies fixed at load (Gemma 3 4B+: linear, x8)
 

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from vlmserve.engine.models.families._common import decoder_ok, new_runner
+from vlmserve.engine.models.families._media import MediaRules
 from vlmserve.engine.models.vision import MediaItem, PromptEmbedder
 from vlmserve.engine.models.vision_cache import VisionCache
 
-__all__ = ["MODEL_TYPES", "TileEmbedder", "build", "supports"]
+__all__ = ["MEDIA", "MODEL_TYPES", "TileEmbedder", "build", "supports"]
 
 MODEL_TYPES = ("idefics3", "smolvlm")
+MEDIA = MediaRules(detail="tiles")  # frame rule and `detail` (families/_media.py)
 
 
 def supports(model: Any) -> bool:

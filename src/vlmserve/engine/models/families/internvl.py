@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from vlmserve.engine.models.families._common import new_runner, qwen2_or_llama_ok
+from vlmserve.engine.models.families._media import MediaRules
 from vlmserve.engine.models.vision import MediaItem, PromptEmbedder
 from vlmserve.engine.models.vision_cache import VisionCache
 
-__all__ = ["MODEL_TYPES", "InternVLEmbedder", "build", "supports"]
+__all__ = ["MEDIA", "MODEL_TYPES", "InternVLEmbedder", "build", "supports"]
 
 MODEL_TYPES = ("internvl",)
+MEDIA = MediaRules(detail="crop")  # frame rule and `detail` (families/_media.py)
 
 
 def supports(model: Any) -> bool:

@@ -12,12 +12,14 @@ from typing import Any
 import torch
 
 from vlmserve.engine.models.families._common import decoder_ok, new_runner
+from vlmserve.engine.models.families._media import MediaRules
 from vlmserve.engine.models.vision import MediaItem, PromptEmbedder
 from vlmserve.engine.models.vision_cache import VisionCache
 
-__all__ = ["MODEL_TYPES", "LlavaEmbedder", "build", "supports"]
+__all__ = ["MEDIA", "MODEL_TYPES", "LlavaEmbedder", "build", "supports"]
 
 MODEL_TYPES = ("llava",)
+MEDIA = MediaRules()  # frame rule and `detail` (families/_media.py)
 _DECODERS = ("llama", "qwen2")  # Llama-like stacks the runner walks
 
 

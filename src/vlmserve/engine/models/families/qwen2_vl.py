@@ -13,12 +13,15 @@ from typing import Any
 import torch
 
 from vlmserve.engine.models.families._common import decoder_ok, new_runner
+from vlmserve.engine.models.families._media import MediaRules
 from vlmserve.engine.models.vision import MediaItem, PromptEmbedder
 from vlmserve.engine.models.vision_cache import VisionCache
+from vlmserve.media.sampling import QWEN_VL_UTILS
 
-__all__ = ["MODEL_TYPES", "QwenVLEmbedder", "build", "supports"]
+__all__ = ["MEDIA", "MODEL_TYPES", "QwenVLEmbedder", "build", "supports"]
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+MEDIA = MediaRules(QWEN_VL_UTILS, detail="pixels")  # frame rule and `detail` (families/_media.py)
 _TEXT, _IMAGE, _VIDEO = 0, 1, 2  # mm_token_type_ids values
 _GRID = {
     "image": ("pixel_values", "image_grid_thw"),

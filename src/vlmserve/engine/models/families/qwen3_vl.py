@@ -15,13 +15,20 @@ from typing import Any
 import torch
 
 from vlmserve.engine.models.families._common import decoder_ok, new_runner
+from vlmserve.engine.models.families._media import MediaRules
 from vlmserve.engine.models.families.qwen2_vl import QwenVLEmbedder
 from vlmserve.engine.models.vision import MediaItem, PromptEmbedder
 from vlmserve.engine.models.vision_cache import VisionCache
+from vlmserve.media.sampling import VideoSampling
 
-__all__ = ["MODEL_TYPES", "Qwen3VLEmbedder", "build", "supports"]
+__all__ = ["MEDIA", "MODEL_TYPES", "Qwen3VLEmbedder", "build", "supports"]
 
 MODEL_TYPES = ("qwen3_vl",)
+MEDIA = MediaRules(
+    VideoSampling("processor_fps", fps=2.0, min_frames=4, max_frames=768),
+    detail="pixels",
+    processor_sampling=True,
+)  # frame rule and `detail` (families/_media.py)
 
 
 def supports(model: Any) -> bool:
