@@ -9,6 +9,7 @@ from typing import Any
 from PIL import Image
 
 from vlmserve.api.common.fields import CHAT_FIELDS
+from vlmserve.api.common.guards import guard_params
 from vlmserve.api.endpoints.chat.protocol import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -267,6 +268,7 @@ class Converter:
             top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
             n=body.n,
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+            **guard_params(body),
         )
 
     async def to_request(self, body: ChatCompletionRequest, request_id: str) -> GenerateRequest:

@@ -202,6 +202,7 @@ class HFChatBackend(HFModel):
                 code="context_length_exceeded",
             )
         _check_logit_bias(request.sampling.logit_bias, loaded.model)
+        _check_allowed(request.sampling.allowed_token_ids, loaded.model)
         prepared.parsers = self._parsers(prepared)
         if self.engine is not None:  # 400 now if the whole KV budget could never hold it
             new_tokens = request.sampling.max_tokens - len(request.prefix_token_ids)
@@ -357,4 +358,16 @@ def _check_logit_bias(bias: dict[int, float], model: Any) -> None:
             f"logit_bias names token id {outside[0]}, outside the model's vocabulary of "
             f"{vocab} tokens (ids 0..{vocab - 1})",
             param="logit_bias",
+        )
+
+
+def _check_allowed(ids: list[int] | None, model: Any) -> None:
+    """A 400 for an allowed token id the model has no logit for."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    outside = sorted(t for t in ids or [] if not 0 <= t < vocab)
+    if outside:
+        raise InvalidRequest(
+            f"allowed_token_ids names token id {outside[0]}, outside the model's vocabulary "
+            f"of {vocab} tokens (ids 0..{vocab - 1})",
+            param="allowed_token_ids",
         )

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vlmserve.api.common.fields import CHAT_FIELDS
+from vlmserve.api.common.guards import AllowedTokenIds, RepetitionDetectionIn, ThinkingTokenBudget
 from vlmserve.api.common.text import UnicodeText, valid_unicode
 
 __all__ = [
@@ -192,6 +193,10 @@ class ChatCompletionRequest(BaseModel):
     # vLLM's: a secret that keeps this request's prefix-cache entries apart from other
     # tenants' (only requests with the same salt share cached blocks)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's output guards (``api/common/guards.py``)
+    repetition_detection: RepetitionDetectionIn | None = None
+    thinking_token_budget: ThinkingTokenBudget = None
+    allowed_token_ids: AllowedTokenIds = None
 
     @field_validator("stop")
     @classmethod
