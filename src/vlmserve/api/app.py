@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from vlmserve.api.auth import AuthMiddleware
+from vlmserve.api.common.warmup import warm_request_path
 from vlmserve.api.docs import install_offline_docs
 from vlmserve.api.endpoints.admin import router as admin
 from vlmserve.api.endpoints.batches import router as batches
@@ -166,7 +167,12 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
     registration = Registration.from_settings(settings)  # ConfigError without advertise_url
 
     async def load() -> None:
-        failures = await models.load_all()
+        try:
+            failures = await models.load_all()
+            if settings.warmup:
+                await warm_request_path(models, services.chat.converter)
+        finally:
+            models.starting = False
         if owns_models:
             # Start-up's objects (modules, the models' Python objects: hundreds of thousands)
             # leave the collector's reach, so a full collection scans only what requests made
@@ -185,10 +191,12 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with clock.busy():  # loading counts as activity (seed 000)
+            models.starting = True
             loading = asyncio.create_task(load())  # /ready is 503 until it is done
         tasks = [
             loading,
             asyncio.create_task(models.run_keep_alive()),
+            asyncio.create_task(models.run_liveness()),
             asyncio.create_task(announce(loading)),
             asyncio.create_task(services.batches.start(loading)),
         ]

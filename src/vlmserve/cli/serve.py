@@ -211,6 +211,16 @@ HELP = {
     ),
     "load_on_startup": (LIFECYCLE, "Load models on their first request, not at start-up."),
     "keep_alive": (LIFECYCLE, "Idle seconds before a model unloads; -1 = never."),
+    "warmup": (
+        LIFECYCLE,
+        "Each chat model answers a text and an image request of its own before /ready "
+        "(--no-warmup: ready as soon as loaded).",
+    ),
+    "liveness_timeout": (
+        LIFECYCLE,
+        "Seconds an engine may have requests without a step starting or ending before its "
+        "model is failed (/health) and reloaded; at least 3x its longest step; 0 = off.",
+    ),
     "max_loaded_models": (
         LIFECYCLE,
         "Models loaded at once (the least recently used unloads first); 0 = no cap.",
@@ -292,6 +302,8 @@ def command(
     lazy_load: Annotated[Bool, _opt("load_on_startup", "--lazy-load")] = None,
     no_ui: Annotated[Bool, _opt("ui", "--no-ui")] = None,
     keep_alive: Annotated[Float, _opt("keep_alive")] = None,
+    no_warmup: Annotated[Bool, _opt("warmup", "--no-warmup")] = None,
+    liveness_timeout: Annotated[Float, _opt("liveness_timeout")] = None,
     max_loaded_models: Annotated[Int, _opt("max_loaded_models")] = None,
     persist_sessions: Annotated[Bool, _opt("persist_sessions", "--persist-sessions")] = None,
     redis_url: Annotated[Str, _opt("redis_url")] = None,
@@ -314,6 +326,7 @@ def command(
     flags["load_on_startup"] = False if flags.pop("lazy_load") else None
     flags["ui"] = False if flags.pop("no_ui") else None
     flags["engine_process"] = False if flags.pop("no_engine_process") else None
+    flags["warmup"] = False if flags.pop("no_warmup") else None
     for flag, field in LIST_FLAGS.items():
         values = flags.pop(flag)
         flags[field] = [v.strip() for item in values for v in item.split(",")] if values else None

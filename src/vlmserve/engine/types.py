@@ -293,3 +293,7 @@ class BackendStats:
     weights_bytes: int = 0  # memory held by the model's weights
     device_memory_bytes: int = 0  # accelerator memory torch has allocated (0 on CPU)
     process_rss_bytes: int = 0  # resident memory of the model's engine process (0: none)
+    # liveness: seconds its engine has had work without a step starting or ending (0: none
+    # pending), and the longest step it ran
+    stalled_seconds: float = 0.0
+    longest_step_seconds: float = 0.0

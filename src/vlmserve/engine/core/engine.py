@@ -187,7 +187,10 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         flushed = time.perf_counter()
         with torch.inference_mode():
             while self._take_inbox():
+                self.progress_at = started = time.monotonic()
                 self.step()
+                self.progress_at = time.monotonic()
+                self.longest_step = max(self.longest_step, self.progress_at - started)
                 busy = len(self.scheduler.running) >= _BUSY_ROWS
                 now = time.perf_counter()
                 if (

@@ -124,6 +124,18 @@ class HFChatBackend(HFModel):
         if self.on_engine_failure is not None:
             self.on_engine_failure(loop)
 
+    def check_progress(self, timeout: float) -> bool:
+        """Fail the engine if it has had work without progress for ``timeout`` seconds (at
+        least 3x its longest step so far); True when it did."""
+        engine = self.engine
+        if engine is None or timeout <= 0 or self.state is not ModelState.READY:
+            return False  # the generate fallback is not watched
+        stalled = engine.stalled_for()
+        if stalled <= max(timeout, 3 * engine.longest_step):
+            return False
+        engine.declare_stalled(stalled)
+        return True
+
     def close(self) -> None:
         self._processor_cache = None  # dropped with the processor
         if self.engine is not None:
@@ -177,6 +189,7 @@ class HFChatBackend(HFModel):
             return out
         out.running, out.waiting = engine.running, engine.queued
         out.step_seconds = engine.step_seconds
+        out.stalled_seconds, out.longest_step_seconds = engine.stalled_for(), engine.longest_step
         out.kv_usage = engine.kv_usage  # KV blocks in use
         out.preemptions = engine.preemptions
         out.prefix_cache = (engine.scheduler.prefix_queried, engine.scheduler.prefix_hits)
