@@ -191,7 +191,7 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with clock.busy():  # loading counts as activity (seed 000)
-            models.starting = True
+            models.starting = models.policy.eager  # lazy: nothing loads (or warms) at start
             loading = asyncio.create_task(load())  # /ready is 503 until it is done
         tasks = [
             loading,
