@@ -27,13 +27,14 @@ def serve(tiny_dir: Path, *extra: str) -> ServerProcess:
 
 def ttfts(server: ServerProcess, count: int) -> list[float]:
     """Seconds to the first answer token of ``count`` streamed image requests, one by one,
-    each with its own picture and question (so no cache of an earlier one helps it); the
-    connection is opened first (a client's cost, not the server's)."""
+    each with its own picture, size and question (no cache of an earlier one helps it, and
+    each is a new shape for the vision tower, as users' pictures are); the connection is
+    opened first (a client's cost, not the server's)."""
     out = []
     with httpx.Client(base_url=server.url, timeout=60) as client:
         client.get("/v1/models").raise_for_status()
         for i in range(count):
-            picture = data_url(image_bytes(320, 240, seed=i + 1), "image/png")
+            picture = data_url(image_bytes(280 + 28 * i, 224, seed=i + 1), "image/png")
             content = [
                 {"type": "image_url", "image_url": {"url": picture}},
                 {"type": "text", "text": f"What is in picture {i}?"},

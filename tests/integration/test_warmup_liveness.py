@@ -95,7 +95,8 @@ async def first_ready(
 async def test_ready_waits_for_the_text_and_image_warm_up_requests(serve: Any) -> None:
     client, models = await serve()
     state = await first_ready(client, models)
-    assert state["prompts"] == 2  # the text and the image request were prefilled
+    # the model's text and image requests, then the request path's streamed one
+    assert state["prompts"] == 3
     assert state["warming_seen"]  # loaded, yet /ready said 503 while they ran
     r = await client.post("/v1/chat/completions", json=chat())
     assert r.status_code == 200, r.text

@@ -170,7 +170,8 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
         try:
             failures = await models.load_all()
             if settings.warmup:
-                await warm_request_path(models, services.chat.converter)
+                key = settings.api_keys[0] if settings.api_keys else None
+                await warm_request_path(app, models, services.chat.converter, key)
         finally:
             models.starting = False
         if owns_models:
