@@ -92,8 +92,12 @@ async def first_ready(
     raise AssertionError("never ready")
 
 
-async def test_ready_waits_for_the_text_and_image_warm_up_requests(serve: Any) -> None:
-    client, models = await serve()
+@pytest.mark.parametrize("keys", [[], ["k1"]], ids=["open", "with-api-keys"])
+async def test_ready_waits_for_the_text_and_image_warm_up_requests(
+    serve: Any, keys: list[str]
+) -> None:
+    client, models = await serve(api_keys=keys)
+    client.headers["Authorization"] = "Bearer k1"
     state = await first_ready(client, models)
     # the model's text and image requests, then the request path's streamed one
     assert state["prompts"] == 3

@@ -10,7 +10,9 @@ it counts in ``/metrics``. ``/ready`` waits for all of it (``ModelManager.starti
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 import logging
 import time
 import uuid
@@ -50,24 +52,53 @@ async def warm_request_path(
 
 
 async def _stream_once(app: Any, model: str, api_key: str | None) -> None:
-    import httpx  # the app's own client library; only at start-up
-
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Hi"}],
-        "max_tokens": 2,
-        "stream": True,
+    """POST one streamed chat completion to ``app`` in process (plain ASGI) and read it out."""
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "stream": True,
+        }
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    if api_key:
+        headers.append((b"authorization", f"Bearer {api_key}".encode()))
+    path = "/v1/chat/completions"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 0),
+        "server": ("warmup", 80),
     }
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    transport = httpx.ASGITransport(app=app)
-    client = httpx.AsyncClient(transport=transport, base_url="http://warmup")
-    async with (
-        client,
-        client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r,
-    ):
-        r.raise_for_status()
-        async for _ in r.aiter_lines():
-            pass
+    answered, status = asyncio.Event(), []
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await answered.wait()  # no disconnect while the answer streams
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
+            answered.set()
+
+    await app(scope, receive, send)
+    if status != [200]:
+        raise RuntimeError(f"the streamed warm-up request got HTTP {status}")
 
 
 def _message(kind: str) -> Any:
