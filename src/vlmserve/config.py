@@ -142,6 +142,12 @@ class Settings(BaseSettings):
     keep_alive: float = -1.0  # idle seconds before a model unloads; -1 = never
     drain_timeout_seconds: float = 30.0
     activation_timeout_seconds: float = 120.0  # a request waits this long for its model to load
+    # a loaded chat model answers one text and one image request of its own before /ready
+    warmup: bool = True
+    # seconds an engine may have requests without a step starting or ending before the model
+    # counts as failed (/health) and is reloaded; never below 3x the longest step it ran. The
+    # default is above the longest step at the default max_num_batched_tokens on CPU; 0 = off
+    liveness_timeout: float = Field(default=300.0, ge=0)
 
     # --- hf engine: continuous batching, caches ---------------------------------------
     max_num_seqs: int = Field(default=32, ge=1)  # decoded together; 1 = one at a time

@@ -261,6 +261,9 @@ async def test_fields_refused_for_local_models_reach_a_proxied_one_as_sent(
         "guided_json": {"type": "object"},
         "mm_processor_kwargs": {"max_pixels": 1000},
         "logit_bias": {"7": 5},
+        "repetition_detection": {"max_pattern_size": 8, "min_count": 3},
+        "thinking_token_budget": 8,
+        "allowed_token_ids": [1, 2],
         "frobnicate": 1,
     }
     async with gateway_app(gateway_passthrough=passthrough) as gateway:

@@ -27,10 +27,9 @@ def chat(**extra: Any) -> dict[str, Any]:
     [
         ("guided_json", {"type": "object"}),
         ("guided_choice", ["a", "b"]),
-        ("allowed_token_ids", [1, 2]),
+        ("bad_words", ["x"]),
         ("prompt_logprobs", 1),
-        ("repetition_detection", {"window": 8}),
-        ("thinking_token_budget", 64),
+        ("echo", True),
         ("skip_special_tokens", False),
         ("add_generation_prompt", False),
         ("min_p", 0.1),

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from vlmserve.api.auth import AuthMiddleware
+from vlmserve.api.common.warmup import warm_request_path
 from vlmserve.api.docs import install_offline_docs
 from vlmserve.api.endpoints.admin import router as admin
 from vlmserve.api.endpoints.batches import router as batches
@@ -169,7 +170,13 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
     registration = Registration.from_settings(settings)  # ConfigError without advertise_url
 
     async def load() -> None:
-        failures = await models.load_all()
+        try:
+            failures = await models.load_all()
+            if settings.warmup:
+                key = settings.api_keys[0] if settings.api_keys else None
+                await warm_request_path(app, models, services.chat.converter, key)
+        finally:
+            models.starting = False
         if owns_models:
             # Start-up's objects (modules, the models' Python objects: hundreds of thousands)
             # leave the collector's reach, so a full collection scans only what requests made
@@ -188,10 +195,12 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with clock.busy():  # loading counts as activity (idle watchdog)
+            models.starting = models.policy.eager  # lazy: nothing loads (or warms) at start
             loading = asyncio.create_task(load())  # /ready is 503 until it is done
         tasks = [
             loading,
             asyncio.create_task(models.run_keep_alive()),
+            asyncio.create_task(models.run_liveness()),
             asyncio.create_task(announce(loading)),
             asyncio.create_task(services.batches.start(loading)),
         ]

@@ -246,6 +246,16 @@ HELP = {
     ),
     "load_on_startup": (LIFECYCLE, "Load models on their first request, not at start-up."),
     "keep_alive": (LIFECYCLE, "Idle seconds before a model unloads; -1 = never."),
+    "warmup": (
+        LIFECYCLE,
+        "Each chat model answers a text and an image request of its own before /ready "
+        "(--no-warmup: ready as soon as loaded).",
+    ),
+    "liveness_timeout": (
+        LIFECYCLE,
+        "Seconds an engine may have requests without a step starting or ending before its "
+        "model is failed (/health) and reloaded; at least 3x its longest step; 0 = off.",
+    ),
     "max_loaded_models": (
         LIFECYCLE,
         "Models loaded at once (the least recently used unloads first); 0 = no cap.",
@@ -356,6 +366,8 @@ def command(
         Bool, _opt("per_request_metrics", "--per-request-metrics")
     ] = None,
     keep_alive: Annotated[Float, _opt("keep_alive")] = None,
+    no_warmup: Annotated[Bool, _opt("warmup", "--no-warmup")] = None,
+    liveness_timeout: Annotated[Float, _opt("liveness_timeout")] = None,
     max_loaded_models: Annotated[Int, _opt("max_loaded_models")] = None,
     persist_sessions: Annotated[Bool, _opt("persist_sessions", "--persist-sessions")] = None,
     redis_url: Annotated[Str, _opt("redis_url")] = None,
@@ -380,6 +392,7 @@ def command(
     flags["engine_process"] = False if flags.pop("no_engine_process") else None
     if flags.pop("no_prefix_caching"):
         flags["enable_prefix_caching"] = False
+    flags["warmup"] = False if flags.pop("no_warmup") else None
     flags.update(list_settings(flags))
     try:
         settings = load_settings(config, **flags, exit_on_load_failure=True)

@@ -165,6 +165,13 @@ class Backend(Protocol):
         """Call ``callback(loop)`` (from any thread) when the model fails for good while
         loaded (a dead engine), so the manager can reload it; most backends never do."""
 
+    def check_progress(self, timeout: float) -> bool:
+        """Liveness, checked periodically: a model whose engine has had work but made no
+        progress for ``timeout`` seconds is failed now (its requests end with a 503, the
+        failure callback reloads it); True when that happened. Backends without an engine
+        never are."""
+        return False
+
     def capabilities(self) -> frozenset[str] | None:
         """Input kinds the loaded model takes ("vision", "video"); None: unknown (not loaded,
         or decided upstream)."""

@@ -26,6 +26,7 @@ __all__ = [
     "ModelState",
     "OutputOptions",
     "Part",
+    "RepetitionDetection",
     "SamplingParams",
     "ScorePair",
     "Scored",
@@ -59,6 +60,8 @@ class FinishReason(str, enum.Enum):
     TOOL_CALLS = "tool_calls"
     CANCELLED = "cancelled"
     ERROR = "error"
+    # vLLM's: ``repetition_detection`` found the output looping (its ``FinishReason.REPETITION``)
+    REPETITION = "repetition"
 
 
 # Degenerate sampling values, as vLLM treats them (``vllm/sampling_params.py``): a temperature
@@ -69,6 +72,17 @@ class FinishReason(str, enum.Enum):
 GREEDY_BELOW = 1e-5
 MIN_TEMPERATURE = 1e-2
 MIN_PENALTY = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class RepetitionDetection:
+    """vLLM's ``RepetitionDetectionParams``: stop (finish reason ``repetition``) once the
+    output ends with a pattern of ``min_pattern_size``..``max_pattern_size`` tokens repeated
+    ``min_count`` times in a row (``engine/guards.py``)."""
+
+    max_pattern_size: int
+    min_pattern_size: int = 0  # 0 counts as 1
+    min_count: int = 2
 
 
 @dataclass(slots=True)
@@ -91,6 +105,11 @@ class SamplingParams:
     n: int = 1  # choices; choice i samples with seed + i (one shared prefill when batched)
     # OpenAI's logit_bias: {token id: -100..100} added to the logits before sampling
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # output guards (vLLM's fields): stop a looping output; end a thinking model's reasoning
+    # after this many tokens (None: unlimited); sample only among these token ids
+    repetition_detection: RepetitionDetection | None = None
+    thinking_token_budget: int | None = None
+    allowed_token_ids: list[int] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -315,3 +334,7 @@ class BackendStats:
     weights_bytes: int = 0  # memory held by the model's weights
     device_memory_bytes: int = 0  # accelerator memory torch has allocated (0 on CPU)
     process_rss_bytes: int = 0  # resident memory of the model's engine process (0: none)
+    # liveness: seconds its engine has had work without a step starting or ending (0: none
+    # pending), and the longest step it ran
+    stalled_seconds: float = 0.0
+    longest_step_seconds: float = 0.0

@@ -27,10 +27,12 @@ class ModelHandle:
     deprecated: bool = False  # resolvable by name, skipped by role selection
     loading_since: float | None = None  # wall time the current load began
     reload_pending: bool = False  # its engine failed; a reload is due (``registry.reload``)
+    warming: bool = False  # loaded, answering its warm-up requests (``registry.warmup``)
+    warmed: bool = False  # its latest load ended with a warm-up that answered
 
     @property
     def ready(self) -> bool:
-        return self.backend.state is ModelState.READY
+        return self.backend.state is ModelState.READY and not self.warming
 
     @property
     def inputs(self) -> frozenset[str] | None:

@@ -18,6 +18,7 @@ from vlmserve.errors import InvalidRequest, ServiceUnavailable
 from vlmserve.registry.handles import Lease, ModelHandle
 from vlmserve.registry.reload import Reloader
 from vlmserve.registry.resolve import by_role, resolve
+from vlmserve.registry.warmup import load
 
 EMBEDDING = Serves.EMBEDDING.value
 
@@ -36,6 +37,8 @@ class LifecyclePolicy:
     activation_timeout: float = 120.0  # how long a request waits for its model to load
     reload_attempts: int = 3  # reloads after a fatal engine error before giving up
     reload_backoff: float = 1.0  # seconds before reload attempt n: n * reload_backoff
+    warmup: bool = True  # a loaded chat model answers a text and an image request first
+    liveness_timeout: float = 0.0  # seconds of pending work without progress = failed; 0 off
 
 
 def _policy(settings: Settings) -> LifecyclePolicy:
@@ -46,6 +49,8 @@ def _policy(settings: Settings) -> LifecyclePolicy:
         drain_timeout=settings.drain_timeout_seconds,
         eager=settings.load_on_startup,
         activation_timeout=settings.activation_timeout_seconds,
+        warmup=settings.warmup,
+        liveness_timeout=settings.liveness_timeout,
     )
 
 
@@ -54,6 +59,7 @@ class ModelManager:
         self._handles = {h.name: h for h in handles}
         self.policy = policy or LifecyclePolicy()
         self.activity: Any = None  # the server's ActivityClock, set by build_app
+        self.starting = False  # the server's start-up (loads, warm-ups) is under way
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         self.reloader = Reloader(self._lock, self.policy)
         for handle in handles:
@@ -71,8 +77,9 @@ class ModelManager:
 
     @property
     def ready(self) -> bool:
-        """Serving: every model loaded (eager), or none failed or loading (on demand)."""
-        if not self._handles:
+        """Serving: every model loaded and warmed up (eager), or none failed or loading (on
+        demand); never before the server's start-up is done."""
+        if not self._handles or self.starting:
             return False
         if self.policy.eager:
             return all(h.ready for h in self._handles.values())
@@ -150,8 +157,8 @@ class ModelManager:
                 return handle
             await self._make_room(handle)
             handle.loading_since = time.time()
-            try:
-                await handle.backend.aload()
+            try:  # and warm-up, under the lock: requests wait for both
+                await load(handle, self.policy.warmup)
             except Exception as exc:
                 raise ServiceUnavailable(f"model {handle.name!r} failed to load: {exc}") from exc
             finally:
@@ -219,6 +226,32 @@ class ModelManager:
                 await self.unload_expired()
             except Exception:
                 log.exception("idle unload failed")
+
+    def check_liveness(self) -> list[str]:
+        """Fail every loaded model whose engine has had work without progress for the
+        liveness timeout (its failure callback reloads it); their names."""
+        timeout = self.policy.liveness_timeout
+        stuck = [h for h in self._handles.values() if h.ready and h.backend.check_progress(timeout)]
+        for handle in stuck:
+            log.error(
+                "model %s: no engine progress for over %.0f s with requests pending "
+                "(VLMSERVE_LIVENESS_TIMEOUT); failed, reloading",
+                handle.name,
+                timeout,
+            )
+        return [h.name for h in stuck]
+
+    async def run_liveness(self, interval: float = 1.0) -> None:
+        """Background task: ``check_liveness`` every ``interval`` seconds."""
+        if self.policy.liveness_timeout <= 0:
+            return
+        interval = min(interval, self.policy.liveness_timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.check_liveness()
+            except Exception:
+                log.exception("liveness check failed")
 
     async def load_all(self) -> list[str]:
         """Load every model (eager start-up), one after another, off the event loop. Failures

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vlmserve.engine.types import ModelState
+from vlmserve.registry.warmup import load
 
 if TYPE_CHECKING:
     from vlmserve.registry.handles import ModelHandle
@@ -84,7 +85,7 @@ class Reloader:
         try:
             async with self._lock(handle.name):
                 await handle.backend.aclose()
-                await handle.backend.aload()
+                await load(handle, self.policy.warmup)
         except Exception as exc:
             log.error(
                 "model %s: reload attempt %d of %d failed: %s",

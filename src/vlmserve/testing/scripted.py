@@ -27,8 +27,11 @@ Limits: float32 only; a script whose steps cannot be told apart by their context
 the known prompt tail (e.g. it starts by repeating the generation prompt's last tokens)
 raises ``ValueError``; the first token relies on the prompt ending with the template's
 generation prompt (else the fallback applies, which a tail token matching another step's
-context can override); after ``<|im_end|>`` (``ignore_eos``) the output is undefined (in
-practice the fallback starts the script again); a script that contains ``<|im_end|>``
+context can override); ``loop=True`` replaces the final ``<|im_end|>`` by the script's
+first token, so greedy decoding repeats the script until ``max_tokens`` (a model stuck in
+a loop, as OCR and captioning models get), which needs every script token to be
+distinct; after ``<|im_end|>`` (``ignore_eos``) the output is undefined (in practice the
+fallback starts the script again); a script that contains ``<|im_end|>``
 stops there.
 Images in the prompt are fine (the heads look only a few text tokens back).
 """
@@ -178,16 +181,20 @@ class ScriptPlan:
         return max(len(ctx) for ctx, _ in self.rules)
 
 
-def build_scripted(text: str, out_dir: Path | None = None, template: str | None = None) -> Path:
+def build_scripted(
+    text: str, out_dir: Path | None = None, template: str | None = None, *, loop: bool = False
+) -> Path:
     """Build (or find in the cache) a tiny Qwen2-VL checkpoint that greedily emits ``text``.
 
     ``template``: a chat template saved with the processor (default Qwen2-VL's), e.g.
-    ``THINKING_CHAT_TEMPLATE``; the script is keyed to its generation prompt.
+    ``THINKING_CHAT_TEMPLATE``; the script is keyed to its generation prompt. ``loop``: emit
+    ``text`` over and over instead of ending it.
     """
-    key = short_hash({"format": SCRIPTED_FORMAT, "text": text, "template": template})
+    spec = {"format": SCRIPTED_FORMAT, "text": text, "template": template}
+    key = short_hash({**spec, "loop": True} if loop else spec)
     target = Path(out_dir) if out_dir is not None else cache_root() / f"scripted-{key}"
     return build_atomically(
-        target, partial(_write_scripted, text, template), what=f"scripted Qwen2-VL {key}"
+        target, partial(_write_scripted, text, template, loop), what=f"scripted Qwen2-VL {key}"
     )
 
 
@@ -251,7 +258,7 @@ def prompt_tail(tokenizer: PreTrainedTokenizerBase, template: str) -> list[int]:
     return ids[0][len(ids[0]) - size :]
 
 
-def _write_scripted(text: str, template: str | None, out: Path) -> None:
+def _write_scripted(text: str, template: str | None, loop: bool, out: Path) -> None:
     import torch
     from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
 
@@ -261,7 +268,10 @@ def _write_scripted(text: str, template: str | None, out: Path) -> None:
     if tokenizer.decode(script) != text:
         raise ValueError(f"{text!r} does not survive tokenization (NFC?); pass it normalized")
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    plan = plan_script(prompt_tail(tokenizer, template), [*script, ids[EOS_TOKEN]])
+    if loop and len(set(script)) != len(script):
+        raise ValueError(f"a looping script needs distinct tokens; {text!r} repeats one")
+    last = script[0] if loop else ids[EOS_TOKEN]  # loop: after the script, its start again
+    plan = plan_script(prompt_tail(tokenizer, template), [*script, last])
     spec = _spec(plan)
     config = _qwen2_vl_config(spec, ids, vocab_size=len(tokenizer))
     config.tie_word_embeddings = False

@@ -104,6 +104,9 @@ def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_pat
         "redis://r:6379/0",
         "--no-ui",
         "--no-engine-process",
+        "--no-warmup",
+        "--liveness-timeout",
+        "45",
     )
     assert result.exit_code == 0, result.output
     s = captured[0]
@@ -124,6 +127,7 @@ def test_every_serve_flag_reaches_the_settings(captured: list[Settings], tmp_pat
     assert (s.load_on_startup, s.keep_alive, s.max_loaded_models) == (False, 15, 3)
     assert s.persist_sessions is True and s.redis_url == "redis://r:6379/0"
     assert s.ui is False
+    assert s.warmup is False and s.liveness_timeout == 45
     assert s.exit_on_load_failure is True
 
 
@@ -135,6 +139,7 @@ def test_unset_flags_keep_the_defaults(captured: list[Settings]) -> None:
     assert captured[0].cors_allow_origins == []
     assert captured[0].load_on_startup is True and captured[0].trust_remote_code is False
     assert captured[0].ui is True and captured[0].engine_process is True
+    assert captured[0].warmup is True and captured[0].liveness_timeout == 300
 
 
 def test_unset_flags_leave_the_environment_in_force(captured: list[Settings]) -> None:
@@ -181,6 +186,7 @@ def test_every_setting_is_a_flag_or_listed_as_env_only() -> None:
         "no_ui": "ui",
         "no_engine_process": "engine_process",
         "no_prefix_caching": "enable_prefix_caching",
+        "no_warmup": "warmup",
     }
     flags = {renamed.get(p.name, p.name) for p in _serve_params() if p.name not in ("config",)}
     flags.discard("help")

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from vlmserve.api.auth import ANONYMOUS
 from vlmserve.api.common.fields import CHAT_FIELDS, check_messages
+from vlmserve.api.common.guards import guard_params
 from vlmserve.api.common.media_reader import (
     EMPTY_FRAMES,
     MediaRead,
@@ -210,6 +211,7 @@ class Converter(MediaReader):
             top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
             n=body.n,
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+            **guard_params(body),
         )
 
     async def to_request(

@@ -117,7 +117,6 @@ CHAT_FIELDS = FieldTable(
         "spaces_between_special_tokens": Refusal("false " + _NOT_YET, (None, True)),
         "truncate_prompt_tokens": Refusal(_NOT_YET),
         "prompt_logprobs": Refusal(_NOT_YET),
-        "allowed_token_ids": Refusal(_NOT_YET, (None, [])),
         "bad_words": Refusal(_NOT_YET, (None, [])),
         "echo": Refusal(_NOT_YET, (None, False)),
         "add_generation_prompt": Refusal("false " + _NOT_YET, (None, True)),
@@ -137,8 +136,6 @@ CHAT_FIELDS = FieldTable(
         "vllm_xargs": Refusal(_NOT_YET),
         "return_tokens_as_token_ids": Refusal(_NOT_YET, (None, False)),
         "return_token_ids": Refusal(_NOT_YET, (None, False)),
-        "repetition_detection": Refusal(_NOT_YET),
-        "thinking_token_budget": Refusal(_NOT_YET),
     },
 )
 

@@ -47,6 +47,7 @@ from vlmserve.engine.core.prefix import block_hashes
 from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.core.scheduler import Scheduler
 from vlmserve.engine.core.sequence import Group, SeqStatus, Sequence
+from vlmserve.engine.guards import looping, thinking_budget
 from vlmserve.engine.hf.inputs import Prepared
 from vlmserve.engine.hf.threads import model_threads
 from vlmserve.engine.hf.tracker import OutputTracker
@@ -177,6 +178,7 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         end = getattr(prepared.parsers, "reasoning_end", None)
         if prepared.grammar is not None and end:  # the grammar starts after the reasoning
             seq.think_end = self._hf_tokenizer.encode(end, add_special_tokens=False)
+        seq.budget = thinking_budget(prepared, self._hf_tokenizer)
         return seq
 
     # --- the loop (engine thread) -----------------------------------------------------------
@@ -185,7 +187,10 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         flushed = time.perf_counter()
         with torch.inference_mode():
             while self._take_inbox():
+                self.progress_at = started = time.monotonic()
                 self.step()
+                self.progress_at = time.monotonic()
+                self.longest_step = max(self.longest_step, self.progress_at - started)
                 busy = len(self.scheduler.running) >= _BUSY_ROWS
                 now = time.perf_counter()
                 if (
@@ -391,10 +396,17 @@ class BatchEngine(EngineGauges, EngineLifecycle):
             seq.seen[token] = True
         if seq.counts is not None:
             seq.counts[token] += 1
+        if seq.budget is not None:
+            seq.budget.observe(token)
         seq.run.on_token(token, seq.step_logprobs)
         seq.step_logprobs = None
         eos = token in self.eos_ids and not seq.sampling.ignore_eos
-        return seq.run.stopped or seq.grammar_done or eos or seq.generated >= seq.max_new
+        if seq.run.stopped or seq.grammar_done or eos or seq.generated >= seq.max_new:
+            return True
+        seq.run.repeated = looping(
+            seq.sampling, seq.output_ids, seq.prepared.request.prefix_token_ids
+        )
+        return seq.run.repeated
 
     # --- leaving ------------------------------------------------------------------------------
     def _finish(self, seq: Sequence, cancelled: bool = False) -> None:

@@ -9,7 +9,9 @@
     │       │                    memory, even alone; the engine goes on
     │       └── EngineFailed     503: the engine is unusable; every request of the model ends
     │                            with it, the model is marked failed and reloaded
-    └── EngineStateError         an engine invariant is broken (a bug): fatal, as above
+    ├── EngineStateError         an engine invariant is broken (a bug): fatal, as above
+    └── EngineStalled            the engine had requests but no step started or ended for
+                                 the liveness timeout (a hung kernel, a deadlock): fatal
 
 A batched forward that raises does not say which row caused it, so the engine retries each
 of its rows alone (``BatchEngine._forward``): a row that fails alone is the cause and ends
@@ -31,6 +33,7 @@ from vlmserve.errors import ServiceUnavailable, VlmserveError
 
 __all__ = [
     "EngineFailed",
+    "EngineStalled",
     "EngineStateError",
     "OutOfMemory",
     "RequestFailed",
@@ -90,6 +93,16 @@ def out_of_memory(exc: BaseException) -> bool:
 
 class EngineStateError(RuntimeError):
     """The engine's bookkeeping contradicts itself; nothing it computes can be trusted."""
+
+
+class EngineStalled(RuntimeError):
+    """The engine had work and made no progress for longer than the liveness timeout."""
+
+    def __init__(self, seconds: float, longest_step: float):
+        super().__init__(
+            f"no engine step started or ended for {seconds:.1f} s with requests pending (the "
+            f"longest step so far took {longest_step:.2f} s; VLMSERVE_LIVENESS_TIMEOUT)"
+        )
 
 
 def request_error(exc: BaseException) -> BaseException:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from vlmserve.engine.core.faults import EngineFailed
+from vlmserve.engine.core.faults import EngineFailed, EngineStalled
 from vlmserve.engine.core.outbox import END, Outbox, deliver
 from vlmserve.engine.core.scheduler import Scheduler
 from vlmserve.engine.core.sequence import SeqStatus, Sequence
@@ -38,6 +39,10 @@ class EngineLifecycle:
     _closed: bool
     failure: EngineFailed | None
     _outbox: Outbox
+    # liveness: when a step last started or ended (or the loop was started), and the
+    # longest step so far (monotonic seconds; written by the engine thread)
+    progress_at: float = 0.0
+    longest_step: float = 0.0
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -60,6 +65,8 @@ class EngineLifecycle:
             self._inbox.append(seq)
             self._live.add(seq)
             start, self._active = not self._active, True
+            if start:
+                self.progress_at = time.monotonic()  # the loop's first step is due now
         if start:
             try:
                 future = self._submit(self._loop)
@@ -68,6 +75,18 @@ class EngineLifecycle:
                 raise self.failure or exc from exc
             if hasattr(future, "add_done_callback"):
                 future.add_done_callback(self._loop_ended)
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has had requests to run without a step starting or ending
+        (a step in progress counts as progress until then); 0 when it has none."""
+        if not self._active or self._closed or self.failure is not None:
+            return 0.0
+        return time.monotonic() - self.progress_at
+
+    def declare_stalled(self, seconds: float) -> None:
+        """From any thread: the engine is stuck; fail it as a fatal error would (its
+        requests end with a 503, the owner reloads the model)."""
+        self._die(EngineStalled(seconds, self.longest_step))
 
     def close(self) -> None:
         """Stop after the current step; rows still queued or running get a 503."""

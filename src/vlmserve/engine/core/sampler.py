@@ -3,8 +3,10 @@
 Order (as transformers' ``generate``): grammar mask -> logit_bias (OpenAI's, one sparse add
 for the batch) -> repetition penalty -> presence and
 frequency penalties (OpenAI's, over the generated tokens) -> min_tokens (EOS banned) ->
-greedy argmax, or temperature -> top-k -> top-p -> sample. Rows that asked for logprobs get
-them from the raw logits (vLLM's default ``raw_logprobs``), or with ``logprobs_mode``
+``allowed_token_ids`` (one [b, V] mask for the rows that restrict) -> a thinking budget's
+forced token (rows whose ``thinking_token_budget`` is spent keep only their next end-tag
+token) -> greedy argmax, or temperature -> top-k -> top-p -> sample. Rows that asked for
+logprobs get them from the raw logits (vLLM's default ``raw_logprobs``), or with ``logprobs_mode``
 "processed" from the scores after masks, penalties and temperature (before top-k/top-p).
 Sampling is by inverse CDF: one uniform per row, drawn from the row's own
 ``torch.Generator`` when it has a seed, so a seeded request samples the same tokens whatever
@@ -77,6 +79,8 @@ class Sampler:
                 logits[i] -= counts * p.frequency_penalty + (counts > 0) * p.presence_penalty
             if s.run.completion < s.sampling.min_tokens and not s.sampling.ignore_eos:
                 logits[i, self.eos] = -torch.inf
+        _apply_allowed(logits, seqs)
+        _apply_forced(logits, seqs)
 
     def _apply_grammar(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
         if self._grammar is None:
@@ -117,6 +121,31 @@ def _apply_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     cols = torch.cat([ids for _, (ids, _) in biased])
     values = torch.cat([v for _, (_, v) in biased]).to(logits.dtype)
     logits.index_put_((rows, cols), values, accumulate=True)
+
+
+def _apply_allowed(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Rows with ``allowed_token_ids`` keep only those tokens: one [b, V] mask for them."""
+    rows = [i for i, s in enumerate(seqs) if getattr(s, "allowed", None) is not None]
+    if not rows:
+        return
+    keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+    ids = [seqs[i].allowed for i in rows]
+    which = torch.cat([torch.full_like(t, j) for j, t in enumerate(ids)])  # [k total]
+    keep[which, torch.cat(ids)] = True
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~keep, -torch.inf)
+
+
+def _apply_forced(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Rows whose thinking budget is spent take their next end-tag token, whatever else."""
+    budgets = [(i, getattr(s, "budget", None)) for i, s in enumerate(seqs)]
+    forced = [(i, b.forced()) for i, b in budgets if b is not None]
+    forced = [(i, token) for i, token in forced if token is not None]
+    if not forced:
+        return
+    rows = torch.tensor([i for i, _ in forced], device=logits.device)
+    logits[rows] = -torch.inf
+    logits[rows, torch.tensor([t for _, t in forced], device=logits.device)] = 0.0
 
 
 def _record_logprobs(scores: torch.Tensor, picked: torch.Tensor, seqs: list[Any]) -> None:

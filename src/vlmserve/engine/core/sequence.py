@@ -64,6 +64,8 @@ class Sequence:
     overtaken: int = 0  # times a higher-priority request was queued ahead of it
     counts: torch.Tensor | None = None  # [V] float32: generated tokens by id (presence/frequency)
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: (ids [k], values [k])
+    allowed: torch.Tensor | None = None  # allowed_token_ids: [k] long, the only ids it samples
+    budget: Any = None  # engine.guards.ThinkingBudget: thinking_token_budget's state
     step_logprobs: Any = None  # the sampler's (logprob, top [(id, logprob)]) of the last token
     index: int = 0  # the choice this row produces (n > 1)
     group: Group | None = None  # the request's choices, when n > 1
@@ -125,6 +127,9 @@ class Sequence:
             bias = req.sampling.logit_bias
             ids = torch.tensor(list(bias), dtype=torch.long, device=device)
             self.bias = (ids, torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+        if req.sampling.allowed_token_ids:
+            ids = sorted(set(req.sampling.allowed_token_ids))
+            self.allowed = torch.tensor(ids, dtype=torch.long, device=device)
         if self.prepared.grammar is not None:
             answer = tokens_after(req.prefix_token_ids, self.think_end)
             if answer is not None:  # no reasoning, or it ended within the resumed prefix

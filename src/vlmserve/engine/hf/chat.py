@@ -139,6 +139,18 @@ class HFChatBackend(HFModel):
         if self.on_engine_failure is not None:
             self.on_engine_failure(loop)
 
+    def check_progress(self, timeout: float) -> bool:
+        """Fail the engine if it has had work without progress for ``timeout`` seconds (at
+        least 3x its longest step so far); True when it did."""
+        engine = self.engine
+        if engine is None or timeout <= 0 or self.state is not ModelState.READY:
+            return False  # the generate fallback is not watched
+        stalled = engine.stalled_for()
+        if stalled <= max(timeout, 3 * engine.longest_step):
+            return False
+        engine.declare_stalled(stalled)
+        return True
+
     def close(self) -> None:
         self._processor_cache = None  # dropped with the processor
         if self.engine is not None:
@@ -192,6 +204,7 @@ class HFChatBackend(HFModel):
             return out
         out.running, out.waiting = engine.running, engine.queued
         out.step_seconds = engine.step_seconds
+        out.stalled_seconds, out.longest_step_seconds = engine.stalled_for(), engine.longest_step
         out.kv_usage = engine.kv_usage  # KV blocks in use
         out.preemptions = engine.preemptions
         out.prefix_cache = (engine.scheduler.prefix_queried, engine.scheduler.prefix_hits)
@@ -217,6 +230,7 @@ class HFChatBackend(HFModel):
                 code="context_length_exceeded",
             )
         _check_logit_bias(request.sampling.logit_bias, loaded.model)
+        _check_allowed(request.sampling.allowed_token_ids, loaded.model)
         prepared.parsers = self._parsers(prepared)
         if self.engine is not None:  # 400 now if the whole KV budget could never hold it
             new_tokens = request.sampling.max_tokens - len(request.prefix_token_ids)
@@ -349,4 +363,16 @@ def _check_logit_bias(bias: dict[int, float], model: Any) -> None:
             f"logit_bias names token id {outside[0]}, outside the model's vocabulary of "
             f"{vocab} tokens (ids 0..{vocab - 1})",
             param="logit_bias",
+        )
+
+
+def _check_allowed(ids: list[int] | None, model: Any) -> None:
+    """A 400 for an allowed token id the model has no logit for."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    outside = sorted(t for t in ids or [] if not 0 <= t < vocab)
+    if outside:
+        raise InvalidRequest(
+            f"allowed_token_ids names token id {outside[0]}, outside the model's vocabulary "
+            f"of {vocab} tokens (ids 0..{vocab - 1})",
+            param="allowed_token_ids",
         )

@@ -16,6 +16,7 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
+from vlmserve.engine.hf.guards import guards
 from vlmserve.engine.hf.inputs import Prepared
 from vlmserve.engine.hf.tracker import OutputTracker
 from vlmserve.engine.types import Chunk, SamplingParams
@@ -245,7 +246,8 @@ def _generate_one(
         seed = req.sampling.choice_seed(index)
         if seed is not None:
             torch.manual_seed(seed)
-        _generate(model, prepared, run, guide, cancel, device, max_new)
+        extra = guards(prepared, tokenizer, run)
+        _generate(model, prepared, run, guide, cancel, device, max_new, extra)
     run.finish(cancel.is_set(), eos_ids(model), guide is not None and guide.done)
 
 
@@ -257,7 +259,9 @@ def _generate(
     cancel: threading.Event,
     device: torch.device,
     max_new: int,
+    extra: tuple[list[LogitsProcessor], list[StoppingCriteria]],
 ) -> None:
+    """``extra``: the output guards' processors (run last) and stopping criteria."""
     req = prepared.request
     inputs = {  # tensors only (the processor cache adds its keys, a list)
         k: v.to(device) for k, v in prepared.inputs.items() if isinstance(v, torch.Tensor)
@@ -268,7 +272,8 @@ def _generate(
     if req.sampling.additive_penalties:
         start = prepared.prompt_tokens - len(req.prefix_token_ids)
         processors.append(_Penalties(req.sampling, start))
-    stops: list[StoppingCriteria] = [_Stop(lambda: cancel.is_set() or run.stopped)]
+    processors += extra[0]
+    stops: list[StoppingCriteria] = [_Stop(lambda: cancel.is_set() or run.stopped), *extra[1]]
     catch = _RawLogprobs(model, req.sampling.top_logprobs) if req.sampling.logprobs else None
     on_token = run.on_token if catch is None else lambda t: run.on_token(t, catch.of(t))
     try:

@@ -34,6 +34,7 @@ class OutputTracker:
         self.emit = emit
         self.completion = len(req.prefix_token_ids)
         self.stopped = False
+        self.repeated = False  # repetition_detection found a loop (``engine/guards.py``)
         self.last_token: int | None = None
         self.cached_tokens: int | None = None  # set by an engine that caches prefixes
 
@@ -55,6 +56,8 @@ class OutputTracker:
             reason = FinishReason.CANCELLED
         elif self.stopped or grammar_done or (self.last_token in eos_ids and not self._ignore_eos):
             reason = FinishReason.STOP
+        elif self.repeated and self.completion < self.prepared.request.sampling.max_tokens:
+            reason = FinishReason.REPETITION  # max_tokens reached on the same token wins
         else:
             reason = FinishReason.LENGTH
         self.emit(self._chunk(tail, [], reason))

@@ -108,14 +108,20 @@ class ReasoningParser:
 class ReasoningStream:
     """Feeds text deltas of one output; returns (reasoning_delta, content_delta) each time."""
 
-    __slots__ = ("_at_start", "_parser", "_pending", "phase")
+    __slots__ = ("_at_start", "_parser", "_pending", "first", "phase")
 
     def __init__(self, parser: ReasoningParser, phase: Phase):
         self._parser = parser
         self.phase = phase
+        self.first = phase  # where the prompt left the output (``phase`` moves on)
         self._pending = ""
         # Only an output that starts inside reasoning may drop a leading start tag.
         self._at_start = phase is Phase.REASONING
+
+    @property
+    def start_tag(self) -> str:
+        """The text that opens the reasoning (``<think>``)."""
+        return self._parser.start
 
     @property
     def end_tag(self) -> str:

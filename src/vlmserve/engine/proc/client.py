@@ -78,6 +78,7 @@ class EngineProcClient(Backend):
         self._boot: asyncio.Future[Ready] | None = None
         self._ready: Ready | None = None
         self._stats = BackendStats()
+        self._stats_at = 0.0  # monotonic time the last stats arrived
         self._memory = 0
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._streams: dict[int, _Stream] = {}
@@ -92,6 +93,7 @@ class EngineProcClient(Backend):
     async def aload(self) -> None:
         """Start the engine process and wait until its model is loaded."""
         self.state, self.error, self._closing = ModelState.LOADING, None, False
+        self._stats, self._stats_at = BackendStats(), 0.0  # a new process reports afresh
         loop = self._loop = asyncio.get_running_loop()
         self._boot = loop.create_future()
         started = time.perf_counter()
@@ -236,6 +238,7 @@ class EngineProcClient(Backend):
             kind = message[0]
             if kind == "stats":
                 self._stats, self._memory = message[1], message[2]
+                self._stats_at = time.monotonic()
             elif kind in ("ready", "load_failed", "failed"):
                 self._post(self._loop, self._control, message)
             elif (stream := self._streams.get(message[1])) is not None:
@@ -306,6 +309,25 @@ class EngineProcClient(Backend):
     # --- observation ---------------------------------------------------------------------
     def watch_failures(self, callback: Callable[[Any], None]) -> None:
         self._on_failure = callback
+
+    def check_progress(self, timeout: float) -> bool:
+        """The engine process reports how long its engine has been stuck (``stats``, twice a
+        second); reports that stop coming while streams wait count as stuck time too. A
+        stuck engine process is killed: the model fails and is reloaded (a fresh process)."""
+        if timeout <= 0 or self.state is not ModelState.READY or not self._stats_at:
+            return False
+        age = time.monotonic() - self._stats_at
+        stats = self._stats
+        stalled = stats.stalled_seconds + age if stats.stalled_seconds else 0.0
+        if not stalled and (self._streams or self._calls):
+            stalled = age  # the engine process stopped reporting while requests wait on it
+        if stalled <= max(timeout, 3 * stats.longest_step_seconds):
+            return False
+        proc = self._proc
+        self._failed(f"no progress for {stalled:.1f} s with requests pending (liveness timeout)")
+        if proc is not None:
+            proc.kill()
+        return True
 
     def capabilities(self) -> frozenset[str] | None:
         ready = self._ready if self.state is ModelState.READY else None

@@ -39,6 +39,7 @@ from vlmserve.testing.media import gradient_image
 class Outcome:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
+    reasoning: str = ""
     finish: FinishReason | None = None
     completion_tokens: int = 0
 
@@ -89,6 +90,7 @@ async def run(
     async for chunk in backend.generate(prepared):
         out.tokens += chunk.token_ids
         out.text += chunk.text
+        out.reasoning += chunk.reasoning
         out.completion_tokens = chunk.completion_tokens
         out.finish = chunk.finish_reason or out.finish
         if on_chunk is not None:

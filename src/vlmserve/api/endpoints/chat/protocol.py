@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vlmserve.api.common.fields import CHAT_FIELDS, unknown_in_messages
+from vlmserve.api.common.guards import AllowedTokenIds, RepetitionDetectionIn, ThinkingTokenBudget
 from vlmserve.api.common.text import UnicodeText, valid_unicode
 
 __all__ = [
@@ -231,6 +232,10 @@ class ChatCompletionRequest(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # per-request timings in the answer (``api/common/timings.py``); None: the server's choice
     include_metrics: bool | None = None
+    # vLLM's output guards (``api/common/guards.py``)
+    repetition_detection: RepetitionDetectionIn | None = None
+    thinking_token_budget: ThinkingTokenBudget = None
+    allowed_token_ids: AllowedTokenIds = None
 
     @field_validator("stop")
     @classmethod

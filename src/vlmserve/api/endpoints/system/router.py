@@ -15,7 +15,9 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.get("/health")
 async def health(models: ModelsDep) -> dict[str, Any]:
-    """Liveness: the process answers; says whether models are ready."""
+    """Liveness: the process answers; says whether models are ready. A model whose engine has
+    work but made no progress for the liveness timeout is failed here (and reloaded)."""
+    models.check_liveness()
     handles = models.handles
     errors = [f"{h.name}: {h.backend.error}" for h in handles if h.backend.error]
     return {
