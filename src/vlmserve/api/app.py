@@ -164,7 +164,7 @@ def _scrape(metrics: Metrics, models: ModelManager) -> Any:
 
 
 def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
-    settings, models, sessions = services.settings, services.models, services.sessions
+    settings, models = services.settings, services.models
     clock: ActivityClock = app.state.activity
     watchdog = build_watchdog(settings, clock)
     registration = Registration.from_settings(settings)  # ConfigError without advertise_url
@@ -213,20 +213,26 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
         finally:
             for task in tasks:
                 task.cancel()
-            await services.batches.stop()  # their stored state resumes at the next start
-            if registration is not None:  # a clean stop leaves the gateway's pool at once
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(registration.deregister("shutdown"), timeout=5)
-            if watchdog is not None:
-                await watchdog.stop()
-            await sessions.close()
-            await services.responses.close()  # store: false streams, held in memory
-            if services.media is not None:
-                services.media.close()
-            if owns_models:
-                await models.aclose()  # upstream clients closed, vllm process groups stopped
+            await _shut_down(services, registration, watchdog, owns_models)
 
     return lifespan
+
+
+async def _shut_down(
+    services: Services, registration: Registration | None, watchdog: Any, owns_models: bool
+) -> None:
+    await services.batches.stop()  # their stored state resumes at the next start
+    if registration is not None:  # a clean stop leaves the gateway's pool at once
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(registration.deregister("shutdown"), timeout=5)
+    if watchdog is not None:
+        await watchdog.stop()
+    await services.sessions.close()
+    await services.responses.close()  # store: false streams, held in memory
+    if services.media is not None:
+        services.media.close()
+    if owns_models:
+        await services.models.aclose()  # upstream clients closed, vllm process groups stopped
 
 
 def _install_middleware(

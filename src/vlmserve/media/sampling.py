@@ -84,9 +84,9 @@ def _qwen_count(
         return max(1, min(n, hi) if hi else min(total, cap))
     lo = factor * math.ceil(rule.min_frames / factor)
     fps = ask.fps or rule.fps or 2.0
-    n = total / (clip_fps or 24.0) * fps  # qwen-vl-utils reads the clip's rate; 24 if unknown
-    n = min(max(n, lo), hi, total)
-    count = factor * math.floor(n / factor)
+    wanted = total / (clip_fps or 24.0) * fps  # qwen-vl-utils reads the clip's rate; 24 if unknown
+    wanted = min(max(wanted, lo), hi, total)
+    count = factor * math.floor(wanted / factor)
     return count if count >= 1 else max(1, min(total, cap))  # a clip shorter than one factor
 
 
