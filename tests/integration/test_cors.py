@@ -92,7 +92,7 @@ async def test_an_unexpected_500_keeps_the_error_shape_request_id_and_cors_heade
     async def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("secret internal detail")
 
-    monkeypatch.setattr(app.state.services.chat, "complete", broken)
+    monkeypatch.setattr(app.state.services.chat, "complete_timed", broken)
     r = await cors_client.post(
         "/v1/chat/completions", json=_chat(), headers={**ORIGIN, "X-Request-ID": "req-500"}
     )
