@@ -86,9 +86,9 @@ async def _fill_queue(
     assert engine is not None
     post = client.post
     running = asyncio.create_task(post("/v1/chat/completions", json=chat("Long", max_tokens=3000)))
-    await _until(lambda: engine.running == 1 and engine.tokens_generated > 0)
+    await _until(lambda: engine.gauges.running == 1 and engine.tokens_generated > 0)
     queued = asyncio.create_task(post("/v1/chat/completions", json=chat("Next", max_tokens=5)))
-    await _until(lambda: engine.queued == 1)
+    await _until(lambda: engine.gauges.queued == 1)
     return running, queued
 
 

@@ -92,7 +92,9 @@ async def test_an_engine_loop_error_ends_every_request_within_a_second_and_the_m
         for i in range(4)
     ]
     streams = [asyncio.create_task(stream_events(client, chat(f"s{i}", **long))) for i in range(4)]
-    await until(lambda: engine.running == 4 and engine.queued == 4 and engine.steps > 3)
+    await until(
+        lambda: engine.gauges.running == 4 and engine.gauges.queued == 4 and engine.steps > 3
+    )
 
     def boom() -> None:
         raise RuntimeError("injected engine fault")
@@ -153,7 +155,7 @@ async def test_a_poison_request_fails_alone_while_the_others_finish(
     engine._decode_forward = poisoned  # type: ignore[method-assign]
     running = asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
     for _ in range(2000):  # the companions decode before the poison rows arrive
-        if engine.running >= 3:
+        if engine.gauges.running >= 3:
             break
         await asyncio.sleep(0.005)
     poison = asyncio.create_task(client.post("/v1/chat/completions", json=chat("POISON")))

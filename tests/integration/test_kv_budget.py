@@ -120,18 +120,18 @@ async def test_32_image_streams_in_a_budget_of_4_all_finish_as_alone(
     assert first.status_code == 200 and first.json()["usage"]["prompt_tokens"] < 120
     alone = [await stream_text(client, b) for b in bodies]  # the ample default budget
     engine = models.resolve(MODEL).backend.engine  # type: ignore[union-attr]
-    assert engine.kv_cache_bytes <= budget
+    assert engine.gauges.kv_cache_bytes <= budget
     with PeakRSS() as memory:
         together = await asyncio.gather(*(stream_text(small, b) for b in bodies))
     assert together == alone
     assert memory.peak - memory.start <= budget + SLACK
-    assert engine.preemptions > 0
-    assert engine.kv_usage == 0.0
+    assert engine.gauges.preemptions > 0
+    assert engine.gauges.kv_usage == 0.0
     metrics = (await small.get("/metrics")).text
     counted = [
         line for line in metrics.splitlines() if line.startswith("vlmserve_num_preemptions_total{")
     ]
-    assert counted and float(counted[0].split()[-1]) == engine.preemptions
+    assert counted and float(counted[0].split()[-1]) == engine.gauges.preemptions
 
 
 async def test_a_request_larger_than_the_whole_budget_is_a_400_naming_it(

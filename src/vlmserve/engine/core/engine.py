@@ -71,7 +71,7 @@ GROUP_WAIT_S = 0.010
 _Item = TypeVar("_Item")
 
 
-class BatchEngine(EngineGauges, EngineLifecycle):
+class BatchEngine(EngineLifecycle):
     def __init__(
         self,
         model: Any,
@@ -122,6 +122,10 @@ class BatchEngine(EngineGauges, EngineLifecycle):
         self.timer = StepTimer()  # step seconds by phase (/metrics)
         self.prefilled_rows = 0  # prompts prefilled (a recomputed row counts again)
         self.forked_rows = 0  # choices (n > 1) started from a copy of their head's prompt KV
+        # what /metrics reads off the engine, from any thread
+        self.gauges = EngineGauges(
+            self.scheduler, self.kv, self.blocks, self.vision_cache, self._inbox, self.timer
+        )
 
     def _memory(self, c: ChatEngineConfig, block_size: int, model_id: str) -> KVPaging:
         """The KV budget (0: ``kv_cache.auto_budget`` less a prefill's activations on CUDA),

@@ -1,13 +1,14 @@
 """What ``/metrics`` reads off a running engine, from any thread (plain int/float reads).
 
-``EngineGauges`` is a base of ``BatchEngine``: queue and batch sizes, the KV budget and its
-use, preemptions, and where step time goes (``StepTimer``: vision, prefill, decode).
+``EngineGauges`` is a part of ``BatchEngine`` (``engine.gauges``): queue and batch sizes, the
+KV budget and its use, preemptions, and where step time goes (``StepTimer``: vision, prefill,
+decode). It reads the engine's parts, and changes none of them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,12 +37,19 @@ class StepTimer:
 
 
 class EngineGauges:
-    scheduler: Scheduler
-    kv: Any  # kv_cache.KVBudget
-    blocks: Any  # block_manager.BlockManager
-    vision_cache: Any  # vision_cache.VisionCache
-    _inbox: Any
-    timer: StepTimer
+    __slots__ = ("_inbox", "blocks", "kv", "scheduler", "timer", "vision_cache")
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv: Any,  # kv_cache.KVBudget
+        blocks: Any,  # block_manager.BlockManager
+        vision_cache: Any,  # vision_cache.VisionCache
+        inbox: Sized,  # requests submitted, not yet taken by the engine thread
+        timer: StepTimer,
+    ) -> None:
+        self.scheduler, self.kv, self.blocks = scheduler, kv, blocks
+        self.vision_cache, self._inbox, self.timer = vision_cache, inbox, timer
 
     @property
     def queued(self) -> int:

@@ -168,7 +168,7 @@ class HFChatBackend(HFModel):
         """Vision-tower cache counters (hits, misses, bytes, entries); zeros when unused."""
         if self.engine is None:
             return dict.fromkeys(("hits", "misses", "bytes", "entries"), 0)
-        return self.engine.vision_cache_stats()
+        return self.engine.gauges.vision_cache_stats()
 
     def processor_cache_stats(self) -> dict[str, int]:
         """Image-processor cache counters (hits, misses, bytes, entries); zeros when unused."""
@@ -202,13 +202,13 @@ class HFChatBackend(HFModel):
             out.waiting = self.in_flight - out.running
             out.kv_usage = float(out.running)
             return out
-        out.running, out.waiting = engine.running, engine.queued
-        out.step_seconds = engine.step_seconds
+        out.running, out.waiting = engine.gauges.running, engine.gauges.queued
+        out.step_seconds = engine.gauges.step_seconds
         out.stalled_seconds, out.longest_step_seconds = engine.stalled_for(), engine.longest_step
-        out.kv_usage = engine.kv_usage  # KV blocks in use
-        out.preemptions = engine.preemptions
+        out.kv_usage = engine.gauges.kv_usage  # KV blocks in use
+        out.preemptions = engine.gauges.preemptions
         out.prefix_cache = (engine.scheduler.prefix_queried, engine.scheduler.prefix_hits)
-        out.kv_cache_bytes = engine.kv_cache_bytes
+        out.kv_cache_bytes = engine.gauges.kv_cache_bytes
         return out
 
     # --- requests ------------------------------------------------------------------------
@@ -234,7 +234,7 @@ class HFChatBackend(HFModel):
         prepared.parsers = self._parsers(prepared)
         if self.engine is not None:  # 400 now if the whole KV budget could never hold it
             new_tokens = request.sampling.max_tokens - len(request.prefix_token_ids)
-            self.engine.check_fits(prepared.prompt_tokens, new_tokens)
+            self.engine.gauges.check_fits(prepared.prompt_tokens, new_tokens)
         if request.response_format is not None:
             prepared.grammar = await off_loop(self._compile, request.response_format)
         return prepared
@@ -292,7 +292,7 @@ class HFChatBackend(HFModel):
 
     def _waiting(self) -> int:
         engine = self.engine
-        return engine.queued if engine is not None else max(0, self.in_flight - 1)
+        return engine.gauges.queued if engine is not None else max(0, self.in_flight - 1)
 
     def admit(self) -> Callable[[], None]:
         """Reserve a place in the queue before any work is done (Overloaded, 429, when full).
@@ -318,7 +318,7 @@ class HFChatBackend(HFModel):
             seq = engine.new_sequence(prepared, loop, queue)
             engine.submit(seq)
             stop: Callable[[], None] = lambda: setattr(seq, "cancelled", True)  # noqa: E731
-            crowded: Callable[[], bool] = lambda: engine.running > 1  # noqa: E731
+            crowded: Callable[[], bool] = lambda: engine.gauges.running > 1  # noqa: E731
         else:
             stop, crowded = self._start_alone(prepared, loop, queue), lambda: False
         self.in_flight += 1

@@ -140,7 +140,7 @@ async def test_greedy_output_is_identical_alone_and_joining_a_busy_batch(
     others = mixed_batch()
     alone = [await run(backend, r) for r in [*others, probe]]
     tasks = [asyncio.create_task(run(backend, r)) for r in others]
-    await wait_for(lambda: backend.engine.running == 7)  # type: ignore[union-attr]
+    await wait_for(lambda: backend.engine.gauges.running == 7)  # type: ignore[union-attr]
     started = backend.engine.steps  # type: ignore[union-attr]
     await wait_for(lambda: backend.engine.steps >= started + 3)  # type: ignore[union-attr]
     joined = await run(backend, probe)  # joins mid-flight; others leave while it decodes
@@ -186,7 +186,7 @@ async def test_closing_a_stream_removes_its_row_within_a_step_and_others_continu
     await anext(doomed)
     row = next(s for s in engine.scheduler.running if s.prepared is prepared)
     tasks = [asyncio.create_task(run(backend, r)) for r in keep]
-    await wait_for(lambda: engine.running == 3)
+    await wait_for(lambda: engine.gauges.running == 3)
     await doomed.aclose()
     closed_at = engine.steps
     await wait_for(lambda: row.finished_step >= 0)
@@ -218,7 +218,7 @@ async def test_seeded_sampling_is_the_same_whatever_shares_the_batch(
     companions = [request(f"Noise {i}", temperature=1.0, max_tokens=40) for i in range(4)]
     companions.append(request("Other seed", temperature=0.8, seed=7, top_k=20, max_tokens=40))
     tasks = [asyncio.create_task(run(backend, r)) for r in companions]
-    await wait_for(lambda: backend.engine.running == 5)  # type: ignore[union-attr]
+    await wait_for(lambda: backend.engine.gauges.running == 5)  # type: ignore[union-attr]
     busy = await run(backend, seeded)
     await asyncio.gather(*tasks)
     other = await run(
@@ -273,7 +273,7 @@ async def test_a_full_queue_answers_overloaded_and_drains_when_rows_free(tiny_di
         await anext(running)
         waiting = backend.generate(await backend.prepare(request("Queued", max_tokens=5)))
         waiting_first = asyncio.create_task(anext(waiting))
-        await wait_for(lambda: engine.queued == 1)
+        await wait_for(lambda: engine.gauges.queued == 1)
         refused = backend.generate(await backend.prepare(request("Refused", max_tokens=5)))
         with pytest.raises(Overloaded, match="VLMSERVE_MAX_QUEUED_REQUESTS"):
             await anext(refused)
@@ -379,7 +379,7 @@ async def test_a_lagging_consumer_gets_the_backlog_merged_into_fewer_chunks(
     first = await anext(stream)
     engine = backend.engine
     assert engine is not None
-    await wait_for(lambda: engine.running == 0)  # everything produced while we did not read
+    await wait_for(lambda: engine.gauges.running == 0)  # everything produced while we did not read
     rest = [chunk async for chunk in stream]
     assert len(rest) < 40  # 79 tokens arrived in far fewer chunks
     assert first.token_ids + [t for c in rest for t in c.token_ids] == expected.tokens

@@ -71,7 +71,7 @@ def engine_of(backend: HFChatBackend) -> BatchEngine:
 
 async def until_running(engine: BatchEngine, rows: int) -> None:
     deadline = time.monotonic() + 30
-    while not (engine.running == rows and engine.steps > 2):
+    while not (engine.gauges.running == rows and engine.steps > 2):
         assert time.monotonic() < deadline, "the rows never ran together"
         await asyncio.sleep(0.005)
 

@@ -83,7 +83,7 @@ async def test_other_rows_decode_between_the_chunks_and_batching_changes_nothing
     assert chunked.engine is not None
     forwards = Forwards(chunked)
     jobs = [asyncio.ensure_future(run(chunked, r)) for r in short]
-    await wait_for(lambda: chunked.engine is not None and chunked.engine.running == 3)
+    await wait_for(lambda: chunked.engine is not None and chunked.engine.gauges.running == 3)
     got = await asyncio.gather(*jobs, run(chunked, long))
     assert [g.tokens for g in got] == alone
     kinds = [kind for kind, n in forwards.log if kind == "decode" or n == CHUNK]
@@ -126,5 +126,5 @@ async def test_a_request_cancelled_between_its_chunks_ends_cancelled_and_frees_i
     await asyncio.wait_for(job, 30)
     assert chunks and chunks[-1].finish_reason is FinishReason.CANCELLED
     assert not any(c.token_ids for c in chunks)
-    await wait_for(lambda: engine.running == 0)
+    await wait_for(lambda: engine.gauges.running == 0)
     engine.blocks.check([])

@@ -58,7 +58,7 @@ async def test_plus_100_forces_and_minus_100_bans_in_a_batch_with_unbiased_rows(
     assert engine is not None
 
     def watch(_: Outcome) -> None:
-        rows_seen.append(engine.running)
+        rows_seen.append(engine.gauges.running)
 
     forced, avoided, again, again_other = await asyncio.gather(
         run(backend, biased({FORCED: 100.0}), watch),

@@ -93,9 +93,9 @@ async def test_closing_the_stream_ends_every_choice(backend: HFChatBackend) -> N
     req = request("Tell a story", seed=1, n=4, temperature=1.0, max_tokens=400)
     stream = backend.generate(await backend.prepare(req))
     await anext(stream)
-    await wait_for(lambda: engine.running == 4)
+    await wait_for(lambda: engine.gauges.running == 4)
     await stream.aclose()
-    await wait_for(lambda: engine.running == 0 and engine.queued == 0)
+    await wait_for(lambda: engine.gauges.running == 0 and engine.gauges.queued == 0)
 
 
 async def test_greedy_choices_with_logprobs_each_carry_their_own(backend: HFChatBackend) -> None:
@@ -135,7 +135,7 @@ async def test_forked_choices_survive_preemption_with_the_same_tokens(tiny_dir: 
         assert engine is not None and engine.blocks.usable == 11
         kw = {"temperature": 1.0, "max_tokens": 40}
         got = await choices(small, request("Tell a story", seed=9, n=4, **kw))
-        assert engine.preemptions > 0
+        assert engine.gauges.preemptions > 0
         for i in range(4):
             assert got[i]["tokens"] == await single(small, 9 + i, **kw)
         engine.blocks.check(s.block_table for s in engine.scheduler.running)

@@ -216,21 +216,21 @@ async def test_32_image_streams_in_a_budget_of_4_finish_exactly_as_alone(
     reqs = crowd()
     alone = [await run(ample, r) for r in reqs]
     engine = ample.engine
-    assert engine is not None and engine.preemptions == 0
+    assert engine is not None and engine.gauges.preemptions == 0
     prompt = max([(await ample.prepare(r)).prompt_tokens for r in reqs])
     per_seq = -(-(prompt + TOKENS) // 16)
     budget = (4 * per_seq + 1) * engine.kv.block_bytes  # about 4 sequences' blocks
     small = make_backend(tiny_dir, max_num_seqs=32, max_queued=64, kv_cache_bytes=budget)
     try:
         tight = small.engine
-        assert tight is not None and tight.kv_cache_bytes == budget
+        assert tight is not None and tight.gauges.kv_cache_bytes == budget
         together = await asyncio.gather(*(run(small, r) for r in reqs))
-        assert tight.preemptions > 0, tight.preemptions
+        assert tight.gauges.preemptions > 0, tight.gauges.preemptions
         for got, want in zip(together, alone, strict=True):
             assert got.tokens == want.tokens  # no token lost, none streamed twice
             assert got.text == want.text
             assert got.completion_tokens == TOKENS and got.finish == want.finish
-        assert tight.kv_usage == 0.0  # every block back
+        assert tight.gauges.kv_usage == 0.0  # every block back
         tight.blocks.check([])
     finally:
         small.close()
@@ -248,7 +248,7 @@ async def test_a_request_larger_than_the_budget_is_refused_by_the_engine_too(
     try:
         assert small.engine is not None
         with pytest.raises(InvalidRequest, match="VLMSERVE_KV_CACHE_MEMORY"):
-            small.engine.check_fits(prepared.prompt_tokens, 16)
+            small.engine.gauges.check_fits(prepared.prompt_tokens, 16)
         with pytest.raises(InvalidRequest, match="MiB"):
             async for _ in small.generate(prepared):  # never asked check_fits: still a 400
                 pass
@@ -273,7 +273,7 @@ async def test_a_row_that_outgrows_the_whole_cache_alone_fails_with_the_400(
             async for chunk in small.generate(prepared):
                 tokens += chunk.token_ids
         assert 0 < len(tokens) < 64 and small.engine is not None
-        assert small.engine.failure is None and small.engine.preemptions >= 1
+        assert small.engine.failure is None and small.engine.gauges.preemptions >= 1
         assert len((await run(small, request("Hi", max_tokens=8))).tokens) == 8
     finally:
         small.close()

@@ -113,7 +113,7 @@ async def test_bf16_greedy_output_is_the_same_alone_and_in_a_busy_batch(
     probe = request("Probe with a picture", image=(64, 48), max_tokens=24)
     alone = [await run(bf16, r) for r in [*others, probe]]
     tasks = [asyncio.create_task(run(bf16, r)) for r in others]
-    await wait_for(lambda: engine.running == len(others))
+    await wait_for(lambda: engine.gauges.running == len(others))
     started = engine.steps
     await wait_for(lambda: engine.steps >= started + 3)
     joined = await run(bf16, probe)
@@ -137,7 +137,7 @@ async def test_other_families_in_bf16_answer_the_same_alone_and_in_a_busy_batch(
         )
         alone = [await run(backend, r) for r in [*others, probe]]
         tasks = [asyncio.create_task(run(backend, r)) for r in others]
-        await wait_for(lambda: engine.running == len(others))
+        await wait_for(lambda: engine.gauges.running == len(others))
         joined = await run(backend, probe)
         together = [*await asyncio.gather(*tasks), joined]
         assert [o.tokens for o in together] == [o.tokens for o in alone]

@@ -137,7 +137,7 @@ async def test_greedy_output_is_identical_alone_and_joining_a_busy_batch(
     probe = request("Probe with two pictures", images=[(80, 80, 9), (50, 70, 3)], max_tokens=20)
     alone = [await run(backend, r) for r in [*others, probe]]
     tasks = [asyncio.create_task(run(backend, r)) for r in others]
-    await wait_for(lambda: engine.running == len(others))
+    await wait_for(lambda: engine.gauges.running == len(others))
     started = engine.steps
     await wait_for(lambda: engine.steps >= started + 2)
     joined = await run(backend, probe)  # joins mid-flight; others leave while it decodes
