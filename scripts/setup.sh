@@ -43,3 +43,11 @@ if [ "${#missing[@]}" -gt 0 ] && [ "${VLMSERVE_SETUP_SKIP_APT:-0}" != 1 ]; then
 fi
 
 python -m pip install -q -e ".[dev,ray]"
+
+# The openai-node SDK for tests/e2e/test_openai_node.py (npm's registry; skipped without node)
+if command -v npm >/dev/null 2>&1; then
+  node_dir="${VLMSERVE_NODE_DIR:-$HOME/.cache/vlmserve/node}"
+  mkdir -p "$node_dir"
+  npm install --silent --no-audit --no-fund --prefix "$node_dir" openai@6 >/dev/null 2>&1 ||
+    echo "setup: could not install the openai npm package; its test is skipped" >&2
+fi
