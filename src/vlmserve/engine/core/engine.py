@@ -42,7 +42,7 @@ from vlmserve.engine.core.gauges import EngineGauges, StepTimer
 from vlmserve.engine.core.kv_cache import DEFAULT_BLOCK_SIZE
 from vlmserve.engine.core.lifecycle import EngineLifecycle
 from vlmserve.engine.core.outbox import END, Outbox
-from vlmserve.engine.core.paging import NOT_SAMPLED, KVPaging
+from vlmserve.engine.core.paging import NOT_SAMPLED, build_paging
 from vlmserve.engine.core.prefix import block_hashes
 from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.core.scheduler import Scheduler
@@ -100,7 +100,8 @@ class BatchEngine(EngineLifecycle):
         # a prompt longer than chunk_size is computed in chunks of it, one per step
         self.chunk_size = c.max_num_batched_tokens
         self._threads = model_threads(model, self.runner.device)
-        self.paging = self._memory(c, block_size, model_id)
+        self.paging, self.decode_mode = build_paging(self.runner, c, block_size, self._threads)
+        log.info("%s: decode runs with %s", model_id, self.decode_mode)
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, self.blocks)
         self.scheduler.prefix_hasher = self._block_hashes
@@ -126,35 +127,6 @@ class BatchEngine(EngineLifecycle):
         self.gauges = EngineGauges(
             self.scheduler, self.kv, self.blocks, self.vision_cache, self._inbox, self.timer
         )
-
-    def _memory(self, c: ChatEngineConfig, block_size: int, model_id: str) -> KVPaging:
-        """The KV budget (0: ``kv_cache.auto_budget`` less a prefill's activations on CUDA),
-        allocated once, in blocks; then how decode reads it (``--cuda-graphs``)."""
-        paging = KVPaging(
-            self.runner,
-            c.kv_cache_bytes or None,
-            block_size,
-            c.gpu_memory_utilization,
-            c.max_num_batched_tokens,
-            c.prefix_caching,
-        )
-        self.decode_mode = "gathered attention"
-        if c.cuda_graphs:
-            self.decode_mode = self.runner.use_paged_decode(
-                c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager
-            )
-        elif self._compiles_attention(c):
-            self.decode_mode = self.runner.use_compiled_attention(self._threads)
-        log.info("%s: decode runs with %s", model_id, self.decode_mode)
-        return paging
-
-    def _compiles_attention(self, c: ChatEngineConfig) -> bool:
-        """CPU decode attention in place (compiled) for half-precision models, whose gathered
-        path copies and upcasts every row's context per step; float32 (the demo's tiny
-        models) keeps gathering, sparing a first start the ~15 s of compiling (docs/engine.md,
-        "How decode attention reads the cache"); ``--enforce-eager`` never compiles."""
-        half = self.runner.dtype in (torch.bfloat16, torch.float16)
-        return self.runner.device.type == "cpu" and half and not c.enforce_eager
 
     # --- called from event loops ---------------------------------------------------------
     def new_sequence(self, prepared: Prepared, loop: Any, queue: Any) -> Sequence:

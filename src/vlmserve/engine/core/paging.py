@@ -13,7 +13,7 @@ differently from the decode steps', so greedy output could change after a preemp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,7 +23,10 @@ from vlmserve.engine.core.sequence import Sequence
 from vlmserve.engine.models.profile import activation_peak
 from vlmserve.engine.models.runner import DecoderRunner, PrefillRow
 
-__all__ = ["NOT_SAMPLED", "KVPaging", "whole_blocks"]
+if TYPE_CHECKING:
+    from vlmserve.engine.configs import ChatEngineConfig
+
+__all__ = ["NOT_SAMPLED", "KVPaging", "build_paging", "whole_blocks"]
 
 NOT_SAMPLED = -1  # a forward's "token" for a row that is recomputing tokens it streamed
 
@@ -195,3 +198,35 @@ class KVPaging:
             for i, token in zip(live, picked, strict=True):
                 tokens[i] = token
         return tokens
+
+
+def build_paging(
+    runner: DecoderRunner, c: ChatEngineConfig, block_size: int, threads: Any
+) -> tuple[KVPaging, str]:
+    """The KV budget (0: ``kv_cache.auto_budget`` less a prefill's activations on CUDA),
+    allocated once, in blocks; then how decode reads it (``--cuda-graphs``), named for the log.
+    """
+    paging = KVPaging(
+        runner,
+        c.kv_cache_bytes or None,
+        block_size,
+        c.gpu_memory_utilization,
+        c.max_num_batched_tokens,
+        c.prefix_caching,
+    )
+    if c.cuda_graphs:
+        mode = runner.use_paged_decode(c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager)
+    elif _compiles_attention(runner, c):
+        mode = runner.use_compiled_attention(threads)
+    else:
+        mode = "gathered attention"
+    return paging, mode
+
+
+def _compiles_attention(runner: DecoderRunner, c: ChatEngineConfig) -> bool:
+    """CPU decode attention in place (compiled) for half-precision models, whose gathered
+    path copies and upcasts every row's context per step; float32 (the demo's tiny models)
+    keeps gathering, sparing a first start the ~15 s of compiling (docs/engine.md, "How
+    decode attention reads the cache"); ``--enforce-eager`` never compiles."""
+    half = runner.dtype in (torch.bfloat16, torch.float16)
+    return runner.device.type == "cpu" and half and not c.enforce_eager
