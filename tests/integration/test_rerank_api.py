@@ -281,3 +281,14 @@ async def test_without_a_model_the_rerank_role_scores_else_a_404_says_what_to_ad
             r = await only_chat.post("/v1/rerank", json={"query": QUERY, "documents": DOCS})
     assert r.status_code == 404
     assert 'roles = ["rerank"]' in r.json()["error"]["message"]
+
+
+async def test_a_document_part_with_an_empty_url_is_a_400(client: Any) -> None:
+    """Found by the contract fuzzer: a content part that makes no item was a 500."""
+    body = {
+        "query": "a dog",
+        "documents": {"content": [{"type": "image_url", "image_url": {"url": ""}}]},
+    }
+    r = await client.post("/v1/rerank", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "documents"

@@ -61,7 +61,7 @@ class RerankService:
             query = body.query_item()
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="query") from None
-        documents = as_items(body.documents)
+        documents = _items(body.documents, "documents")
         self._check_count(len(documents), "documents")
         async with await self._acquire(body.model, [query, *documents]) as backend:
             if (proxied := as_proxied(backend)) is not None:
@@ -83,7 +83,7 @@ class RerankService:
         }
 
     async def score(self, body: ScoreRequest, owner: str) -> dict[str, Any]:
-        first, second = (as_items(s) for s in body.sides() if s is not None)
+        first, second = (_items(s, "data") for s in body.sides() if s is not None)
         if len(first) != 1 and len(first) != len(second):
             raise InvalidRequest(
                 f"text_1 has {len(first)} items and text_2 {len(second)}: give one item on the "
@@ -235,3 +235,11 @@ def _result(index: int, score: float, item: ItemIn, body: RerankRequest) -> dict
         shown = item.model_dump(exclude_none=True)
         result["document"] = shown if shown else {"text": ""}
     return result
+
+
+def _items(value: Any, param: str) -> list[Any]:
+    """A side of the request as items; a part that makes no item (an empty URL) is a 400."""
+    try:
+        return as_items(value)
+    except ValueError as exc:  # pydantic's ValidationError included
+        raise InvalidRequest(f"{param}: {exc}", param=param) from None
