@@ -192,7 +192,10 @@ def test_sigterm_drains_streams_refuses_new_work_and_exits_clean(
             if proc.proc.poll() is None:
                 proc.proc.kill()
                 proc.proc.wait()
-        orphans = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        # The resource tracker reads EOF once the server and its workers are gone: allow it
+        # the moment that takes; a process still alive after that outlived the server.
+        _, alive = psutil.wait_procs(children, timeout=3)
+        orphans = [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         print(
             f"\nSIGTERM run {run}: streams {results}, new request -> {late}, exit {code} "
             f"after {took:.1f}s, orphans {len(orphans)}"
@@ -203,4 +206,4 @@ def test_sigterm_drains_streams_refuses_new_work_and_exits_clean(
         # ends as "terminated by SIGTERM" (-15; systemd counts it as success), never as 1 or -9.
         assert code in (0, -signal.SIGTERM) and took < 32
         assert took > 1.0, "the streams were not in flight when the signal came"
-        assert orphans == []
+        assert orphans == [], [c.cmdline() for c in orphans]

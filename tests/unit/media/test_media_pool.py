@@ -108,3 +108,21 @@ async def test_a_call_given_up_while_it_runs_leaves_no_shared_memory_behind(
     assert image.getpixel((0, 0)) == (1, 2, 3)
     await asyncio.sleep(0.1)
     assert _shared_blocks(64 * 64 * 3) == blocks
+
+
+async def test_close_stops_every_worker_even_one_mid_decode() -> None:
+    pool = MediaPool(2, nice=0)
+    pids = await pool.start()
+    busy = asyncio.ensure_future(pool.run(time.sleep, 30.0))  # a decode that would outlive us
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    pool.close(grace=0.5)
+    assert time.monotonic() - started < 5
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone, and reaped: not a zombie either
+    busy.cancel()
+    with contextlib.suppress(BaseException):
+        await busy
+    with pytest.raises(ServiceUnavailable, match="shutting down"):
+        await pool.run(time.sleep, 0)

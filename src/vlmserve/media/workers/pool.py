@@ -147,8 +147,24 @@ class MediaPool:
             code="media_worker_died",
         )
 
-    def close(self) -> None:
+    def close(self, *, grace: float = 2.0) -> None:
+        """Stop the workers: none outlives the server, whatever it was decoding.
+
+        Calls still queued are cancelled; a worker still decoding gets ``grace`` seconds
+        after SIGTERM, then SIGKILL. Shared blocks it leaves are unlinked by the resource
+        tracker, which exits with the server.
+        """
         with self._lock:
             self._closed, executor, self._executor = True, self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+        if executor is None:
+            return
+        processes = list((getattr(executor, "_processes", None) or {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        deadline = time.monotonic() + grace
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(1.0)
