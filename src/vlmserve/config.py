@@ -146,12 +146,14 @@ class Settings(BaseSettings):
     warmup: bool = True
     # seconds an engine may have requests without a step starting or ending before the model
     # counts as failed (/health) and is reloaded; never below 3x the longest step it ran. The
-    # default is above the longest step at the default max_num_batched_tokens on CPU; 0 = off
+    # default is above the longest step at the default max_num_batched_tokens; 0 = off
     liveness_timeout: float = Field(default=300.0, ge=0)
 
     # --- hf engine: continuous batching, caches ---------------------------------------
     max_num_seqs: int = Field(default=32, ge=1)  # decoded together; 1 = one at a time
-    max_num_batched_tokens: int = Field(default=8192, ge=1)  # prompt tokens per prefill step
+    # prompt tokens computed per engine step (a longer prompt runs in chunks, the running
+    # rows decoding between them); None: 2,048 on CPU, 8,192 on CUDA, as vLLM's API server
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
     # logprobs from the raw logits (vLLM's default raw_logprobs) or after grammar masks,
     # penalties and temperature (processed; the generate fallback always reports raw)
     logprobs_mode: Literal["raw", "processed"] = "raw"

@@ -186,7 +186,8 @@ async def test_a_request_out_of_memory_is_a_503_to_retry_and_the_engine_lives(
     prefill = engine._prefill_forward
 
     def short(items: list[Any]) -> list[int]:  # a prompt too big for the memory left
-        if any("HUGE" in str(s.prepared.request.messages) for s, _ in items):
+        seqs = [item[0] if isinstance(item, tuple) else item for item in items]
+        if any("HUGE" in str(s.prepared.request.messages) for s in seqs):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
         return prefill(items)
 

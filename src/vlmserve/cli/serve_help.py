@@ -91,7 +91,11 @@ HELP = {
         ENGINE,
         "Sequences decoded together (continuous batching); 1 = one at a time.",
     ),
-    "max_num_batched_tokens": (ENGINE, "Prompt tokens prefilled per engine step."),
+    "max_num_batched_tokens": (
+        ENGINE,
+        "Prompt tokens computed per engine step; a longer prompt runs in chunks with the "
+        "running streams decoding between them (default 2048 on CPU, 8192 on CUDA).",
+    ),
     "vision_cache_bytes": (ENGINE, "Vision-tower outputs cached by image content; 0 = off."),
     "processor_cache_bytes": (ENGINE, "Preprocessed images cached by content; 0 = off."),
     "stream_interval": (ENGINE, "Tokens per stream event when 4+ requests decode; 1 = each token."),

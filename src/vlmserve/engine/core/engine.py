@@ -24,11 +24,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
 
-from vlmserve.engine.configs import ChatEngineConfig
+from vlmserve.engine.configs import ChatEngineConfig, batched_tokens
 from vlmserve.engine.core.choices import fork
 from vlmserve.engine.core.detok_fast import fast_decoder
 from vlmserve.engine.core.faults import (
@@ -52,7 +53,7 @@ from vlmserve.engine.hf.inputs import Prepared
 from vlmserve.engine.hf.threads import model_threads
 from vlmserve.engine.hf.tracker import OutputTracker
 from vlmserve.engine.models.architectures import build
-from vlmserve.engine.models.runner import PrefillRow
+from vlmserve.engine.models.batch import DecodeRows, PrefillRow
 from vlmserve.engine.models.vision_cache import VisionCache
 from vlmserve.engine.types import Chunk, FinishReason
 from vlmserve.errors import ServiceUnavailable
@@ -88,22 +89,23 @@ class BatchEngine(EngineLifecycle):
         a callable on the model's executor thread; ``on_fatal(cause, loop)`` tells the owner
         that the engine failed."""
         c = config
-        self.config = c
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
         self._hf_tokenizer = tokenizer
         self.vision_cache = VisionCache(c.vision_cache_bytes)
         self.runner, self.embedder = build(model, self.vision_cache)
+        budget = batched_tokens(c.max_num_batched_tokens, self.runner.device.type)
+        self.config = c = replace(c, max_num_batched_tokens=budget)
         vocab = int(model.config.get_text_config().vocab_size)
         self.vocab = vocab
         self.sampler = Sampler(vocab, eos_ids, c.logprobs_mode)
         # a prompt longer than chunk_size is computed in chunks of it, one per step
-        self.chunk_size = c.max_num_batched_tokens
+        self.chunk_size = budget
         self._threads = model_threads(model, self.runner.device)
         self.paging, self.decode_mode = build_paging(self.runner, c, block_size, self._threads)
         log.info("%s: decode runs with %s", model_id, self.decode_mode)
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
-        self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, self.blocks)
+        self.scheduler = Scheduler(c.max_num_seqs, budget, self.blocks)
         self.scheduler.prefix_hasher = self._block_hashes
         self.model_id = model_id  # in messages
         self._submit = submit  # runs a callable on the model's executor thread
@@ -194,6 +196,11 @@ class BatchEngine(EngineLifecycle):
     def step(self) -> None:
         self._reap_cancelled()
         self._refuse_oversized()
+        # Where the runner can (not CUDA's graph-captured decode), the rows already decoding
+        # ride in the newcomers' prefill forward: room for their tokens is made first.
+        mixing = self.runner.mixes and any(s.chunk_row is None for s in self.scheduler.running)
+        preempted = self.scheduler.reserve_decode() if mixing else []
+        decoding = [s for s in self.scheduler.running if s.chunk_row is None] if mixing else []
         continuing, used = self.scheduler.continuing(self.chunk_size)
         admitted = self.scheduler.schedule(used)
         if admitted or continuing:
@@ -203,14 +210,18 @@ class BatchEngine(EngineLifecycle):
             if ready:
                 size = self.chunk_size
                 ready = [(seq, self.paging.next_chunk(seq, row, size)) for seq, row in ready]
+                self.peak_running = max(self.peak_running, len(decoding))
                 with self.timer.phase("prefill"):
-                    rows, tokens = self._forward(self._prefill_forward, ready)
-                self._advance([seq for seq, _ in rows], tokens)
+                    items, tokens = self._forward(self._prefill_forward, [*decoding, *ready])
+                self._advance([_seq(item) for item in items], tokens)
                 forked, self._forked = self._forked, []  # other choices of those rows (n > 1)
                 self._advance([seq for seq, _ in forked], [token for _, token in forked])
+                decoding = []  # they have their token of this step
             self._flush()  # first tokens out now, not after the decode step
-        preempted = self.scheduler.reserve_decode()  # may preempt the newest rows
-        running = [seq for seq in self.scheduler.running if seq.chunk_row is None]
+        if not mixing:
+            preempted = self.scheduler.reserve_decode()  # may preempt the newest rows
+            decoding = [seq for seq in self.scheduler.running if seq.chunk_row is None]
+        running = [s for s in decoding if s.status is SeqStatus.RUNNING]
         if running:
             self.peak_running = max(self.peak_running, len(running))
             with self.timer.phase("decode"):
@@ -305,17 +316,26 @@ class BatchEngine(EngineLifecycle):
         salt = seq.prepared.request.cache_salt
         return block_hashes(inputs["input_ids"][0].tolist(), self.blocks.block_size, media, salt)
 
-    def _prefill_forward(self, items: list[tuple[Sequence, PrefillRow]]) -> list[int]:
-        """Prompts (or this step's chunks of long ones) -> the first tokens of the rows whose
-        prompt this completes (``NOT_SAMPLED`` for the others)."""
-        for seq, row in items:
+    def _prefill_forward(self, items: list[Sequence | tuple[Sequence, PrefillRow]]) -> list[int]:
+        """Prompts (or this step's chunks of long ones), and running rows (``Sequence``
+        items, first) decoding in the same forward -> the decode rows' next tokens and the
+        first tokens of the rows whose prompt this completes (``NOT_SAMPLED`` for others)."""
+        decode = [item for item in items if isinstance(item, Sequence)]
+        prefill = [item for item in items if not isinstance(item, Sequence)]
+        if not prefill:  # a decode row retried alone
+            return self._decode_forward(decode)
+        for seq, row in prefill:
             row.slots = self.paging.prompt_slots(seq)
-        logits = self.runner.prefill([row for _, row in items])
-        seqs = [seq for seq, _ in items]
+        logits = self.runner.step([row for _, row in prefill], self._decode_rows(decode))
+        seqs = [seq for seq, _ in prefill]
+        b = len(decode)
         heads = [i for i, seq in enumerate(seqs) if seq.pending and not seq.prefilling]
-        shared = logits[heads].clone() if heads else None  # [h, V]: the sampler edits logits
-        tokens = self.paging.sample(self.sampler, logits, seqs)
-        for seq in seqs:  # only now: a failed attempt leaves nothing to undo
+        # [h, V]: the sampler edits logits
+        shared = logits[[b + i for i in heads]].clone() if heads else None
+        tokens = self.paging.sample(self.sampler, logits, [*decode, *seqs])
+        for seq in decode:  # only now: a failed attempt leaves nothing to undo
+            self.paging.after_decode(seq)
+        for seq in seqs:
             if self.paging.chunk_done(seq):  # its whole prompt is in: it decodes next step
                 self.prefilled_rows += 1
                 self.paging.prompt_done(seq)
@@ -328,14 +348,21 @@ class BatchEngine(EngineLifecycle):
             self._forked.extend(forked)
         return tokens
 
-    def _decode_forward(self, running: list[Sequence]) -> list[int]:
-        self.paging.clear_fresh()
-        logits = self.runner.decode(
+    def _decode_rows(self, running: list[Sequence]) -> DecodeRows | None:
+        if not running:
+            return None
+        return DecodeRows(
             [s.next_token for s in running],
             [s.length + s.rope_delta for s in running],
             [s.length for s in running],
             [s.block_table for s in running],
         )
+
+    def _decode_forward(self, running: list[Sequence]) -> list[int]:
+        self.paging.clear_fresh()
+        rows = self._decode_rows(running)
+        assert rows is not None
+        logits = self.runner.decode(rows.tokens, rows.positions, rows.lengths, rows.tables)
         tokens = self.paging.sample(self.sampler, logits, running)
         for seq in running:  # only now: a failed attempt leaves nothing to undo
             self.paging.after_decode(seq)
@@ -430,6 +457,10 @@ class BatchEngine(EngineLifecycle):
     def _release_cache(self) -> None:
         if self.runner.cache is not None:
             self.runner.cache.release()
+
+
+def _seq(item: Sequence | tuple[Sequence, Any]) -> Sequence:
+    return item if isinstance(item, Sequence) else item[0]
 
 
 def _rid(seq: Sequence) -> str:

@@ -33,13 +33,14 @@ same weights itself (nano-vllm's ``model_runner``), with:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from vlmserve.engine.core.kv_cache import PagedKVCache, block_bytes
+from vlmserve.engine.models.batch import DecodeInputs, DecodeRows, PrefillInputs, PrefillRow
 from vlmserve.engine.models.cpu_attention import CompiledAttention
 from vlmserve.engine.models.graphs import (
     PagedDecode,
@@ -50,23 +51,9 @@ from vlmserve.engine.models.graphs import (
 from vlmserve.engine.models.linear import Linear, fuse
 from vlmserve.engine.models.rope import RotaryTables
 
-__all__ = ["DecoderRunner", "PrefillRow", "Qwen2VLRunner"]
+__all__ = ["DecodeRows", "DecoderRunner", "PrefillRow", "Qwen2VLRunner"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PrefillRow:
-    embeds: torch.Tensor  # [T, hidden]: token embeddings, vision features scattered in
-    positions: torch.Tensor | None  # [3, T] M-RoPE positions; None: text only (0..T-1)
-    slots: list[int] = field(default_factory=list)  # [T] cache slot of each token
-    visual: torch.Tensor | None = None  # [M] indices of the visual tokens (DeepStack only)
-    deepstack: torch.Tensor | None = None  # [layers k, M, hidden]: added after layers 0..k-1
-    # image block of each token, -1 text (Gemma 3); after a cached prefix, of every token
-    # from the prompt's start to the end of ``embeds`` (the keys): [cached + T]
-    blocks: torch.Tensor | None = None
-    cached: int = 0  # prompt tokens before ``embeds`` whose K/V are in the cache already
-    table: list[int] | None = None  # the row's block table (when ``cached``)
 
 
 @dataclass(slots=True)
@@ -80,6 +67,12 @@ class _Layer:
     q_norm: torch.Tensor | None = None  # [D] Qwen3: RMSNorm of each query head
     k_norm: torch.Tensor | None = None  # [D] and of each key head
     kind: str = ""  # its rotary table and attention mask (Gemma 3: sliding or full)
+
+
+def _joined(
+    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])
 
 
 def _lm_head(model: Any) -> Linear:
@@ -214,13 +207,45 @@ class DecoderRunner:
         return list(host.unbind(0))
 
     def prefill(self, rows: list[PrefillRow]) -> torch.Tensor:
-        """Run whole prompts; write their K/V at each row's ``slots``; return each row's
-        last-token logits [n, V]."""
+        """Run whole prompts (or chunks of them); write their K/V at each row's ``slots``;
+        return each row's last-token logits [n, V]."""
+        return self.step(rows, None)
+
+    def step(self, rows: list[PrefillRow], decode: DecodeRows | None) -> torch.Tensor:
+        """One forward of ``decode``'s rows (a token each) and ``rows`` (prompts or chunks),
+        packed: the weights are read once for both, and a running stream's next token does
+        not wait for a separate pass after the newcomers' prefill. -> logits [B + n, V]: the
+        decode rows' first, then each prefill row's last token."""
+        cache = self._kv()
+        d = self._decode_inputs(decode) if decode is not None else None
+        p = self._prefill_inputs(rows) if rows else None
+        parts = [part for part in (d, p) if part is not None]
+        x = parts[0].x if len(parts) == 1 else torch.cat([part.x for part in parts])
+        slots = parts[0].slots if len(parts) == 1 else torch.cat([part.slots for part in parts])
+        ropes = parts[0].ropes
+        if len(parts) > 1:  # decode rows' cos/sin, then the prefill rows'
+            ropes = {kind: _joined(d.ropes[kind], p.ropes[kind]) for kind in self.ropes}  # type: ignore[union-attr]
+        b = 0 if d is None else d.count
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [N, H, D], k/v [N, KVH, D]
+            cache.write(li, slots, k, v)
+            outs = [] if d is None else [self._decode_attend(li, layer, q[:b], d)]
+            if p is not None:
+                outs.append(self._prefill_attend(li, layer, q[b:], k[b:], v[b:], p))
+            x = self._mlp(x, outs[0] if len(outs) == 1 else torch.cat(outs), layer)
+            if p is not None and p.deep is not None and li < p.deep.shape[0]:
+                # as Qwen3VLTextModel._deepstack_process
+                visual = p.visual if b == 0 else p.visual + b  # type: ignore[operator]
+                x[visual] = x[visual] + p.deep[li]
+        if p is None:
+            return self._logits(x)
+        last = p.last if b == 0 else torch.cat([torch.arange(b, device=self.device), p.last + b])
+        return self._logits(x[last])
+
+    def _prefill_inputs(self, rows: list[PrefillRow]) -> PrefillInputs:
         cache = self._kv()
         lengths = [row.embeds.shape[0] for row in rows]
         (slots,) = self._host([s for row in rows for s in row.slots])  # [N]
-        x = torch.cat([row.embeds for row in rows])  # [N, hidden], rows packed
-        ropes = self._prefill_rope(rows)
         starts = [sum(lengths[:i]) for i in range(len(rows))]
         visual, deep = self._deepstack(rows, starts)
         tables = [  # rows after a cached prefix attend to their blocks: [1, MB] each
@@ -234,32 +259,49 @@ class DecoderRunner:
             else self._cached_masks(row, table.shape[1] * cache.block_size)
             for row, table in zip(rows, tables, strict=True)
         ]
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [N, H, D], k/v [N, KVH, D]
-            cache.write(li, slots, k, v)
-            outs = []
-            for start, t, row_masks, table in zip(starts, lengths, masks, tables, strict=True):
-                mask = row_masks.get(layer.kind)  # None: plain causal
-                if table is not None:
-                    outs.append(self._after_cached(li, q[start : start + t], table, mask))
-                    continue
-                o = F.scaled_dot_product_attention(
-                    q[start : start + t].transpose(0, 1)[None],
-                    k[start : start + t].transpose(0, 1)[None],
-                    v[start : start + t].transpose(0, 1)[None],
-                    attn_mask=mask,
-                    is_causal=mask is None,
-                    scale=self.scale,
-                    enable_gqa=True,
-                )  # [1, H, T, D]: each row over exactly its own keys
-                outs.append(o[0].transpose(0, 1).reshape(t, -1))
-            x = self._mlp(x, torch.cat(outs), layer)
-            if deep is not None and li < deep.shape[0]:  # as Qwen3VLTextModel._deepstack_process
-                x[visual] = x[visual] + deep[li]
         last = torch.tensor(
             [s + t - 1 for s, t in zip(starts, lengths, strict=True)], device=self.device
         )
-        return self._logits(x[last])
+        return PrefillInputs(
+            torch.cat([row.embeds for row in rows]),  # [N, hidden], rows packed
+            slots,
+            self._prefill_rope(rows),
+            starts,
+            lengths,
+            tables,
+            masks,
+            visual,
+            deep,
+            last,
+        )
+
+    def _prefill_attend(
+        self,
+        li: int,
+        layer: _Layer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: PrefillInputs,
+    ) -> torch.Tensor:
+        """Each prefill row's attention over exactly its own keys -> [N, H * D]."""
+        outs = []
+        for start, t, row_masks, table in zip(p.starts, p.lengths, p.masks, p.tables, strict=True):
+            mask = row_masks.get(layer.kind)  # None: plain causal
+            if table is not None:
+                outs.append(self._after_cached(li, q[start : start + t], table, mask))
+                continue
+            o = F.scaled_dot_product_attention(
+                q[start : start + t].transpose(0, 1)[None],
+                k[start : start + t].transpose(0, 1)[None],
+                v[start : start + t].transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )  # [1, H, T, D]: each row over exactly its own keys
+            outs.append(o[0].transpose(0, 1).reshape(t, -1))
+        return torch.cat(outs)
 
     def _after_cached(
         self, li: int, q: torch.Tensor, table: torch.Tensor, seen: torch.Tensor | None
@@ -365,31 +407,38 @@ class DecoderRunner:
         to its tokens 0..lengths[b]. -> logits [B, V]."""
         if self.paged is not None:
             return self.paged.run(tokens, positions, lengths, tables)
+        return self.step([], DecodeRows(tokens, positions, lengths, tables))
+
+    @property
+    def mixes(self) -> bool:
+        """Whether decode rows can ride in a prefill forward (``step``): not where decode
+        has its own step (CUDA's paged decode and its graphs)."""
+        return self.paged is None
+
+    def _decode_inputs(self, rows: DecodeRows) -> DecodeInputs:
         cache = self._kv()
         bs = cache.block_size
-        width = max(len(t) for t in tables)
-        slots = [t[n // bs] * bs + n % bs for t, n in zip(tables, lengths, strict=True)]
-        ids, pos, slot_t, len_t = self._host(tokens, positions, slots, lengths)
-        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, MB]
+        width = max(len(t) for t in rows.tables)
+        slots = [t[n // bs] * bs + n % bs for t, n in zip(rows.tables, rows.lengths, strict=True)]
+        ids, pos, slot_t, len_t = self._host(rows.tokens, rows.positions, slots, rows.lengths)
+        table_t = torch.tensor([t + [0] * (width - len(t)) for t in rows.tables])  # [B, MB]
         table_t = table_t.to(self.device)
-        x = self.embed(ids)  # [B, hidden]
-        ropes = {kind: t.text(pos, max(positions)) for kind, t in self.ropes.items()}
+        highest = max(rows.positions)
+        ropes = {kind: t.text(pos, highest) for kind, t in self.ropes.items()}
+        masks = None if self.compiled is not None else self._decode_masks(len_t, width * bs)
+        return DecodeInputs(self.embed(ids), slot_t, ropes, len(rows.tokens), table_t, len_t, masks)
+
+    def _decode_attend(
+        self, li: int, layer: _Layer, q: torch.Tensor, d: DecodeInputs
+    ) -> torch.Tensor:
+        """The decode rows' attention, one query each over its row's blocks -> [B, H * D]."""
+        cache = self._kv()
         if self.compiled is not None:  # reads each row's blocks in place
-            keys_t = len_t + 1  # [B] keys each row attends to
-            for li, layer in enumerate(self.layers):
-                q, k, v = self._qkv(x, layer, *ropes[layer.kind])
-                cache.write(li, slot_t, k, v)
-                o = self.compiled(q, cache.k[li], cache.v[li], table_t, keys_t, self.scale)
-                x = self._mlp(x, o.view(len(tokens), -1), layer)
-            return self._logits(x)
-        masks = self._decode_masks(len_t, width * bs)  # in the attention's dtype
-        upcast = self._attention_dtype()
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [B, H, D], k/v [B, KVH, D]
-            cache.write(li, slot_t, k, v)
-            keys, values = cache.gather(li, table_t, upcast)  # [B, KVH, L, D]
-            x = self._mlp(x, self._decode_attention(q, keys, values, masks[layer.kind]), layer)
-        return self._logits(x)
+            o = self.compiled(q, cache.k[li], cache.v[li], d.table, d.lengths + 1, self.scale)
+            return o.view(d.count, -1)
+        assert d.masks is not None
+        keys, values = cache.gather(li, d.table, self._attention_dtype())  # [B, KVH, L, D]
+        return self._decode_attention(q, keys, values, d.masks[layer.kind])
 
     def _decode_masks(self, lengths: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
         """[B, 1, 1, L] additive masks by layer kind: row b sees its tokens 0..lengths[b],

@@ -76,20 +76,29 @@ async def until_running(engine: BatchEngine, rows: int) -> None:
         await asyncio.sleep(0.005)
 
 
-def is_poison(seqs: list[Any]) -> bool:
+def is_poison(items: list[Any]) -> bool:
+    """Whether a POISON row is among a forward's items (rows, or (row, prompt) pairs)."""
+    seqs = [item[0] if isinstance(item, tuple) else item for item in items]
     return any(s.prepared.request.request_id.startswith("POISON") for s in seqs)
 
 
 def poison_decode(engine: BatchEngine) -> None:
-    """Every decode step with a POISON row in it raises (also when that row runs alone)."""
-    decode = engine._decode_forward
+    """Every forward that decodes a POISON row raises (also when that row runs alone), in a
+    decode step or riding in a prefill forward."""
+    decode, prefill = engine._decode_forward, engine._prefill_forward
 
     def poisoned(seqs: list[Any]) -> list[int]:
         if is_poison(seqs):
             raise RuntimeError("poison")
         return decode(seqs)
 
+    def poisoned_ride(items: list[Any]) -> list[int]:
+        if is_poison([item for item in items if not isinstance(item, tuple)]):
+            raise RuntimeError("poison")
+        return prefill(items)
+
     engine._decode_forward = poisoned  # type: ignore[method-assign]
+    engine._prefill_forward = poisoned_ride  # type: ignore[method-assign]
 
 
 # --- one request's error: that request alone ---------------------------------------------------
@@ -111,7 +120,7 @@ async def test_a_request_whose_prefill_always_fails_fails_alone(backend: HFChatB
     prefill = engine._prefill_forward
 
     def poisoned(items: list[Any]) -> list[int]:
-        if is_poison([s for s, _ in items]):
+        if is_poison(items):
             raise MemoryError("this prompt alone does not fit")
         return prefill(items)
 

@@ -27,23 +27,25 @@ LONG = "Describe every detail of this picture, its colours, shapes and light. " 
 
 
 class Forwards:
-    """Records the runner's forwards in order: ("prefill", tokens) and ("decode", rows)."""
+    """Records the runner's forwards in order: ("prefill", tokens) and ("decode", rows); a
+    forward that carries both (decode rows riding in a prefill) records both, prefill first."""
 
     def __init__(self, backend: HFChatBackend) -> None:
         assert backend.engine is not None
         self.log: list[tuple[str, int]] = []
+        self.mixed = 0  # forwards that carried both
         runner = backend.engine.runner
-        prefill, decode = runner.prefill, runner.decode
+        step = runner.step
 
-        def prefill_(rows: list[Any]) -> Any:
-            self.log.append(("prefill", sum(r.embeds.shape[0] for r in rows)))
-            return prefill(rows)
+        def step_(rows: list[Any], decode: Any) -> Any:
+            if rows:
+                self.log.append(("prefill", sum(r.embeds.shape[0] for r in rows)))
+            if decode is not None:
+                self.log.append(("decode", len(decode.tokens)))
+            self.mixed += bool(rows) and decode is not None
+            return step(rows, decode)
 
-        def decode_(tokens: list[int], *rest: Any) -> Any:
-            self.log.append(("decode", len(tokens)))
-            return decode(tokens, *rest)
-
-        runner.prefill, runner.decode = prefill_, decode_  # type: ignore[method-assign]
+        runner.step = step_  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,8 @@ async def test_other_rows_decode_between_the_chunks_and_batching_changes_nothing
     first, last = kinds.index("prefill"), len(kinds) - 1 - kinds[::-1].index("prefill")
     assert "decode" in kinds[first:last], "the running rows stalled during the long prefill"
     assert max(n for kind, n in forwards.log if kind == "prefill") <= CHUNK
+    # the running rows' tokens rode in the chunks' forwards: no separate pass for them
+    assert forwards.mixed >= 3, forwards.log
 
 
 async def test_qwen3_vl_deepstack_features_split_across_chunks() -> None:
@@ -128,3 +132,28 @@ async def test_a_request_cancelled_between_its_chunks_ends_cancelled_and_frees_i
     assert not any(c.token_ids for c in chunks)
     await wait_for(lambda: engine.gauges.running == 0)
     engine.blocks.check([])
+
+
+def test_the_step_budget_defaults_by_device_as_vllms_api_server() -> None:
+    from vlmserve.engine.configs import ChatEngineConfig, batched_tokens
+
+    assert ChatEngineConfig.defaults().max_num_batched_tokens is None
+    assert batched_tokens(None, "cpu") == 2048  # a running stream waits ~one 2k prefill
+    assert batched_tokens(None, "cuda") == 8192
+    assert batched_tokens(300, "cpu") == batched_tokens(300, "cuda") == 300
+
+
+async def test_by_default_a_cpu_engine_computes_at_most_2048_prompt_tokens_a_step(
+    tiny_dir: Path,
+) -> None:
+    backend = make_backend(tiny_dir, max_num_seqs=4, prefix_caching=False)
+    try:
+        assert backend.engine is not None and backend.engine.chunk_size == 2048
+        forwards = Forwards(backend)
+        words = "stone river light " * 400  # ~2.8k prompt tokens on the tiny tokenizer
+        result = await run(backend, request(words, max_tokens=2))
+        prefills = [n for kind, n in forwards.log if kind == "prefill"]
+        assert len(prefills) == 2 and prefills[0] == 2048 and prefills[1] > 0, prefills
+        assert result.completion_tokens == 2
+    finally:
+        backend.close()

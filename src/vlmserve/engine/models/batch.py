@@ -1,0 +1,68 @@
+"""What one forward of the decoder runner computes: prefill rows (whole prompts or chunks of
+them) and decode rows (one token each), as the engine hands them over (``PrefillRow``,
+``DecodeRows``) and as the runner lays them out on the device for a step
+(``PrefillInputs``, ``DecodeInputs``: packed tokens, cache slots, rotary tables, masks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DecodeInputs", "DecodeRows", "PrefillInputs", "PrefillRow"]
+
+
+@dataclass(slots=True)
+class PrefillRow:
+    """A prompt (or a chunk of one) with its vision features in, as the embedder built it."""
+
+    embeds: torch.Tensor  # [T, hidden]: token embeddings, vision features scattered in
+    positions: torch.Tensor | None  # [3, T] M-RoPE positions; None: text only (0..T-1)
+    slots: list[int] = field(default_factory=list)  # [T] cache slot of each token
+    visual: torch.Tensor | None = None  # [M] indices of the visual tokens (DeepStack only)
+    deepstack: torch.Tensor | None = None  # [layers k, M, hidden]: added after layers 0..k-1
+    # image block of each token, -1 text (Gemma 3); after a cached prefix, of every token
+    # from the prompt's start to the end of ``embeds`` (the keys): [cached + T]
+    blocks: torch.Tensor | None = None
+    cached: int = 0  # prompt tokens before ``embeds`` whose K/V are in the cache already
+    table: list[int] | None = None  # the row's block table (when ``cached``)
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """Rows that decode one token this step (``DecoderRunner.decode``'s arguments)."""
+
+    tokens: list[int]  # the token each row feeds
+    positions: list[int]  # its rotary position
+    lengths: list[int]  # tokens the row has before it: the new one is written there
+    tables: list[list[int]]  # the row's block table (room for the new token made)
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """Decode rows on the device: their embeddings, slots, rotary tables and attention."""
+
+    x: torch.Tensor  # [B, hidden]
+    slots: torch.Tensor  # [B]
+    ropes: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    count: int
+    table: torch.Tensor  # [B, MB] block tables, padded with the null block
+    lengths: torch.Tensor  # [B]
+    masks: dict[str, torch.Tensor] | None  # gathered attention's [B, 1, 1, L] masks by kind
+
+
+@dataclass(slots=True)
+class PrefillInputs:
+    """Prefill rows on the device, packed without padding; attention runs per row."""
+
+    x: torch.Tensor  # [N, hidden]: the rows' embeddings packed
+    slots: torch.Tensor  # [N]
+    ropes: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    starts: list[int]
+    lengths: list[int]
+    tables: list[torch.Tensor | None]  # [1, MB] for a row after a cached prefix
+    masks: list[dict[str, torch.Tensor]]
+    visual: torch.Tensor | None  # [M] packed indices of DeepStack's visual tokens
+    deep: torch.Tensor | None  # [k, M, hidden]
+    last: torch.Tensor  # [n] each row's last token
