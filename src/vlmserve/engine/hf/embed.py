@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ import torch
 
 from vlmserve.engine.configs import EmbedConfig
 from vlmserve.engine.hf.adapters import apply_adapter
-from vlmserve.engine.hf.embed_batcher import MicroBatcher
+from vlmserve.engine.hf.embed_batcher import MicroBatcher, shared_passes
 from vlmserve.engine.hf.embed_inputs import (
     EmbedInput,
     EmbedPrompts,
@@ -41,11 +40,10 @@ from vlmserve.engine.hf.lifecycle import HFModel
 from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model
 from vlmserve.engine.hf.score.prompts import cut_text
 from vlmserve.engine.types import Scored, ScorePair, Serves
-from vlmserve.errors import ConfigError, InvalidRequest
+from vlmserve.errors import InvalidRequest
 
 __all__ = ["EmbedInput", "EmbedPrompts", "HFEmbedBackend"]
 
-log = logging.getLogger(__name__)
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
 
 
@@ -81,14 +79,12 @@ class HFEmbedBackend(HFModel):
         config = config or EmbedConfig.defaults()
         max_batch = config.max_batch if max_batch is None else max_batch
         batch_wait_ms = config.batch_wait_ms if batch_wait_ms is None else batch_wait_ms
-        if max_batch < 1:
-            raise ConfigError(f"max_batch is {max_batch} for {model_id!r}; it must be at least 1")
         super().__init__(model_id, options)
         self.adapter = adapter
         self.prompts = prompts
         self.forward_passes = 0  # model forward passes run, all requests together
-        self._batcher: MicroBatcher[EmbedInput, np.ndarray] = MicroBatcher(
-            self._run_groups, max_items=max_batch, wait_s=batch_wait_ms / 1000
+        self._batcher: MicroBatcher[EmbedInput, np.ndarray] = MicroBatcher.for_model(
+            self._run_groups, model_id, max_batch, batch_wait_ms
         )
 
     @property
@@ -182,30 +178,12 @@ class HFEmbedBackend(HFModel):
         self._require()
         return await self._batcher.submit(items)
 
-    async def _run_groups(self, groups: list[list[EmbedInput]]) -> list[np.ndarray | Exception]:
+    async def _run_groups(self, groups: list[list[EmbedInput]]) -> list[np.ndarray | BaseException]:
+        """Every request's vectors from shared forward passes (``shared_passes``)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._embed_groups, groups)
-
-    def _embed_groups(self, groups: list[list[EmbedInput]]) -> list[np.ndarray | Exception]:
-        """Blocking: every request's vectors from shared forward passes; if those fail, each
-        request alone, so that only the failing request gets an exception."""
-        try:
-            vectors = self.embed_sync([item for group in groups for item in group])
-        except Exception as exc:
-            if len(groups) == 1:
-                return [exc]
-            log.info(
-                "a batch of %d embedding requests failed (%s); running each alone", len(groups), exc
-            )
-            return [self._embed_alone(group) for group in groups]
-        offsets = itertools.accumulate((len(group) for group in groups), initial=0)
-        return [vectors[start:end] for start, end in itertools.pairwise(offsets)]
-
-    def _embed_alone(self, items: list[EmbedInput]) -> np.ndarray | Exception:
-        try:
-            return self.embed_sync(items)
-        except Exception as exc:
-            return exc
+        return await loop.run_in_executor(
+            self._executor, shared_passes, self.embed_sync, groups, _by_request, "embedding"
+        )
 
     def _embed_batch(self, loaded: Loaded, items: list[EmbedInput]) -> np.ndarray:
         batch = build_batch(loaded.processor, items, self.prompts)
@@ -218,6 +196,10 @@ class HFEmbedBackend(HFModel):
             last = hidden[:, -1, :].float()  # left padding: every row's last real token
             vectors = torch.nn.functional.normalize(last, dim=-1)
         return vectors.cpu().numpy()
+
+
+def _by_request(vectors: np.ndarray, offsets: list[int]) -> list[np.ndarray]:
+    return [vectors[start:end] for start, end in itertools.pairwise(offsets)]
 
 
 def _media(item: EmbedInput) -> tuple[Any, Any]:
