@@ -59,6 +59,18 @@ def final_hidden_states(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Te
     return model(**inputs, use_cache=False, output_hidden_states=True).hidden_states[-1]
 
 
+def last_token_states(loaded: Loaded, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, H]: each row's final hidden state at its last token, from one forward over the
+    left-padded ``batch`` (call it under ``torch.inference_mode``). Text-only batches get
+    position ids that start at each row's first real token; with media the model computes
+    them from the attention mask."""
+    inputs = {k: v.to(loaded.device) for k, v in batch.items()}
+    if not any(k in inputs for k in _MEDIA_KEYS):
+        inputs["position_ids"] = text_positions(inputs["attention_mask"])
+    hidden = final_hidden_states(loaded.model, inputs)  # [B, L, H]
+    return hidden[:, -1, :]  # left padding: every row's last real token
+
+
 class HFEmbedBackend(HFModel):
     thread_prefix = "embed"
     serves = Serves.EMBEDDING
@@ -187,13 +199,9 @@ class HFEmbedBackend(HFModel):
 
     def _embed_batch(self, loaded: Loaded, items: list[EmbedInput]) -> np.ndarray:
         batch = build_batch(loaded.processor, items, self.prompts)
-        inputs = {k: v.to(loaded.device) for k, v in batch.items()}
-        if not any(k in inputs for k in _MEDIA_KEYS):
-            inputs["position_ids"] = text_positions(inputs["attention_mask"])
         self.forward_passes += 1
         with torch.inference_mode():
-            hidden = final_hidden_states(loaded.model, inputs)  # [B, L, H]
-            last = hidden[:, -1, :].float()  # left padding: every row's last real token
+            last = last_token_states(loaded, batch).float()
             vectors = torch.nn.functional.normalize(last, dim=-1)
         return vectors.cpu().numpy()
 

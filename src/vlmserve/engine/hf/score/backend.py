@@ -23,9 +23,8 @@ from typing import Any
 import torch
 
 from vlmserve.engine.configs import RerankConfig
-from vlmserve.engine.hf.embed import final_hidden_states
+from vlmserve.engine.hf.embed import last_token_states
 from vlmserve.engine.hf.embed_batcher import MicroBatcher, shared_passes
-from vlmserve.engine.hf.embed_inputs import text_positions
 from vlmserve.engine.hf.lifecycle import HFModel
 from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model
 from vlmserve.engine.hf.score.heads import ScoreHead, load_head
@@ -36,7 +35,6 @@ from vlmserve.errors import InvalidRequest
 __all__ = ["HFRerankBackend"]
 
 log = logging.getLogger(__name__)
-_MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
 
 
 class HFRerankBackend(HFModel):
@@ -136,13 +134,9 @@ class HFRerankBackend(HFModel):
         batch = build_batch(loaded.processor, head.kind, pairs)
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         self._check_lengths(lengths, pairs, indices)
-        inputs = {k: v.to(loaded.device) for k, v in batch.items()}
-        if not any(k in inputs for k in _MEDIA_KEYS):
-            inputs["position_ids"] = text_positions(inputs["attention_mask"])
         self.forward_passes += 1
         with torch.inference_mode():
-            hidden = final_hidden_states(loaded.model, inputs)  # [B, L, H]
-            scores = head(hidden[:, -1, :])  # left padding: every row's last real token
+            scores = head(last_token_states(loaded, batch))
         return scores.cpu().tolist(), int(sum(lengths))
 
     def _check_lengths(
