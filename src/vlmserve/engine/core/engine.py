@@ -20,9 +20,7 @@ reloads it. A failed engine refuses new requests; it is never used again.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -56,7 +54,6 @@ from vlmserve.engine.models.architectures import build
 from vlmserve.engine.models.batch import DecodeRows, PrefillRow
 from vlmserve.engine.models.vision_cache import VisionCache
 from vlmserve.engine.types import Chunk, FinishReason
-from vlmserve.errors import ServiceUnavailable
 
 __all__ = ["END", "BatchEngine"]
 
@@ -72,7 +69,7 @@ GROUP_WAIT_S = 0.010
 _Item = TypeVar("_Item")
 
 
-class BatchEngine(EngineLifecycle):
+class BatchEngine:
     def __init__(
         self,
         model: Any,
@@ -108,15 +105,18 @@ class BatchEngine(EngineLifecycle):
         self.scheduler = Scheduler(c.max_num_seqs, budget, self.blocks)
         self.scheduler.prefix_hasher = self._block_hashes
         self.model_id = model_id  # in messages
-        self._submit = submit  # runs a callable on the model's executor thread
-        self._on_fatal = on_fatal  # (cause, an event loop of a failed request or None)
-        self._lock = threading.Lock()
-        self._inbox: deque[Sequence] = deque()
-        self._live: set[Sequence] = set()  # END not yet delivered: a fatal error ends these
-        self._active = False
-        self._closed = False
-        self.failure: EngineFailed | None = None  # set once, when the engine became unusable
         self._outbox = Outbox()
+        self.lifecycle = EngineLifecycle(  # the engine thread: submit, close, the fatal path
+            model_id,
+            self.scheduler,
+            self._outbox,
+            submit=submit,
+            run=self._run,
+            fail=self._fail,
+            flush=self._flush,
+            release=self._release_cache,
+            on_fatal=on_fatal,
+        )
         self._forked: list[tuple[Sequence, int]] = []  # choices forked this step, first tokens
         self.tokens_generated = 0
         self.steps = 0
@@ -126,9 +126,41 @@ class BatchEngine(EngineLifecycle):
         self.prefilled_rows = 0  # prompts prefilled (a recomputed row counts again)
         self.forked_rows = 0  # choices (n > 1) started from a copy of their head's prompt KV
         # what /metrics reads off the engine, from any thread
+        inbox = self.lifecycle.inbox
         self.gauges = EngineGauges(
-            self.scheduler, self.kv, self.blocks, self.vision_cache, self._inbox, self.timer
+            self.scheduler, self.kv, self.blocks, self.vision_cache, inbox, self.timer
         )
+
+    # --- the engine thread and its failure path (``lifecycle.py``) ---------------------------
+    def submit(self, seq: Sequence) -> None:
+        self.lifecycle.submit(seq)
+
+    def close(self) -> None:
+        """Stop after the current step; rows still queued or running get a 503."""
+        self.lifecycle.close()
+
+    def stalled_for(self) -> float:
+        """Seconds with requests to run but no step starting or ending; 0 when idle."""
+        return self.lifecycle.stalled_for()
+
+    def declare_stalled(self, seconds: float) -> None:
+        """From any thread: the engine is stuck; fail it as a fatal error would."""
+        self.lifecycle.declare_stalled(seconds)
+
+    @property
+    def failure(self) -> EngineFailed | None:
+        """Why the engine became unusable (set once); None while it serves."""
+        return self.lifecycle.failure
+
+    @property
+    def progress_at(self) -> float:
+        """When a step last started or ended, or the loop was started (monotonic s)."""
+        return self.lifecycle.progress_at
+
+    @property
+    def longest_step(self) -> float:
+        """The longest step so far (seconds)."""
+        return self.lifecycle.longest_step
 
     # --- called from event loops ---------------------------------------------------------
     def new_sequence(self, prepared: Prepared, loop: Any, queue: Any) -> Sequence:
@@ -164,11 +196,8 @@ class BatchEngine(EngineLifecycle):
         torch.set_num_threads(self._threads)  # as HFModel pins it (engines built directly too)
         flushed = time.perf_counter()
         with torch.inference_mode():
-            while self._take_inbox():
-                self.progress_at = started = time.monotonic()
-                self.step()
-                self.progress_at = time.monotonic()
-                self.longest_step = max(self.longest_step, self.progress_at - started)
+            while self.lifecycle.take_inbox():
+                self.lifecycle.run_step(self.step)
                 busy = len(self.scheduler.running) >= _BUSY_ROWS
                 now = time.perf_counter()
                 if (
@@ -179,19 +208,6 @@ class BatchEngine(EngineLifecycle):
                     self._flush()
                     flushed = now
             self._flush()
-        if self._closed:
-            self._release_cache()
-            self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
-
-    def _take_inbox(self) -> bool:
-        """Move submitted requests to the scheduler; False (and inactive) when idle."""
-        with self._lock:
-            while self._inbox:
-                self.scheduler.add(self._inbox.popleft())
-            if self._closed or self.scheduler.idle:
-                self._active = False
-                return False
-            return True
 
     def step(self) -> None:
         self._reap_cancelled()
@@ -431,7 +447,7 @@ class BatchEngine(EngineLifecycle):
             if group.left > 0:
                 return
             seq = group.head
-        self._outbox.put(seq, END)  # leaves ``_live`` once delivered (``_flush``)
+        self._outbox.put(seq, END)  # the lifecycle forgets it once delivered (``_flush``)
 
     def _retire(self, seq: Sequence) -> None:
         seq.finished_step = self.steps
@@ -451,8 +467,7 @@ class BatchEngine(EngineLifecycle):
 
     def _flush(self) -> None:
         """Deliver this step's outputs: one wake-up per event loop, not one per token."""
-        for seq in self._outbox.flush():
-            self._live.discard(seq)
+        self.lifecycle.delivered(self._outbox.flush())
 
     def _release_cache(self) -> None:
         if self.runner.cache is not None:

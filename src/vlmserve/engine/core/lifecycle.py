@@ -1,7 +1,11 @@
 """The engine's thread and its failure path: start the loop on submit, stop on close, and
 end every request at once when the engine fails (``faults.py`` says what is fatal).
 
-``EngineLifecycle`` is a base of ``BatchEngine``: the step logic is in ``engine.py``.
+``EngineLifecycle`` is a part of ``BatchEngine`` (``engine.lifecycle``), built with the
+callables it drives: the engine's step loop (``run``), failing one request (``fail``),
+delivering a step's outputs (``flush``) and freeing the KV cache (``release``). It owns the
+state the engine thread shares with the event loops (the inbox, the requests in flight, the
+failure) behind one lock; the step logic is in ``engine.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vlmserve.engine.core.faults import EngineFailed, EngineStalled
@@ -26,35 +30,38 @@ log = logging.getLogger("vlmserve.engine.core.engine")
 
 
 class EngineLifecycle:
-    """Thread and failure handling; ``BatchEngine`` provides the step (``_run``)."""
+    """Thread and failure handling of one engine; ``run`` is its step loop."""
 
-    model_id: str
-    scheduler: Scheduler
-    _submit: Callable[[Callable[[], None]], Any]
-    _on_fatal: Callable[[BaseException, Any], None] | None
-    _lock: threading.Lock
-    _inbox: deque[Sequence]
-    _live: set[Sequence]
-    _active: bool
-    _closed: bool
-    failure: EngineFailed | None
-    _outbox: Outbox
-    # liveness: when a step last started or ended (or the loop was started), and the
-    # longest step so far (monotonic seconds; written by the engine thread)
-    progress_at: float = 0.0
-    longest_step: float = 0.0
-
-    def _run(self) -> None:
-        raise NotImplementedError
-
-    def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        raise NotImplementedError
-
-    def _flush(self) -> None:
-        raise NotImplementedError
-
-    def _release_cache(self) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        model_id: str,
+        scheduler: Scheduler,
+        outbox: Outbox,
+        *,
+        submit: Callable[[Callable[[], None]], Any],
+        run: Callable[[], None],
+        fail: Callable[[Sequence, BaseException], None],
+        flush: Callable[[], None],
+        release: Callable[[], None],
+        on_fatal: Callable[[BaseException, Any], None] | None = None,
+    ) -> None:
+        """``submit`` runs a callable on the model's executor thread; ``run`` steps until
+        ``take_inbox`` finds the engine idle; ``on_fatal(cause, loop)`` tells the owner
+        that the engine failed (``loop``: an event loop of a failed request, or None)."""
+        self.model_id = model_id  # in messages
+        self._scheduler, self._outbox = scheduler, outbox
+        self._submit, self._run, self._fail = submit, run, fail
+        self._flush, self._release, self._on_fatal = flush, release, on_fatal
+        self._lock = threading.Lock()
+        self.inbox: deque[Sequence] = deque()  # submitted, not yet taken by the engine thread
+        self._live: set[Sequence] = set()  # END not yet delivered: a fatal error ends these
+        self._active = False
+        self._closed = False
+        self.failure: EngineFailed | None = None  # set once, when the engine became unusable
+        # liveness: when a step last started or ended (or the loop was started), and the
+        # longest step so far (monotonic seconds; written by the engine thread)
+        self.progress_at = 0.0
+        self.longest_step = 0.0
 
     def submit(self, seq: Sequence) -> None:
         with self._lock:
@@ -62,7 +69,7 @@ class EngineLifecycle:
                 raise self.failure
             if self._closed:
                 raise ServiceUnavailable("the model is unloading; retry shortly", retry_after=5)
-            self._inbox.append(seq)
+            self.inbox.append(seq)
             self._live.add(seq)
             start, self._active = not self._active, True
             if start:
@@ -96,9 +103,36 @@ class EngineLifecycle:
         if idle:
             self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
 
+    # --- called by the step loop (engine thread) ---------------------------------------------
+    def take_inbox(self) -> bool:
+        """Move submitted requests to the scheduler; False (and inactive) when idle."""
+        with self._lock:
+            while self.inbox:
+                self._scheduler.add(self.inbox.popleft())
+            if self._closed or self._scheduler.idle:
+                self._active = False
+                return False
+            return True
+
+    def run_step(self, step: Callable[[], None]) -> None:
+        """Run one step, recording its progress for the liveness check."""
+        self.progress_at = started = time.monotonic()
+        step()
+        self.progress_at = time.monotonic()
+        self.longest_step = max(self.longest_step, self.progress_at - started)
+
+    def delivered(self, seqs: Iterable[Sequence]) -> None:
+        """These requests' ``END`` went out: a fatal error no longer has them to end."""
+        for seq in seqs:
+            self._live.discard(seq)
+
+    # --- the loop's start and end, and failing -----------------------------------------------
     def _loop(self) -> None:
         try:
             self._run()
+            if self._closed:
+                self._release()
+                self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
         except BaseException as exc:  # outside a forward: the engine's state is not trusted
             self._die(exc)
 
@@ -117,10 +151,10 @@ class EngineLifecycle:
 
     def _abort_all(self, exc: BaseException) -> None:
         with self._lock:
-            pending = list(self._inbox) + list(self.scheduler.waiting)
-            self._inbox.clear()
-            self.scheduler.waiting.clear()
-        for seq in pending + list(self.scheduler.running):
+            pending = list(self.inbox) + list(self._scheduler.waiting)
+            self.inbox.clear()
+            self._scheduler.waiting.clear()
+        for seq in pending + list(self._scheduler.running):
             self._fail(seq, exc)
         self._flush()
 
@@ -135,7 +169,7 @@ class EngineLifecycle:
             self._active = False
             live = [*self._live]
             self._live.clear()
-            self._inbox.clear()
+            self.inbox.clear()
         log.error(
             "%s: the engine failed; ending its %d requests",
             self.model_id,
@@ -155,4 +189,4 @@ class EngineLifecycle:
                     deliver, [(seq.queue, self.failure), (seq.queue, END)]
                 )
         with contextlib.suppress(Exception):
-            self._release_cache()
+            self._release()

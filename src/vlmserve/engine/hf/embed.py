@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ import torch
 
 from vlmserve.engine.configs import EmbedConfig
 from vlmserve.engine.hf.adapters import apply_adapter
-from vlmserve.engine.hf.embed_batcher import MicroBatcher
+from vlmserve.engine.hf.embed_batcher import MicroBatcher, shared_passes
 from vlmserve.engine.hf.embed_inputs import (
     EmbedInput,
     EmbedPrompts,
@@ -41,11 +40,10 @@ from vlmserve.engine.hf.lifecycle import HFModel
 from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model
 from vlmserve.engine.hf.score.prompts import cut_text
 from vlmserve.engine.types import Scored, ScorePair, Serves
-from vlmserve.errors import ConfigError, InvalidRequest
+from vlmserve.errors import InvalidRequest
 
 __all__ = ["EmbedInput", "EmbedPrompts", "HFEmbedBackend"]
 
-log = logging.getLogger(__name__)
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
 
 
@@ -59,6 +57,18 @@ def final_hidden_states(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Te
     if isinstance(inner, torch.nn.Module):
         return inner(**inputs, use_cache=False).last_hidden_state
     return model(**inputs, use_cache=False, output_hidden_states=True).hidden_states[-1]
+
+
+def last_token_states(loaded: Loaded, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, H]: each row's final hidden state at its last token, from one forward over the
+    left-padded ``batch`` (call it under ``torch.inference_mode``). Text-only batches get
+    position ids that start at each row's first real token; with media the model computes
+    them from the attention mask."""
+    inputs = {k: v.to(loaded.device) for k, v in batch.items()}
+    if not any(k in inputs for k in _MEDIA_KEYS):
+        inputs["position_ids"] = text_positions(inputs["attention_mask"])
+    hidden = final_hidden_states(loaded.model, inputs)  # [B, L, H]
+    return hidden[:, -1, :]  # left padding: every row's last real token
 
 
 class HFEmbedBackend(HFModel):
@@ -81,14 +91,12 @@ class HFEmbedBackend(HFModel):
         config = config or EmbedConfig.defaults()
         max_batch = config.max_batch if max_batch is None else max_batch
         batch_wait_ms = config.batch_wait_ms if batch_wait_ms is None else batch_wait_ms
-        if max_batch < 1:
-            raise ConfigError(f"max_batch is {max_batch} for {model_id!r}; it must be at least 1")
         super().__init__(model_id, options)
         self.adapter = adapter
         self.prompts = prompts
         self.forward_passes = 0  # model forward passes run, all requests together
-        self._batcher: MicroBatcher[EmbedInput, np.ndarray] = MicroBatcher(
-            self._run_groups, max_items=max_batch, wait_s=batch_wait_ms / 1000
+        self._batcher: MicroBatcher[EmbedInput, np.ndarray] = MicroBatcher.for_model(
+            self._run_groups, model_id, max_batch, batch_wait_ms
         )
 
     @property
@@ -182,42 +190,24 @@ class HFEmbedBackend(HFModel):
         self._require()
         return await self._batcher.submit(items)
 
-    async def _run_groups(self, groups: list[list[EmbedInput]]) -> list[np.ndarray | Exception]:
+    async def _run_groups(self, groups: list[list[EmbedInput]]) -> list[np.ndarray | BaseException]:
+        """Every request's vectors from shared forward passes (``shared_passes``)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._embed_groups, groups)
-
-    def _embed_groups(self, groups: list[list[EmbedInput]]) -> list[np.ndarray | Exception]:
-        """Blocking: every request's vectors from shared forward passes; if those fail, each
-        request alone, so that only the failing request gets an exception."""
-        try:
-            vectors = self.embed_sync([item for group in groups for item in group])
-        except Exception as exc:
-            if len(groups) == 1:
-                return [exc]
-            log.info(
-                "a batch of %d embedding requests failed (%s); running each alone", len(groups), exc
-            )
-            return [self._embed_alone(group) for group in groups]
-        offsets = itertools.accumulate((len(group) for group in groups), initial=0)
-        return [vectors[start:end] for start, end in itertools.pairwise(offsets)]
-
-    def _embed_alone(self, items: list[EmbedInput]) -> np.ndarray | Exception:
-        try:
-            return self.embed_sync(items)
-        except Exception as exc:
-            return exc
+        return await loop.run_in_executor(
+            self._executor, shared_passes, self.embed_sync, groups, _by_request, "embedding"
+        )
 
     def _embed_batch(self, loaded: Loaded, items: list[EmbedInput]) -> np.ndarray:
         batch = build_batch(loaded.processor, items, self.prompts)
-        inputs = {k: v.to(loaded.device) for k, v in batch.items()}
-        if not any(k in inputs for k in _MEDIA_KEYS):
-            inputs["position_ids"] = text_positions(inputs["attention_mask"])
         self.forward_passes += 1
         with torch.inference_mode():
-            hidden = final_hidden_states(loaded.model, inputs)  # [B, L, H]
-            last = hidden[:, -1, :].float()  # left padding: every row's last real token
+            last = last_token_states(loaded, batch).float()
             vectors = torch.nn.functional.normalize(last, dim=-1)
         return vectors.cpu().numpy()
+
+
+def _by_request(vectors: np.ndarray, offsets: list[int]) -> list[np.ndarray]:
+    return [vectors[start:end] for start, end in itertools.pairwise(offsets)]
 
 
 def _media(item: EmbedInput) -> tuple[Any, Any]:

@@ -9,17 +9,24 @@ exception per request, so one request's failure never becomes another's.
 A request cancelled while it waits is removed before its batch is taken; one cancelled
 while its batch runs just has its result dropped. ``wait_s=0`` still batches whatever is
 queued when the collector gets to run (everything submitted in the same loop iteration).
+
+``shared_passes`` is the blocking side that the embedding and reranker backends hand their
+batch function to: every request's items in one call, split back by request; when that
+fails, each request again alone, so only the request at fault gets the error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-__all__ = ["MicroBatcher", "RunGroups"]
+from vlmserve.errors import ConfigError
+
+__all__ = ["MicroBatcher", "RunGroups", "shared_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,16 @@ class MicroBatcher(Generic[T, R]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._collector: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Future[None] | None = None
+
+    @classmethod
+    def for_model(
+        cls, run: RunGroups[T, R], model_id: str, max_batch: int, wait_ms: float
+    ) -> MicroBatcher[T, R]:
+        """A model's batcher: ``max_batch`` items per forward pass (a ``ConfigError`` naming
+        the model below 1), each request waiting up to ``wait_ms`` for company."""
+        if max_batch < 1:
+            raise ConfigError(f"max_batch is {max_batch} for {model_id!r}; it must be at least 1")
+        return cls(run, max_items=max_batch, wait_s=wait_ms / 1000)
 
     @property
     def pending_items(self) -> int:
@@ -127,3 +144,32 @@ class MicroBatcher(Generic[T, R]):
                 waiting.future.set_exception(result)
             else:
                 waiting.future.set_result(result)
+
+
+def shared_passes(
+    run: Callable[[list[T]], R],
+    groups: list[list[T]],
+    split: Callable[[R, list[int]], list[R]],
+    what: str,
+) -> list[R | BaseException]:
+    """Blocking, on the model's thread: ``run`` over every request's items at once, its
+    result cut back into one per request by ``split(result, offsets)`` (request ``i`` holds
+    items ``offsets[i]:offsets[i + 1]``); if that fails, each request alone, so that only
+    the failing request gets an exception. ``what`` names the requests in the log."""
+    try:
+        together = run([item for group in groups for item in group])
+    except Exception as exc:
+        if len(groups) == 1:
+            return [exc]
+        log.info(
+            "a batch of %d %s requests failed (%s); running each alone", len(groups), what, exc
+        )
+        return [_alone(run, group) for group in groups]
+    return [*split(together, list(itertools.accumulate(map(len, groups), initial=0)))]
+
+
+def _alone(run: Callable[[list[T]], R], items: list[T]) -> R | BaseException:
+    try:
+        return run(items)
+    except Exception as exc:
+        return exc

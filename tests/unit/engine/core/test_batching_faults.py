@@ -251,7 +251,7 @@ def raising(*_: Any, **__: Any) -> Any:
     raise RuntimeError("injected")
 
 
-@pytest.mark.parametrize("method", ["step", "_take_inbox", "_flush", "_reap_cancelled"])
+@pytest.mark.parametrize("method", ["step", "lifecycle.take_inbox", "_flush", "_reap_cancelled"])
 async def test_an_error_outside_a_forward_ends_every_request_within_seconds(
     backend: HFChatBackend, method: str
 ) -> None:
@@ -259,7 +259,8 @@ async def test_an_error_outside_a_forward_ends_every_request_within_seconds(
     reqs = [request(f"r{i}", max_tokens=200) for i in range(6)]  # 3 run, 3 wait
     jobs = asyncio.gather(*(tokens(backend, r) for r in reqs), return_exceptions=True)
     await until_running(engine, 3)
-    setattr(engine, method, raising)
+    part, _, name = method.rpartition(".")
+    setattr(getattr(engine, part) if part else engine, name, raising)
     injected = time.monotonic()
     got = await asyncio.wait_for(jobs, FAST)
     assert time.monotonic() - injected < FAST

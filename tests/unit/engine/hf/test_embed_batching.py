@@ -22,7 +22,8 @@ from vlmserve.api.app import build_app
 from vlmserve.config import ModelConfig, Settings
 from vlmserve.engine.hf.embed import EmbedInput, HFEmbedBackend
 from vlmserve.engine.hf.loading import LoadOptions
-from vlmserve.errors import InvalidRequest, ServiceUnavailable
+from vlmserve.engine.hf.score.backend import HFRerankBackend
+from vlmserve.errors import ConfigError, InvalidRequest, ServiceUnavailable
 from vlmserve.registry.build import hf_handle
 from vlmserve.registry.manager import ModelManager
 from vlmserve.testing import build_lora_adapter
@@ -196,6 +197,15 @@ async def test_an_unloaded_backend_is_unavailable_without_queueing(tiny_dir):
     options = LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32")
     with pytest.raises(ServiceUnavailable, match="unloaded"):
         await HFEmbedBackend("cold", options).embed([EmbedInput(text="x")])
+
+
+@pytest.mark.parametrize("backend", [HFEmbedBackend, HFRerankBackend])
+def test_a_batch_size_below_one_is_refused_naming_the_model(
+    tiny_dir: Path, backend: type[HFEmbedBackend | HFRerankBackend]
+) -> None:
+    options = LoadOptions(source=str(tiny_dir), device="cpu", dtype="float32")
+    with pytest.raises(ConfigError, match="max_batch is 0 for 'tiny'; it must be at least 1"):
+        backend("tiny", options, max_batch=0)
 
 
 # --- through the HTTP API ----------------------------------------------------------------

@@ -23,20 +23,18 @@ from typing import Any
 import torch
 
 from vlmserve.engine.configs import RerankConfig
-from vlmserve.engine.hf.embed import final_hidden_states
-from vlmserve.engine.hf.embed_batcher import MicroBatcher
-from vlmserve.engine.hf.embed_inputs import text_positions
+from vlmserve.engine.hf.embed import last_token_states
+from vlmserve.engine.hf.embed_batcher import MicroBatcher, shared_passes
 from vlmserve.engine.hf.lifecycle import HFModel
 from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model
 from vlmserve.engine.hf.score.heads import ScoreHead, load_head
 from vlmserve.engine.hf.score.prompts import JINA, build_batch, check_pair
 from vlmserve.engine.types import Scored, ScorePair, Serves
-from vlmserve.errors import ConfigError, InvalidRequest
+from vlmserve.errors import InvalidRequest
 
 __all__ = ["HFRerankBackend"]
 
 log = logging.getLogger(__name__)
-_MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
 
 
 class HFRerankBackend(HFModel):
@@ -54,14 +52,12 @@ class HFRerankBackend(HFModel):
         """``config`` (default: the settings' defaults); ``max_batch`` overrides it."""
         config = config or RerankConfig.defaults()
         max_batch = config.max_batch if max_batch is None else max_batch
-        if max_batch < 1:
-            raise ConfigError(f"max_batch is {max_batch} for {model_id!r}; it must be at least 1")
         super().__init__(model_id, options)
         self.max_model_len = config.max_model_len
         self.forward_passes = 0  # model forward passes run, all requests together
         self._head: ScoreHead | None = None
-        self._batcher: MicroBatcher[ScorePair, Scored] = MicroBatcher(
-            self._run_groups, max_items=max_batch, wait_s=config.batch_wait_ms / 1000
+        self._batcher: MicroBatcher[ScorePair, Scored] = MicroBatcher.for_model(
+            self._run_groups, model_id, max_batch, config.batch_wait_ms
         )
 
     @property
@@ -126,28 +122,11 @@ class HFRerankBackend(HFModel):
         return await self._batcher.submit(pairs)
 
     async def _run_groups(self, groups: list[list[ScorePair]]) -> list[Scored | BaseException]:
+        """Every request's scores from shared forward passes (``shared_passes``)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._score_groups, groups)
-
-    def _score_groups(self, groups: list[list[ScorePair]]) -> list[Scored | BaseException]:
-        try:
-            together = self.score_sync([pair for group in groups for pair in group])
-        except Exception as exc:
-            if len(groups) == 1:
-                return [exc]
-            log.info("a batch of %d score requests failed (%s); each alone", len(groups), exc)
-            return [self._score_alone(group) for group in groups]
-        offsets = list(itertools.accumulate((len(g) for g in groups), initial=0))
-        share = together.prompt_tokens // max(1, offsets[-1])  # usage: an even share
-        return [
-            Scored(together.scores[a:b], share * (b - a)) for a, b in itertools.pairwise(offsets)
-        ]
-
-    def _score_alone(self, pairs: list[ScorePair]) -> Scored | BaseException:
-        try:
-            return self.score_sync(pairs)
-        except Exception as exc:
-            return exc
+        return await loop.run_in_executor(
+            self._executor, shared_passes, self.score_sync, groups, _by_request, "score"
+        )
 
     def _score_batch(
         self, loaded: Loaded, head: ScoreHead, pairs: list[ScorePair], indices: list[int]
@@ -155,13 +134,9 @@ class HFRerankBackend(HFModel):
         batch = build_batch(loaded.processor, head.kind, pairs)
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         self._check_lengths(lengths, pairs, indices)
-        inputs = {k: v.to(loaded.device) for k, v in batch.items()}
-        if not any(k in inputs for k in _MEDIA_KEYS):
-            inputs["position_ids"] = text_positions(inputs["attention_mask"])
         self.forward_passes += 1
         with torch.inference_mode():
-            hidden = final_hidden_states(loaded.model, inputs)  # [B, L, H]
-            scores = head(hidden[:, -1, :])  # left padding: every row's last real token
+            scores = head(last_token_states(loaded, batch))
         return scores.cpu().tolist(), int(sum(lengths))
 
     def _check_lengths(
@@ -181,6 +156,12 @@ class HFRerankBackend(HFModel):
                     param=where,
                     code="context_length_exceeded",
                 )
+
+
+def _by_request(together: Scored, offsets: list[int]) -> list[Scored]:
+    """Each request's scores; usage as an even share of the tokens read together."""
+    share = together.prompt_tokens // max(1, offsets[-1])
+    return [Scored(together.scores[a:b], share * (b - a)) for a, b in itertools.pairwise(offsets)]
 
 
 def _size(pair: ScorePair) -> tuple[int, int]:
