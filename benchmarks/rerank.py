@@ -5,9 +5,10 @@
     python benchmarks/rerank.py --model jinaai/jina-reranker-m0 --device cuda
     python benchmarks/rerank.py --http --peer vllm       # both servers' /v1/rerank too
 
-In process, both modes score the same pairs with ``HFRerankBackend``: *batched* runs them in
-left-padded batches of ``--max-batch`` (what ``/v1/rerank`` does with one request's
-documents, and with concurrent requests' pairs); *one at a time* runs a forward per pair.
+In process, both modes score the same pairs through the same path, ``HFRerankBackend``'s
+``score_sync`` (packed prefill-only rows on the batched engine's model code): *batched* packs
+them into forwards of ``--max-batch`` pairs (what ``/v1/rerank`` does with one request's
+documents, and with concurrent requests' pairs); *one at a time* calls it once per pair.
 ``--http`` also times our ``/v1/rerank`` (a server in this process) with all documents in one
 request and with one document per request. ``--peer vllm`` starts vLLM
 (``~/.cache/vlmserve/peers/vllm``, see ``benchmarks/peers/install_vllm.sh``) on the same

@@ -112,11 +112,17 @@ class RerankConfig:
     max_batch: int  # rerank_max_batch_size: query-document pairs in one forward pass
     batch_wait_ms: float  # embed_batch_wait_ms: how long a request waits for others
     max_model_len: int  # max_model_len: tokens of one pair (prompt, media included)
+    # max_num_batched_tokens: prompt tokens one forward packs (None: ``batched_tokens``'s
+    # default for the device); a pair longer than that runs alone
+    max_batched_tokens: int | None
+    vision_cache_bytes: int  # vision_cache_bytes: document images' features by content
 
     _SETTINGS: ClassVar[dict[str, str]] = {
         "max_batch": "rerank_max_batch_size",
         "batch_wait_ms": "embed_batch_wait_ms",
         "max_model_len": "max_model_len",
+        "max_batched_tokens": "max_num_batched_tokens",
+        "vision_cache_bytes": "vision_cache_bytes",
     }
 
     @classmethod

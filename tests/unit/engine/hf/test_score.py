@@ -243,3 +243,58 @@ def test_an_embedding_model_scores_by_cosine_of_direct_forwards(tiny_dir: Path) 
     finally:
         embedder.close()
     assert scored.scores == pytest.approx(expected, abs=TOL)
+
+
+def test_pairs_run_as_packed_prefill_only_rows_without_a_kv_cache(
+    qwen3: HFRerankBackend,
+) -> None:
+    assert qwen3.packed  # Qwen3-VL: the batched engine's own model code
+    qwen3.score_sync([ScorePair(EmbedInput(QUERY), EmbedInput(t)) for t in TEXTS])
+    assert qwen3._runner.cache is None  # never allocated: no KV kept after the step
+
+
+def test_a_document_image_seen_again_is_not_encoded_again(jina: HFRerankBackend) -> None:
+    """The vision tower runs once per distinct image: a repeated document image, in the same
+    request or a later one, comes from the vision cache, and scores the same."""
+    model = jina._require().model.model
+    tower = model.get_image_features
+    calls: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return tower(*args, **kwargs)
+
+    image, other = gradient_image(64, 64, seed=11), gradient_image(64, 64, seed=12)
+    pairs = [ScorePair(EmbedInput(QUERY), EmbedInput(image=i)) for i in (image, other, image)]
+    model.get_image_features = counted
+    try:
+        first = jina.score_sync(pairs).scores
+        assert len(calls) == 2  # two distinct images
+        again = jina.score_sync([pairs[0]]).scores
+        assert len(calls) == 2  # seen before: not encoded again
+    finally:
+        del model.get_image_features  # the class's method again
+    assert first[0] == pytest.approx(first[2], abs=1e-6)
+    assert again[0] == pytest.approx(first[0], abs=1e-6)
+    assert first[0] == pytest.approx(_jina_reference(jina, QUERY, image), abs=TOL)
+
+
+def test_a_forward_packs_at_most_the_token_budget(jina: HFRerankBackend) -> None:
+    pairs = [ScorePair(EmbedInput(QUERY), EmbedInput(t)) for t in TEXTS * 2]
+    expected = jina.score_sync(pairs).scores
+    longest = max(len(row["input_ids"][0]) for row in _rows(jina, pairs))
+    before = jina.max_batched_tokens
+    jina.max_batched_tokens = longest  # room for one pair a forward
+    try:
+        start = jina.forward_passes
+        scores = jina.score_sync(pairs).scores
+        assert jina.forward_passes - start == len(pairs)
+    finally:
+        jina.max_batched_tokens = before
+    assert scores == pytest.approx(expected, abs=TOL)
+
+
+def _rows(backend: HFRerankBackend, pairs: list[ScorePair]) -> list[dict[str, Any]]:
+    from vlmserve.engine.hf.score.prompts import pair_inputs
+
+    return pair_inputs(backend._require().processor, backend.kind, pairs)

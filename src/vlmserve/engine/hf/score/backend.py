@@ -2,11 +2,17 @@
 
 The model is loaded as transformers' own class (``AutoModelForImageTextToText``: Qwen2-VL
 for jina-reranker-m0, Qwen3-VL for Qwen3-VL-Reranker); ``heads.py`` picks the score head
-from the checkpoint. Pairs run as left-padded rows of one batch (prefill only: no KV cache
-kept, no decode): the inner model's final hidden state at the last position goes through
-the head. Padding does not change any score, as for embeddings (``embed.py``): text-only
-batches get position ids that start at each row's first real token, and with media the
-model's ``get_rope_index`` reads the attention mask.
+from the checkpoint, and the head reads the final hidden state at each pair's last token.
+
+Where the batched engine has the family (``models.architectures``: Qwen2-VL and Qwen3-VL,
+both reranker kinds), pairs run on its model code as **prefill-only rows**: each pair is one
+unpadded row (``pair_inputs``: text-only pairs tokenised together, their padding cut off),
+its images and videos scattered in by the family's prompt embedder through this model's
+``VisionCache`` (a document image seen before, in this request or an earlier one, is not
+encoded again); the rows are packed into forwards of at most ``max_batch`` pairs and
+``max_batched_tokens`` tokens (``models.prefill_only.last_hidden``: no decode, no KV cache
+allocated, written or kept). Other families fall back to transformers' forward over
+left-padded batches (``embed.last_token_states``).
 
 Concurrent ``score`` calls share forward passes through a ``MicroBatcher`` (as embeddings
 do); when a shared batch fails, each request runs again alone, so only the one at fault gets
@@ -22,14 +28,18 @@ from typing import Any
 
 import torch
 
-from vlmserve.engine.configs import RerankConfig
+from vlmserve.engine.configs import RerankConfig, batched_tokens
 from vlmserve.engine.hf.embed import last_token_states
 from vlmserve.engine.hf.embed_batcher import MicroBatcher, shared_passes
 from vlmserve.engine.hf.lifecycle import HFModel
 from vlmserve.engine.hf.loading import Loaded, LoadOptions, load_model
 from vlmserve.engine.hf.score.heads import ScoreHead, load_head
-from vlmserve.engine.hf.score.prompts import JINA, build_batch, check_pair
-from vlmserve.engine.types import Scored, ScorePair, Serves
+from vlmserve.engine.hf.score.prompts import JINA, build_batch, check_pair, pair_inputs
+from vlmserve.engine.models.architectures import build, supports
+from vlmserve.engine.models.batch import PrefillRow
+from vlmserve.engine.models.prefill_only import last_hidden
+from vlmserve.engine.models.vision_cache import VisionCache
+from vlmserve.engine.types import BackendStats, Scored, ScorePair, Serves
 from vlmserve.errors import InvalidRequest
 
 __all__ = ["HFRerankBackend"]
@@ -55,7 +65,12 @@ class HFRerankBackend(HFModel):
         super().__init__(model_id, options)
         self.max_model_len = config.max_model_len
         self.forward_passes = 0  # model forward passes run, all requests together
+        self.vision_cache = VisionCache(config.vision_cache_bytes)
+        self._tokens_setting = config.max_batched_tokens
+        self.max_batched_tokens = 0  # tokens one forward packs: set at load, by device
         self._head: ScoreHead | None = None
+        self._runner: Any = None  # the batched engine's runner and prompt embedder, when
+        self._embedder: Any = None  # the family has them; None: transformers' forward
         self._batcher: MicroBatcher[ScorePair, Scored] = MicroBatcher.for_model(
             self._run_groups, model_id, max_batch, config.batch_wait_ms
         )
@@ -70,6 +85,12 @@ class HFRerankBackend(HFModel):
         self._batcher.max_items = value
 
     @property
+    def packed(self) -> bool:
+        """Whether pairs run as packed prefill-only rows on the batched engine's model code
+        (else transformers' forward over left-padded batches)."""
+        return self._embedder is not None
+
+    @property
     def kind(self) -> str:
         """``jina`` or ``yes_no`` (``heads.py``)."""
         return self._require_head().kind
@@ -77,8 +98,21 @@ class HFRerankBackend(HFModel):
     def _load(self) -> Loaded:
         loaded = load_model(self.options)
         self._head = load_head(loaded.model, loaded.processor.tokenizer, self.options.source)
-        log.info("reranker %s scores with the %s head", self.model_id, self._head.kind)
+        self._runner = self._embedder = None
+        if supports(loaded.model):
+            self._runner, self._embedder = build(loaded.model, self.vision_cache)
+        self.max_batched_tokens = batched_tokens(self._tokens_setting, loaded.device.type)
+        how = "packed prefill-only rows" if self._runner else "left-padded batches"
+        log.info("reranker %s scores with the %s head, %s", self.model_id, self._head.kind, how)
         return loaded
+
+    def close(self) -> None:
+        super().close()
+        self._runner = self._embedder = None
+        self.vision_cache.clear()
+
+    def stats(self) -> BackendStats:
+        return BackendStats(vision_cache=self.vision_cache.stats())
 
     def _require_head(self) -> ScoreHead:
         self._require()
@@ -99,10 +133,33 @@ class HFRerankBackend(HFModel):
 
     # --- requests ------------------------------------------------------------------------
     def score_sync(self, pairs: list[ScorePair]) -> Scored:
-        """Blocking: every pair's score, in forward passes of at most ``max_batch`` pairs."""
+        """Blocking: every pair's score, in forward passes of at most ``max_batch`` pairs
+        (and, packed, ``max_batched_tokens`` tokens)."""
         _check_pairs(pairs)
         loaded, head = self._require(), self._require_head()
-        # pairs of like size share a batch (less padding); scores go back in request order
+        if self._embedder is None:
+            return self._score_padded(loaded, head, pairs)
+        scores: list[float] = []
+        with torch.inference_mode():
+            rows = self._rows(loaded, head, pairs)
+            lengths = [row.embeds.shape[0] for row in rows]
+            for pack in _packs(lengths, self.max_batch, self.max_batched_tokens):
+                self.forward_passes += 1
+                last = last_hidden(self._runner, [rows[i] for i in pack])
+                scores += head(last).cpu().tolist()
+        return Scored(scores, sum(lengths))
+
+    def _rows(self, loaded: Loaded, head: ScoreHead, pairs: list[ScorePair]) -> list[PrefillRow]:
+        """One prefill row per pair, its media through the vision cache (lengths checked
+        before any vision tower runs)."""
+        inputs = pair_inputs(loaded.processor, head.kind, pairs)
+        lengths = [int(i["input_ids"].shape[1]) for i in inputs]
+        self._check_lengths(lengths, pairs, list(range(len(pairs))))
+        return [self._embedder.build(i).row for i in inputs]
+
+    def _score_padded(self, loaded: Loaded, head: ScoreHead, pairs: list[ScorePair]) -> Scored:
+        """transformers' forward over left-padded batches of ``max_batch`` pairs; pairs of
+        like size share a batch (less padding); scores go back in request order."""
         order = sorted(range(len(pairs)), key=lambda i: _size(pairs[i]))
         scores = [0.0] * len(pairs)
         tokens = 0
@@ -162,6 +219,20 @@ def _by_request(together: Scored, offsets: list[int]) -> list[Scored]:
     """Each request's scores; usage as an even share of the tokens read together."""
     share = together.prompt_tokens // max(1, offsets[-1])
     return [Scored(together.scores[a:b], share * (b - a)) for a, b in itertools.pairwise(offsets)]
+
+
+def _packs(lengths: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Consecutive rows in forwards of at most ``max_rows`` rows and ``max_tokens`` tokens
+    (a row longer than ``max_tokens`` alone)."""
+    packs: list[list[int]] = []
+    tokens = 0
+    for i, length in enumerate(lengths):
+        if not packs or len(packs[-1]) >= max_rows or tokens + length > max_tokens:
+            packs.append([])
+            tokens = 0
+        packs[-1].append(i)
+        tokens += length
+    return packs
 
 
 def _size(pair: ScorePair) -> tuple[int, int]:

@@ -1,5 +1,6 @@
 """Query-document pairs -> the prompts each reranker kind was trained on, and a batch of them
--> one left-padded model input.
+-> model inputs: one unpadded row per pair for the batched engine's packed rows
+(``pair_inputs``), or one left-padded batch for transformers' forward (``build_batch``).
 
 Two prompt formats, each as its model's own code writes it:
 
@@ -12,7 +13,7 @@ Two prompt formats, each as its model's own code writes it:
   are ``<Instruct>: ...``, ``<Query>:``, the query's video, image and text, ``\\n<Document>:``
   and the document's; the generation prompt follows, and P(yes) is read at its last token.
 
-Left padding puts every row's last real token at the last position (where the score is read).
+The score is read at each row's last token (left padding puts it at the last position).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "check_pair",
     "cut_text",
     "jina_prompt",
+    "pair_inputs",
     "yes_no_prompt",
 ]
 
@@ -144,9 +146,9 @@ def yes_no_prompt(pair: ScorePair, processor: Any, instruction: str = YES_NO_INS
     return prompt
 
 
-def build_batch(processor: Any, kind: str, pairs: list[ScorePair]) -> dict[str, torch.Tensor]:
-    """Tokenise and preprocess ``pairs`` as one left-padded batch (input_ids: [B, L]); for
-    ``jina`` the score token ends every row."""
+def _processed(
+    processor: Any, kind: str, pairs: list[ScorePair], **extra: Any
+) -> dict[str, torch.Tensor]:
     if kind == JINA:
         prompts = [jina_prompt(p, processor.tokenizer) for p in pairs]
     else:
@@ -155,10 +157,44 @@ def build_batch(processor: Any, kind: str, pairs: list[ScorePair]) -> dict[str, 
     images = [fit_image(i, factor) for p in prompts for i in p.images]
     videos = [[fit_image(f, factor) for f in v] for p in prompts for v in p.videos]
     texts = [p.text for p in prompts]
-    batch = run_processor(processor, texts, images, videos, padding=True, padding_side="left")
+    batch = run_processor(processor, texts, images, videos, **extra)
     if kind == JINA:
-        append_score_token(batch)
+        append_score_token(batch)  # after the padding: every row's last column
     return batch
+
+
+def build_batch(processor: Any, kind: str, pairs: list[ScorePair]) -> dict[str, torch.Tensor]:
+    """Tokenise and preprocess ``pairs`` as one left-padded batch (input_ids: [B, L]); for
+    ``jina`` the score token ends every row."""
+    return _processed(processor, kind, pairs, padding=True, padding_side="left")
+
+
+def pair_inputs(processor: Any, kind: str, pairs: list[ScorePair]) -> list[dict[str, torch.Tensor]]:
+    """Each pair's processor outputs as a single unpadded row (input_ids: [1, T]), what the
+    batched engine's prompt embedder takes; for ``jina`` the score token ends each. Text-only
+    pairs are tokenised in one call (its padding cut off again): a processor call costs
+    far more than the tokens it reads; a pair with media has a call of its own."""
+    rows: list[dict[str, torch.Tensor] | None] = [None] * len(pairs)
+    text = [i for i, pair in enumerate(pairs) if not _has_media(pair)]
+    if text:
+        batch = build_batch(processor, kind, [pairs[i] for i in text])  # left-padded
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        width = batch["input_ids"].shape[1]
+        for j, (i, n) in enumerate(zip(text, lengths, strict=True)):
+            cut = slice(width - int(n), width)  # the row's own tokens: its last n
+            rows[i] = {k: v[j : j + 1, cut] for k, v in batch.items() if _per_token(v, width)}
+    for i, pair in enumerate(pairs):
+        if rows[i] is None:
+            rows[i] = _processed(processor, kind, [pair])
+    return [row for row in rows if row is not None]
+
+
+def _has_media(pair: ScorePair) -> bool:
+    return any(s.image is not None or s.frames is not None for s in (pair.query, pair.document))
+
+
+def _per_token(value: Any, width: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == width
 
 
 def append_score_token(batch: dict[str, torch.Tensor]) -> None:
