@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import os
 import random
@@ -28,16 +29,16 @@ MiB = 2**20
 
 
 def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (the media workers, their resource tracker)."""
+    """``pid`` and its descendants (the engine process, the media workers, their resource
+    tracker). Each thread lists the children it started: the engine process is started from
+    a worker thread, so every thread's list is read, not the main thread's alone."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
         out.append(p)
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
+        for children in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # the thread or process is gone
+                todo.extend(int(c) for c in children.read_text().split())
     return out
 
 
