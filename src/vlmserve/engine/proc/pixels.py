@@ -3,8 +3,8 @@
 A 1280x960 photo is 3.7 MB of pixels; pickled into the ``prepare`` message it would be
 copied into the pickle, through the pipe, into the engine's receive buffer and out of it again.
 Instead ``ship`` (API process) writes each image and video frame of a ``GenerateRequest``
-into its own ``multiprocessing.shared_memory`` block and sends a copy of the request whose
-parts name the blocks (``SharedImage``); ``receive`` (engine process) maps each block, copies
+into its own POSIX shared memory block and sends a copy of the request whose
+parts name the blocks (``SharedImage``); ``receive`` (engine process) reads each block, copies
 the pixels into an image and unlinks it, every block of the request even when one fails.
 
 The API process stays answerable for the blocks until the engine has answered the
@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import mmap
 import os
+import secrets
 from _posixshmem import shm_open, shm_unlink  # the block calls SharedMemory makes, untracked
 from multiprocessing import resource_tracker
 from typing import Any
@@ -33,6 +33,8 @@ from vlmserve.media.workers.shared import SharedImage
 
 __all__ = ["has_media", "receive", "release", "ship", "shipped"]
 
+_PREFIX = "/vlmserve_px_"  # the blocks' names in /dev/shm
+
 
 def has_media(request: GenerateRequest) -> bool:
     return any(isinstance(p, ImagePart | VideoPart) for m in request.messages for p in m.content)
@@ -43,7 +45,7 @@ def ship(request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
     names: list[str] = []
 
     def put(image: Any) -> SharedImage:
-        shared = SharedImage.put(image)
+        shared = _put(image)
         names.append(shared.name)
         return shared
 
@@ -92,19 +94,49 @@ def receive(request: GenerateRequest) -> GenerateRequest:
     return dataclasses.replace(request, messages=messages)
 
 
+def _put(image: Image.Image) -> SharedImage:
+    """The image's pixels in a new block, written with ``pwrite``: the copy runs without the
+    GIL and without a page fault per page (a copy into a mapping took about twice as long
+    for a 1280x960 photo, the GIL held throughout). The block is registered with this
+    process's resource tracker, which unlinks it should this process die before ``release``."""
+    data = image.tobytes()
+    path = f"{_PREFIX}{secrets.token_hex(8)}"
+    fd = shm_open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        resource_tracker.register(path, "shared_memory")
+        os.ftruncate(fd, max(1, len(data)))
+        with memoryview(data) as view:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, view[done:], done)
+    except BaseException:
+        release([path])
+        raise
+    finally:
+        os.close(fd)
+    return SharedImage(path.lstrip("/"), image.mode, image.size, len(data))
+
+
 def _take(shared: SharedImage) -> Image.Image:
-    """The image copied out of its block, which is unlinked. The block is opened without
-    this process's resource tracker: the API process that made it answers for it."""
+    """The image read out of its block (``pread``, without the GIL), which is unlinked. The
+    block is opened without this process's resource tracker: the API process that made it
+    answers for it."""
     path = f"/{shared.name.lstrip('/')}"
     fd = shm_open(path, os.O_RDONLY, 0o600)
     try:
-        block = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
-        with block, memoryview(block) as view, view[: shared.nbytes] as pixels:
-            return Image.frombytes(shared.mode, shared.size, pixels)
+        pieces: list[bytes] = []
+        done = 0
+        while done < shared.nbytes:
+            pieces.append(os.pread(fd, shared.nbytes - done, done))
+            if not pieces[-1]:
+                raise FileNotFoundError(f"shared memory block {path} is shorter than its image")
+            done += len(pieces[-1])
     finally:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             shm_unlink(path)
+    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    return Image.frombytes(shared.mode, shared.size, data)
 
 
 def release(names: list[str]) -> None:

@@ -100,14 +100,14 @@ def test_a_request_cancelled_while_its_pixels_are_written_leaves_no_block(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     made: list[str] = []
-    put = SharedImage.put
+    put = pixels._put
 
     def recorded(image: Image.Image) -> SharedImage:
         shared = put(image)
         made.append(shared.name)
         return shared
 
-    monkeypatch.setattr(SharedImage, "put", staticmethod(recorded))
+    monkeypatch.setattr(pixels, "_put", recorded)
     request = _request(*[ImagePart(gradient_image(1280, 960, seed=i)) for i in range(4)])
 
     async def cancelled() -> None:
