@@ -191,7 +191,13 @@ class EngineProcClient(Backend):
     ) -> Tokenized:
         self.check_ready()
         rid = next(self._ids)
-        result: Tokenized = await self._call(rid, ("tokenize", rid, what, add_special_tokens))
+        blocks: list[str] = []
+        if isinstance(what, GenerateRequest) and has_media(what):
+            what, blocks = await shipped(what)
+        try:
+            result: Tokenized = await self._call(rid, ("tokenize", rid, what, add_special_tokens))
+        finally:
+            release(blocks)
         return result
 
     async def detokenize(self, ids: list[int]) -> str:

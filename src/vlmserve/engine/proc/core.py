@@ -131,6 +131,8 @@ class EngineCore:
 
     async def _tokenize(self, what: Any, add_special_tokens: bool) -> Any:
         assert self.backend is not None
+        if not isinstance(what, str) and has_media(what):
+            what = await asyncio.to_thread(receive, what)
         return await self.backend.tokenize(what, add_special_tokens=add_special_tokens)
 
     async def _detokenize(self, ids: list[int]) -> str:
