@@ -1,11 +1,13 @@
 """The media pipeline on a real server process: a flood of 20 MB images held to the media
-memory budget (peak RSS of the server's processes, the excess answered 429), and a media
-worker killed with ``kill -9`` mid-decode (its request retried, the worker replaced)."""
+memory budget (peak RSS of the server's processes, the excess answered 429), with the engine
+in its own process and in the API process (16 requests in CI, 64 with ``--long``), and a
+media worker killed with ``kill -9`` mid-decode (its request retried, the worker replaced)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import os
 import random
@@ -27,16 +29,16 @@ MiB = 2**20
 
 
 def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (the media workers, their resource tracker)."""
+    """``pid`` and its descendants (the engine process, the media workers, their resource
+    tracker). Each thread lists the children it started: the engine process is started from
+    a worker thread, so every thread's list is read, not the main thread's alone."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
         out.append(p)
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
+        for children in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # the thread or process is gone
+                todo.extend(int(c) for c in children.read_text().split())
     return out
 
 
@@ -97,9 +99,12 @@ def _chat(photo: bytes) -> bytes:
     return httpx.Request("POST", "/", json={**body, "max_tokens": 4, "temperature": 0}).content
 
 
-def _server(tiny_dir: Path, *flags: str) -> ServerProcess:
+def _server(
+    tiny_dir: Path, *flags: str, engine_process: bool = True, env: dict[str, str] | None = None
+) -> ServerProcess:
     args = ["serve", "--model", str(tiny_dir), "--served-model-name", MODEL, "--device", "cpu"]
-    return ServerProcess([*args, "--max-model-len", "8192", *flags], engine_process=True)
+    flags = ("--max-model-len", "8192", *flags)
+    return ServerProcess([*args, *flags], env, engine_process=engine_process)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +115,27 @@ def flood_server(tiny_dir: Path) -> Iterator[ServerProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def in_process_server(tiny_dir: Path, flood_size: int) -> Iterator[ServerProcess]:
+    """The engine in the API process (``--no-engine-process``): the engine's media and the
+    processor's tensors live beside the API's own. In CI a shorter queue keeps the flood
+    small (the cycle that once held every answered request's media is pinned by
+    tests/unit/engine/hf/test_media_release.py); ``--long`` floods it with 64 requests."""
+    flags = ("--media-memory", "256MiB", "--media-workers", "1")
+    env = {"VLMSERVE_MEDIA_QUEUE": "4"} if flood_size < 64 else None
+    proc = _server(tiny_dir, *flags, engine_process=False, env=env)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def flood_size(request: pytest.FixtureRequest) -> int:
+    return 64 if request.config.getoption("--long", default=False) else 16
 
 
 async def _flood(url: str, body: bytes, n: int) -> list[httpx.Response]:
@@ -125,6 +151,16 @@ async def _flood(url: str, body: bytes, n: int) -> list[httpx.Response]:
 def test_64_concurrent_20_mb_images_hold_to_the_media_memory_and_the_excess_gets_429(
     flood_server: ServerProcess, photo: bytes
 ) -> None:
+    _flood_holds_to_the_budget(flood_server, photo)
+
+
+def test_with_the_engine_in_the_api_process_the_flood_holds_to_the_media_memory_too(
+    in_process_server: ServerProcess, photo: bytes, flood_size: int
+) -> None:
+    _flood_holds_to_the_budget(in_process_server, photo, flood_size)
+
+
+def _flood_holds_to_the_budget(flood_server: ServerProcess, photo: bytes, n: int = 64) -> None:
     body = _chat(photo)
     assert 18 * MiB < len(body) < 21 * MiB
     first = httpx.post(
@@ -142,12 +178,12 @@ def test_64_concurrent_20_mb_images_hold_to_the_media_memory_and_the_excess_gets
     before, api_before = sum(_kib(p, "VmRSS") for p in pids), _kib(server, "VmRSS")
     _reset_peaks(pids)
     with TreeSampler(pids) as sampled:
-        answers = asyncio.run(_flood(flood_server.url, body, 64))
+        answers = asyncio.run(_flood(flood_server.url, body, n))
     rise = (sampled.peak - before) * 1024
     api_rise = (_kib(server, "VmHWM") - api_before) * 1024
     statuses = sorted(a.status_code for a in answers)
     print(
-        f"64 x {len(body) / MiB:.1f} MiB: {statuses.count(200)} answered, "
+        f"{n} x {len(body) / MiB:.1f} MiB: {statuses.count(200)} answered, "
         f"{statuses.count(429)} got 429; peak RSS of the server's processes rose "
         f"{rise / MiB:.0f} MiB (the API process's own peak: {api_rise / MiB:.0f} MiB)"
     )

@@ -61,6 +61,10 @@ class OutputTracker:
         else:
             reason = FinishReason.LENGTH
         self.emit(self._chunk(tail, [], reason))
+        # the batched engine's emit closes over the row, which holds this tracker: a cycle
+        # that only the cyclic GC would free, keeping the request's decoded media and pixel
+        # tensors alive long after the answer (in the API process with --no-engine-process)
+        self.emit = _ended
 
     @property
     def _ignore_eos(self) -> bool:
@@ -77,3 +81,7 @@ class OutputTracker:
             index=self.index,
             cached_tokens=self.cached_tokens,
         )
+
+
+def _ended(chunk: Chunk) -> None:
+    """The emit of a finished tracker: its chunks were all sent."""

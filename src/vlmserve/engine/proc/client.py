@@ -6,7 +6,8 @@ API's per-event work and the engine's per-step Python run in parallel, and an en
 crashes (a segfault, the kernel's OOM killer) takes down only its process: the model turns
 ``failed``, its streams end with a 503, and the model manager reloads it (a fresh process).
 
-Requests go over as ``GenerateRequest`` objects (images as PIL images); ``prepare`` answers
+Requests go over as ``GenerateRequest`` objects, their images in shared memory blocks
+(``pixels.py``: only the blocks' names are pickled); ``prepare`` answers
 once the engine process has tokenised and preprocessed one, so input errors are still 4xx
 before a stream starts. Chunks come back a decode step at a time; a reader thread hands them to
 the consumers' event loops with one ``call_soon_threadsafe`` per loop and step. Admission (the
@@ -35,6 +36,7 @@ from typing import Any
 import vlmserve
 from vlmserve.engine.admission import QueuePlaces
 from vlmserve.engine.coalesce import END, coalesced
+from vlmserve.engine.proc.pixels import has_media, release, shipped
 from vlmserve.engine.proc.wire import Ready, Sender, decode_error, read_forever
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import (
@@ -169,11 +171,16 @@ class EngineProcClient(Backend):
     async def prepare(self, request: GenerateRequest) -> int:
         self.check_ready()
         rid = next(self._ids)
+        blocks: list[str] = []
+        if has_media(request):  # pixels go in shared memory (pixels.py), not the pickle
+            request, blocks = await shipped(request)
         try:
             await self._call(rid, ("prepare", rid, request))
         except asyncio.CancelledError:
             self._send(("discard", rid))  # the engine process may have prepared it
             raise
+        finally:
+            release(blocks)  # taken by the engine by now, or left: unlinked here
         return rid
 
     async def discard(self, prepared: Any) -> None:
@@ -184,7 +191,13 @@ class EngineProcClient(Backend):
     ) -> Tokenized:
         self.check_ready()
         rid = next(self._ids)
-        result: Tokenized = await self._call(rid, ("tokenize", rid, what, add_special_tokens))
+        blocks: list[str] = []
+        if isinstance(what, GenerateRequest) and has_media(what):
+            what, blocks = await shipped(what)
+        try:
+            result: Tokenized = await self._call(rid, ("tokenize", rid, what, add_special_tokens))
+        finally:
+            release(blocks)
         return result
 
     async def detokenize(self, ids: list[int]) -> str:

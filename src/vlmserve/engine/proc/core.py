@@ -22,6 +22,7 @@ from collections.abc import Callable, Coroutine
 from multiprocessing.connection import Connection
 from typing import Any
 
+from vlmserve.engine.proc.pixels import has_media, receive
 from vlmserve.engine.proc.wire import Ready, encode_error, read_forever
 from vlmserve.engine.protocol import Backend
 
@@ -122,12 +123,16 @@ class EngineCore:
     async def _prepare(self, rid: int, request: Any) -> None:
         assert self.backend is not None
         try:
+            if has_media(request):  # out of the API process's shared blocks (pixels.py)
+                request = await asyncio.to_thread(receive, request)
             self.prepared[rid] = await self.backend.prepare(request)
         finally:
             self.preparing.pop(rid, None)
 
     async def _tokenize(self, what: Any, add_special_tokens: bool) -> Any:
         assert self.backend is not None
+        if not isinstance(what, str) and has_media(what):
+            what = await asyncio.to_thread(receive, what)
         return await self.backend.tokenize(what, add_special_tokens=add_special_tokens)
 
     async def _detokenize(self, ids: list[int]) -> str:

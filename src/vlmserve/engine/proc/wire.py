@@ -3,7 +3,8 @@
 
 API -> engine, one message per send:
 
-    ("prepare", rid, GenerateRequest)   tokenise, preprocess, compile the grammar
+    ("prepare", rid, GenerateRequest)   tokenise, preprocess, compile the grammar (its images
+                                        as SharedImage names of shared memory blocks: pixels.py)
     ("generate", rid)                   run a prepared request, stream its chunks
     ("cancel", rid)                     stop it at the next step boundary
     ("discard", rid)                    drop a prepared request that will not run
