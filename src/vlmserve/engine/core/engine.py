@@ -435,6 +435,8 @@ class BatchEngine:
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         self._retire(seq)
+        if seq.run is not None:
+            seq.run.release()  # as after a finish: its media are freed with the row
         self._outbox.put(seq, exc)
         self._end(seq)
 

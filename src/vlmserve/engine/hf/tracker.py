@@ -61,9 +61,13 @@ class OutputTracker:
         else:
             reason = FinishReason.LENGTH
         self.emit(self._chunk(tail, [], reason))
-        # the batched engine's emit closes over the row, which holds this tracker: a cycle
-        # that only the cyclic GC would free, keeping the request's decoded media and pixel
-        # tensors alive long after the answer (in the API process with --no-engine-process)
+        self.release()
+
+    def release(self) -> None:
+        """No more chunks: drop ``emit``. The batched engine's emit closes over the row, which
+        holds this tracker: a cycle that only the cyclic GC would free, keeping the request's
+        decoded media and pixel tensors alive long after the answer (in the API process with
+        --no-engine-process)."""
         self.emit = _ended
 
     @property
