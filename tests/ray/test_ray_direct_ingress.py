@@ -47,6 +47,8 @@ def replicas(
             if time.monotonic() > deadline:
                 break
             time.sleep(0.5)
+        for url in urls:  # serving, then warming up: /ready says 503 until the warm-up ends
+            _wait_ready(url, time.monotonic() + 120)
         yield urls
     finally:
         serve.shutdown()
@@ -55,6 +57,16 @@ def replicas(
             os.environ.pop(DIRECT_INGRESS_ENV, None)
         else:
             os.environ[DIRECT_INGRESS_ENV] = before
+
+
+def _wait_ready(url: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=10).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
 
 
 def body() -> dict[str, object]:
