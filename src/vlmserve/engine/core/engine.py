@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from vlmserve.engine.configs import ChatEngineConfig, batched_tokens
+from vlmserve.engine.core.accept import accept
 from vlmserve.engine.core.choices import fork
 from vlmserve.engine.core.detok_fast import fast_decoder
 from vlmserve.engine.core.faults import (
@@ -46,7 +47,7 @@ from vlmserve.engine.core.prefix import block_hashes
 from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.core.scheduler import Scheduler
 from vlmserve.engine.core.sequence import Group, SeqStatus, Sequence
-from vlmserve.engine.guards import looping, thinking_budget
+from vlmserve.engine.guards import thinking_budget
 from vlmserve.engine.hf.inputs import Prepared
 from vlmserve.engine.hf.threads import model_threads
 from vlmserve.engine.hf.tracker import OutputTracker
@@ -392,40 +393,13 @@ class BatchEngine:
                 continue  # recomputing after a preemption, or prefilling: nothing new yet
             seq.first_at, seq.last_at = seq.first_at or now, now
             try:
-                done = self._accept(seq, token)
+                done = accept(seq, token, self.vocab, self.eos_ids)
             except Exception as exc:  # the grammar refused a token, an id out of range
                 log.exception("request %s: token %d not accepted", _rid(seq), token)
                 self._fail(seq, request_error(exc))
                 continue
             if done:
                 self._finish(seq)
-
-    def _accept(self, seq: Sequence, token: int) -> bool:
-        if not 0 <= token < self.vocab:  # never embed an id the model does not have
-            raise IndexError(f"sampled token {token} is outside the vocabulary ({self.vocab})")
-        seq.generated += 1
-        seq.output_ids.append(token)
-        seq.next_token = token
-        if seq.matcher is not None:
-            seq.matcher.accept(token)
-            seq.grammar_done = seq.matcher.is_terminated()
-        elif seq.end_of_thinking():  # the answer starts: from now on it follows the grammar
-            seq.matcher = seq.prepared.grammar.matcher()
-        if seq.seen is not None:
-            seq.seen[token] = True
-        if seq.counts is not None:
-            seq.counts[token] += 1
-        if seq.budget is not None:
-            seq.budget.observe(token)
-        seq.run.on_token(token, seq.step_logprobs)
-        seq.step_logprobs = None
-        eos = token in self.eos_ids and not seq.sampling.ignore_eos
-        if seq.run.stopped or seq.grammar_done or eos or seq.generated >= seq.max_new:
-            return True
-        seq.run.repeated = looping(
-            seq.sampling, seq.output_ids, seq.prepared.request.prefix_token_ids
-        )
-        return seq.run.repeated
 
     # --- leaving ------------------------------------------------------------------------------
     def _finish(self, seq: Sequence, cancelled: bool = False) -> None:

@@ -7,10 +7,21 @@ them) and decode rows (one token each), as the engine hands them over (``Prefill
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["DecodeInputs", "DecodeRows", "PrefillInputs", "PrefillRow"]
+if TYPE_CHECKING:
+    from vlmserve.engine.models.runner import DecoderRunner
+
+__all__ = [
+    "DecodeInputs",
+    "DecodeRows",
+    "PrefillInputs",
+    "PrefillRow",
+    "decode_inputs",
+    "prefill_inputs",
+]
 
 
 @dataclass(slots=True)
@@ -66,3 +77,53 @@ class PrefillInputs:
     visual: torch.Tensor | None  # [M] packed indices of DeepStack's visual tokens
     deep: torch.Tensor | None  # [k, M, hidden]
     last: torch.Tensor  # [n] each row's last token
+
+
+def prefill_inputs(runner: DecoderRunner, rows: list[PrefillRow]) -> PrefillInputs:
+    """``rows`` laid out for one forward: packed, with their slots, rotary tables and masks."""
+    cache = runner._kv()
+    lengths = [row.embeds.shape[0] for row in rows]
+    (slots,) = runner._host([s for row in rows for s in row.slots])  # [N]
+    starts = [sum(lengths[:i]) for i in range(len(rows))]
+    visual, deep = runner._deepstack(rows, starts)
+    tables = [  # rows after a cached prefix attend to their blocks: [1, MB] each
+        torch.tensor([row.table], device=runner.device) if row.cached and row.table else None
+        for row in rows
+    ]
+    masks = [  # by layer kind: [T, T] (a kind without one: causal), or [T, L] after a
+        # cached prefix (L: the gathered keys)
+        runner._prefill_masks(row)
+        if table is None
+        else runner._cached_masks(row, table.shape[1] * cache.block_size)
+        for row, table in zip(rows, tables, strict=True)
+    ]
+    last = torch.tensor(
+        [s + t - 1 for s, t in zip(starts, lengths, strict=True)], device=runner.device
+    )
+    return PrefillInputs(
+        torch.cat([row.embeds for row in rows]),  # [N, hidden], rows packed
+        slots,
+        runner._prefill_rope(rows),
+        starts,
+        lengths,
+        tables,
+        masks,
+        visual,
+        deep,
+        last,
+    )
+
+
+def decode_inputs(runner: DecoderRunner, rows: DecodeRows) -> DecodeInputs:
+    """``rows`` on the device: their embeddings, cache slots, block tables and masks."""
+    cache = runner._kv()
+    bs = cache.block_size
+    width = max(len(t) for t in rows.tables)
+    slots = [t[n // bs] * bs + n % bs for t, n in zip(rows.tables, rows.lengths, strict=True)]
+    ids, pos, slot_t, len_t = runner._host(rows.tokens, rows.positions, slots, rows.lengths)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in rows.tables])  # [B, MB]
+    table_t = table_t.to(runner.device)
+    highest = max(rows.positions)
+    ropes = {kind: t.text(pos, highest) for kind, t in runner.ropes.items()}
+    masks = None if runner.compiled is not None else runner._decode_masks(len_t, width * bs)
+    return DecodeInputs(runner.embed(ids), slot_t, ropes, len(rows.tokens), table_t, len_t, masks)

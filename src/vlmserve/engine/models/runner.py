@@ -40,7 +40,14 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.engine.core.kv_cache import PagedKVCache, block_bytes
-from vlmserve.engine.models.batch import DecodeInputs, DecodeRows, PrefillInputs, PrefillRow
+from vlmserve.engine.models.batch import (
+    DecodeInputs,
+    DecodeRows,
+    PrefillInputs,
+    PrefillRow,
+    decode_inputs,
+    prefill_inputs,
+)
 from vlmserve.engine.models.cpu_attention import CompiledAttention
 from vlmserve.engine.models.graphs import (
     PagedDecode,
@@ -217,8 +224,8 @@ class DecoderRunner:
         not wait for a separate pass after the newcomers' prefill. -> logits [B + n, V]: the
         decode rows' first, then each prefill row's last token."""
         cache = self._kv()
-        d = self._decode_inputs(decode) if decode is not None else None
-        p = self._prefill_inputs(rows) if rows else None
+        d = decode_inputs(self, decode) if decode is not None else None
+        p = prefill_inputs(self, rows) if rows else None
         parts = [part for part in (d, p) if part is not None]
         x = parts[0].x if len(parts) == 1 else torch.cat([part.x for part in parts])
         slots = parts[0].slots if len(parts) == 1 else torch.cat([part.slots for part in parts])
@@ -241,39 +248,6 @@ class DecoderRunner:
             return self._logits(x)
         last = p.last if b == 0 else torch.cat([torch.arange(b, device=self.device), p.last + b])
         return self._logits(x[last])
-
-    def _prefill_inputs(self, rows: list[PrefillRow]) -> PrefillInputs:
-        cache = self._kv()
-        lengths = [row.embeds.shape[0] for row in rows]
-        (slots,) = self._host([s for row in rows for s in row.slots])  # [N]
-        starts = [sum(lengths[:i]) for i in range(len(rows))]
-        visual, deep = self._deepstack(rows, starts)
-        tables = [  # rows after a cached prefix attend to their blocks: [1, MB] each
-            torch.tensor([row.table], device=self.device) if row.cached and row.table else None
-            for row in rows
-        ]
-        masks = [  # by layer kind: [T, T] (a kind without one: causal), or [T, L] after a
-            # cached prefix (L: the gathered keys)
-            self._prefill_masks(row)
-            if table is None
-            else self._cached_masks(row, table.shape[1] * cache.block_size)
-            for row, table in zip(rows, tables, strict=True)
-        ]
-        last = torch.tensor(
-            [s + t - 1 for s, t in zip(starts, lengths, strict=True)], device=self.device
-        )
-        return PrefillInputs(
-            torch.cat([row.embeds for row in rows]),  # [N, hidden], rows packed
-            slots,
-            self._prefill_rope(rows),
-            starts,
-            lengths,
-            tables,
-            masks,
-            visual,
-            deep,
-            last,
-        )
 
     def _prefill_attend(
         self,
@@ -414,19 +388,6 @@ class DecoderRunner:
         """Whether decode rows can ride in a prefill forward (``step``): not where decode
         has its own step (CUDA's paged decode and its graphs)."""
         return self.paged is None
-
-    def _decode_inputs(self, rows: DecodeRows) -> DecodeInputs:
-        cache = self._kv()
-        bs = cache.block_size
-        width = max(len(t) for t in rows.tables)
-        slots = [t[n // bs] * bs + n % bs for t, n in zip(rows.tables, rows.lengths, strict=True)]
-        ids, pos, slot_t, len_t = self._host(rows.tokens, rows.positions, slots, rows.lengths)
-        table_t = torch.tensor([t + [0] * (width - len(t)) for t in rows.tables])  # [B, MB]
-        table_t = table_t.to(self.device)
-        highest = max(rows.positions)
-        ropes = {kind: t.text(pos, highest) for kind, t in self.ropes.items()}
-        masks = None if self.compiled is not None else self._decode_masks(len_t, width * bs)
-        return DecodeInputs(self.embed(ids), slot_t, ropes, len(rows.tokens), table_t, len_t, masks)
 
     def _decode_attend(
         self, li: int, layer: _Layer, q: torch.Tensor, d: DecodeInputs
