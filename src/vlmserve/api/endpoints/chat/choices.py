@@ -132,10 +132,12 @@ class Answer:
         return body
 
 
-def _content(items: list[bytes]) -> orjson.Fragment:
-    """The items as one JSON array, written as is by orjson (``api.json_response``; a batch's
-    result line: ``files_store``)."""
-    return orjson.Fragment(b"[" + b",".join(items) + b"]")
+def _content(items: list[bytes]) -> list[orjson.Fragment]:
+    """The items, each written as is by orjson (``api.json_response``; a batch's result line:
+    ``files_store``). A list, not one joined array, so ``json_response`` sees its length and
+    writes it in pieces off the event loop: one 6 MiB fragment per choice was written whole,
+    on the loop, in a single call."""
+    return [orjson.Fragment(item) for item in items]
 
 
 def choice_chunk(
