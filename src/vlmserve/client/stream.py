@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 
 from vlmserve.client.http import error_text
 from vlmserve.client.stats import RequestRecord
@@ -31,37 +31,58 @@ def carries_token(chunk: dict[str, Any]) -> bool:
     return any(k in delta for k in _OUTPUT)
 
 
-async def _events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:
-    """``(event name, data)`` per SSE event; the name is ``message`` unless the server sets one.
+class _Lines:
+    """SSE lines to ``(event name, data)`` events: the name is ``message`` unless the server
+    sets one; ``id:`` and comment lines are skipped."""
 
-    Reads both wires of vlmserve (and any OpenAI-compatible server): ``data:`` lines only, or
-    with ``id:`` lines (skipped) and ``event: error``; ``_read`` also takes an error payload,
-    ``{"error": {...}}``, without an event name (OpenAI, vLLM)."""
-    name = "message"
-    data: list[str] = []
-    async for line in response.aiter_lines():
-        if not line:
-            if data:
-                yield name, "\n".join(data)
-            name, data = "message", []
-        elif line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-        elif line.startswith("event:"):
-            name = line[6:].strip()
-    if data:
-        yield name, "\n".join(data)
+    def __init__(self) -> None:
+        self.name, self.data = "message", list[bytes]()
+
+    def feed(self, lines: list[bytes]) -> list[tuple[str, bytes]]:
+        events = []
+        for raw in lines:
+            line = raw[:-1] if raw.endswith(b"\r") else raw
+            if not line:
+                if self.data:
+                    events.append((self.name, b"\n".join(self.data)))
+                self.name, self.data = "message", []
+            elif line.startswith(b"data:"):
+                self.data.append(line[5:].removeprefix(b" "))
+            elif line.startswith(b"event:"):
+                self.name = line[6:].strip().decode("utf-8", "replace")
+        return events
+
+
+async def _events(response: httpx.Response) -> AsyncIterator[tuple[float, str, bytes]]:
+    """``(arrival time, event name, data)`` per SSE event.
+
+    The time is when the bytes holding the event arrived, taken before any splitting or
+    decoding, so a token's time is the network's and not this client's parsing (vLLM's
+    client, on aiohttp, times chunks the same way). Reads both wires of vlmserve (and any
+    OpenAI-compatible server): ``data:`` lines only, or with ``id:`` lines and
+    ``event: error``; ``_read`` also takes an error payload, ``{"error": {...}}``, without an
+    event name (OpenAI, vLLM). Lines end in ``\n`` or ``\r\n``; a last event without its
+    blank line still counts."""
+    lines, pending = _Lines(), b""
+    now = time.perf_counter()
+    async for piece in response.aiter_bytes():
+        now = time.perf_counter()
+        *complete, pending = (pending + piece).split(b"\n")
+        for name, data in lines.feed(complete):
+            yield now, name, data
+    for name, data in lines.feed([pending, b""]):
+        yield now, name, data
 
 
 async def _read(response: httpx.Response, record: RequestRecord, started: float) -> None:
     last: float | None = None
     tokens = 0
-    async for name, data in _events(response):
-        now = time.perf_counter()
-        if data == "[DONE]":
+    async for now, name, data in _events(response):
+        if data == b"[DONE]":
             break
         try:
-            chunk = json.loads(data)
-        except ValueError:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
             record.error, record.message = "stream_error", f"not JSON: {data[:120]!r}"
             return
         if name == "error" or (isinstance(chunk, dict) and "error" in chunk):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -123,6 +124,49 @@ async def test_the_stream_reader_times_tokens_and_takes_counts_from_usage() -> N
     assert record.ok and record.usage_seen
     assert (record.prompt_tokens, record.output_tokens) == (11, 5)
     assert len(record.itl) == 2 and 0 < record.ttft <= record.e2e
+
+
+class Pieces(httpx.AsyncByteStream):
+    """A body sent in the given pieces, ``pause`` seconds before each after the first."""
+
+    def __init__(self, pieces: list[bytes], pause: float = 0.0):
+        self.pieces, self.pause = pieces, pause
+
+    async def __aiter__(self):  # type: ignore[override]
+        for i, piece in enumerate(self.pieces):
+            if i and self.pause:
+                await asyncio.sleep(self.pause)
+            yield piece
+
+
+async def read_pieces(pieces: list[bytes], pause: float = 0.0) -> RequestRecord:
+    transport = httpx.MockTransport(lambda _: httpx.Response(200, stream=Pieces(pieces, pause)))
+    async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
+        return await stream_chat(client, {"model": "m"})
+
+
+async def test_the_stream_reader_takes_events_split_anywhere_and_crlf_lines() -> None:
+    body = (
+        "id: 0\r\n" + data({"role": "assistant", "content": "a"}) + "\r\n\r\n"
+        ": keep-alive\n\n"
+        + data({"content": "b"})
+        + "\n\n"
+        + data(usage={"prompt_tokens": 4, "completion_tokens": 2})
+        + "\n\n"
+        "data: [DONE]"  # no blank line after the last event
+    ).encode()
+    for size in (1, 2, 7, 64, len(body)):
+        pieces = [body[i : i + size] for i in range(0, len(body), size)]
+        record = await read_pieces(pieces)
+        assert record.ok and record.usage_seen, size
+        assert (record.prompt_tokens, record.output_tokens, len(record.itl)) == (4, 2, 1)
+
+
+async def test_a_token_is_timed_when_its_bytes_arrive() -> None:
+    first, second = data({"content": "a"}) + "\n\n", data({"content": "b"}) + "\n\n"
+    record = await read_pieces([first.encode(), second.encode(), b"data: [DONE]\n\n"], 0.2)
+    assert record.ok and record.output_tokens == 2
+    assert record.ttft < 0.2 <= record.itl[0]
 
 
 async def test_the_stream_reader_records_errors_instead_of_raising() -> None:
