@@ -1,8 +1,8 @@
 """Real clients of the field against a real ``vlmserve serve`` process (tiny model, loopback).
 
-LiteLLM's ``hosted_vllm/`` provider and the openai SDK stream on the default (OpenAI) wire;
-vlmserve's own load-test client reads both wires; a browser's EventSource, reconnecting after
-a finished stream with the id of its last event, gets 204 and stops.
+LiteLLM's ``hosted_vllm/`` and ``openai/`` providers and the openai SDK stream on the default
+(OpenAI) wire; vlmserve's own load-test client reads both wires; a browser's EventSource,
+reconnecting after a finished stream with the id of its last event, gets 204 and stops.
 """
 
 from __future__ import annotations
@@ -63,13 +63,14 @@ def _carries_something(chunk: Any) -> bool:
     )
 
 
-def test_litellm_hosted_vllm_stream_parses_with_the_servers_text_and_usage(
-    server: ServerProcess, litellm: Any
+@pytest.mark.parametrize("provider", ["hosted_vllm", "openai"])
+def test_litellm_stream_parses_with_the_servers_text_and_usage(
+    server: ServerProcess, litellm: Any, provider: str
 ) -> None:
     expected = greedy(server.url, 12)
     chunks = list(
         litellm.completion(
-            model="hosted_vllm/tiny",
+            model=f"{provider}/tiny",
             api_base=f"{server.url}/v1",
             api_key="none",
             messages=MESSAGES,
@@ -87,6 +88,35 @@ def test_litellm_hosted_vllm_stream_parses_with_the_servers_text_and_usage(
     assert usage and usage[-1].prompt_tokens == expected["usage"]["prompt_tokens"]
     assert usage[-1].completion_tokens == expected["usage"]["completion_tokens"]
     assert usage[-1].total_tokens == expected["usage"]["total_tokens"]
+
+
+@pytest.mark.parametrize("provider", ["hosted_vllm", "openai"])
+def test_litellm_json_answer_and_logit_bias_reach_the_server(
+    server: ServerProcess, litellm: Any, provider: str
+) -> None:
+    expected = greedy(server.url, 12)
+    common = {"api_base": f"{server.url}/v1", "api_key": "none", "messages": MESSAGES}
+    answer = litellm.completion(model=f"{provider}/tiny", max_tokens=12, temperature=0, **common)
+    assert answer.choices[0].message.content == expected["choices"][0]["message"]["content"]
+    assert answer.usage.prompt_tokens == expected["usage"]["prompt_tokens"]
+    # a field the answer depends on is passed through, not dropped on the way
+    biased = litellm.completion(
+        model=f"{provider}/tiny", max_tokens=4, temperature=0, logit_bias={"100": 100}, **common
+    )
+    forced = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": MESSAGES,
+            "max_tokens": 4,
+            "temperature": 0,
+            "logit_bias": {"100": 100},
+        },
+        timeout=60,
+    ).json()
+    assert biased.choices[0].message.content == forced["choices"][0]["message"]["content"]
+    unbiased = greedy(server.url, 4)["choices"][0]["message"]["content"]
+    assert forced["choices"][0]["message"]["content"] != unbiased
 
 
 def test_openai_sdk_stream_has_the_servers_text_and_usage(server: ServerProcess) -> None:
