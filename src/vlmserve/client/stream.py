@@ -77,9 +77,13 @@ async def _events(response: httpx.Response) -> AsyncIterator[tuple[float, str, b
 async def _read(response: httpx.Response, record: RequestRecord, started: float) -> None:
     last: float | None = None
     tokens = 0
+    done = False
     async for now, name, data in _events(response):
-        if data == b"[DONE]":
-            break
+        # after [DONE] the body is read to its end: a response closed before its last bytes
+        # closes its connection, and the next request would pay for a new one in its TTFT
+        done = done or data == b"[DONE]"
+        if done:
+            continue
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:

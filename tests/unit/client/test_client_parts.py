@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -167,6 +169,43 @@ async def test_a_token_is_timed_when_its_bytes_arrive() -> None:
     record = await read_pieces([first.encode(), second.encode(), b"data: [DONE]\n\n"], 0.2)
     assert record.ok and record.output_tokens == 2
     assert record.ttft < 0.2 <= record.itl[0]
+
+
+async def test_requests_one_after_another_share_one_connection() -> None:
+    # The chunked body's last bytes come after [DONE], as a server's may: a reader that stops
+    # at [DONE] closes the connection, and every next request pays for a new one in its TTFT.
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await _answer_each_request(reader, writer)
+
+    async def _answer_each_request(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            length = re.search(rb"(?i)content-length: *(\d+)", head)
+            await reader.readexactly(int(length[1]) if length else 0)  # the request's body
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            writer.write(head + b"Transfer-Encoding: chunked\r\n\r\n")
+            for event in (data({"content": "a"}) + "\n\n", "data: [DONE]\n\n"):
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event.encode()))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            records = [await stream_chat(client, {"model": "m"}) for _ in range(3)]
+    finally:
+        server.close()
+    assert all(r.ok and r.output_tokens == 1 for r in records)
+    assert connections == 1
 
 
 async def test_the_stream_reader_records_errors_instead_of_raising() -> None:
