@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ from support import MODEL, ServerProcess
 pytestmark = pytest.mark.slow
 
 MiB = 2**20
+HEAD_DEADLINE = 2.0  # seconds from connect to a request head's end (default 10)
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -44,7 +46,11 @@ def peak_rise(pid: int, rss_before_kib: int) -> int:
 @pytest.fixture(scope="module")
 def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data = tmp_path_factory.mktemp("bounds-data")
-    env = {"VLMSERVE_FILES_DIR": str(data), "VLMSERVE_SESSIONS_DB_PATH": str(data / "s.db")}
+    env = {
+        "VLMSERVE_FILES_DIR": str(data),
+        "VLMSERVE_SESSIONS_DB_PATH": str(data / "s.db"),
+        "VLMSERVE_REQUEST_HEAD_TIMEOUT": str(HEAD_DEADLINE),
+    }
     proc = ServerProcess(
         [
             "serve",
@@ -292,3 +298,23 @@ def test_a_deleted_input_file_loses_no_finished_line_across_kill_9(
         )
     finally:
         second.stop()
+
+
+def test_a_slow_request_head_gets_408_at_the_deadline_and_health_still_answers(
+    server: ServerProcess,
+) -> None:
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:
+        slow.sendall(b"G")  # one byte, then a trickle: the deadline counts from connect
+        time.sleep(HEAD_DEADLINE / 2)
+        slow.sendall(b"E")
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        slow.settimeout(HEAD_DEADLINE + 5)
+        answer = b""
+        while chunk := slow.recv(4096):  # until the server closes the connection
+            answer += chunk
+        took = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer[:80]
+    assert b"connection: close" in answer and answer.endswith(b"request head not complete in time")
+    assert HEAD_DEADLINE - 0.2 <= took < HEAD_DEADLINE + 1.5, f"closed after {took:.2f} s"
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200

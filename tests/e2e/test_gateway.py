@@ -67,13 +67,19 @@ def gateway(
 
 @contextlib.contextmanager
 def gateway_over(
-    workers: list[ServerProcess], work: Path, entry: str = 'name = "tiny"\n', **settings: Any
+    workers: list[ServerProcess],
+    work: Path,
+    entry: str = 'name = "tiny"\n',
+    upstream: str = "",
+    **settings: Any,
 ) -> Iterator[str]:
-    """A gateway (in process) whose one ``openai`` entry has the workers as replicas."""
+    """A gateway (in process) whose one ``openai`` entry has the workers as replicas
+    (``upstream``: more ``backend_config`` lines)."""
     urls = json.dumps([w.url for w in workers])
     reg = registry(
         work / "registry.toml",
-        f'[[models]]\n{entry}backend = "openai"\n[models.backend_config]\nbase_urls = {urls}\n',
+        f'[[models]]\n{entry}backend = "openai"\n[models.backend_config]\nbase_urls = {urls}\n'
+        + upstream,
     )
     with LiveServer(build_app(gateway_settings(reg, **settings))) as server:
         wait_ready(server.url)
@@ -262,6 +268,53 @@ def test_without_passthrough_the_gateway_runs_its_own_session(
         replay = httpx.get(f"{gw}/v1/streams/{sid}", timeout=60).text
         assert data_lines(replay) == data_lines(r.text)
     assert [httpx.get(f"{w.url}/v1/streams/{sid}").status_code for w in workers] == [404, 404]
+
+
+def test_two_keys_stay_apart_through_a_gateway_that_holds_its_own_worker_key(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """The worker knows one key, the gateway's; the gateway keeps its clients' keys apart:
+    another key's resume or cancel of a passed stream is an unknown id's 404."""
+    args = ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--device", "cpu"]
+    keyed = ServerProcess(args, env={"VLMSERVE_API_KEYS": '["wk-own"]'})
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    try:
+        keyed.wait_ready()
+        assert httpx.post(f"{keyed.url}/v1/chat/completions", json=chat()).status_code == 401
+        with (
+            gateway_over(
+                [keyed], tmp_path, upstream='api_key = "wk-own"\n', api_keys=["key-a", "key-b"]
+            ) as gw,
+            httpx.Client(timeout=60) as client,
+        ):
+            body = chat(stream=True, max_tokens=20000, ignore_eos=True)
+            url = f"{gw}/v1/chat/completions"
+            first, r = read_events(client, "POST", url, json=body, headers=a, limit=2)
+            assert r.status_code == 200, r.text
+            sid, cid = r.headers["x-session-id"], first[0].json["id"]
+            assert cid.startswith("chatcmpl-")
+            for name in (sid, cid):
+                for method, path in (
+                    ("GET", "/v1/streams/{}"),
+                    ("POST", "/v1/chat/completions/{}/cancel"),
+                    ("POST", "/v1/cancel/{}"),
+                ):
+                    unknown = client.request(method, gw + path.format("s-unknown"), headers=b)
+                    theirs = client.request(method, gw + path.format(name), headers=b)
+                    assert theirs.status_code == unknown.status_code == 404, theirs.text
+                    assert theirs.text.replace(name, "s-unknown") == unknown.text
+            more, r = read_events(
+                client,
+                "GET",
+                f"{gw}/v1/streams/{sid}",
+                headers={**a, "Last-Event-ID": first[-1].id},
+                limit=2,
+            )
+            assert r.status_code == 200 and [e.index for e in more] == [2, 3]
+            r = client.post(f"{gw}/v1/chat/completions/{cid}/cancel", headers=a)
+            assert r.status_code == 200 and r.json()["cancelled"] is True, r.text  # still live
+    finally:
+        keyed.stop()
 
 
 def test_vllm_backend_runs_and_stops_its_subprocess(tiny_dir: Path, tmp_path: Path) -> None:

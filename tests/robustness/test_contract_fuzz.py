@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -213,3 +214,28 @@ def test_each_limit_answers_its_documented_4xx(live_server: Any) -> None:
     _documented("POST", "/v1/chat/completions", answer)
     http.post(f"{base}/v1/batches/{first.json()['id']}/cancel", timeout=30)
     http.close()
+    over_cap = _over_the_key_cap(base, LIMITS["max_concurrent_per_key"])
+    _documented("POST", "/v1/chat/completions", over_cap)
+    assert over_cap.status_code == 429 and int(over_cap.headers["retry-after"]) >= 1
+    assert over_cap.json()["error"]["code"] == "key_concurrency_limit"
+
+
+def _over_the_key_cap(base: str, cap: int, bursts: int = 3) -> Any:
+    """The 429 of one key's generation past its cap: bursts of ``cap + 4`` chats at once (each
+    of them 200 or 429, none a 5xx), until one is over."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    body |= {"max_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+    def one(_: int) -> Any:
+        headers = {"Authorization": "Bearer fuzz-user"}
+        return requests.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+    for _ in range(bursts):
+        with ThreadPoolExecutor(cap + 4) as pool:
+            answers = list(pool.map(one, range(cap + 4)))
+        assert {a.status_code for a in answers} <= {200, 429}, [a.text[:200] for a in answers]
+        assert sum(a.status_code == 200 for a in answers) >= cap
+        refused = [a for a in answers if a.status_code == 429]
+        if refused:
+            return refused[0]
+    raise AssertionError(f"{bursts} bursts of {cap + 4} chats of one key: none refused")

@@ -340,3 +340,18 @@ def test_a_re_added_name_moves_to_the_newest_and_expiry_is_exact() -> None:
     now[0] = 10.0  # "a" was re-added at 0: it expires exactly now
     assert streams.get("a") is None
     assert PassedStreams(ttl=1).max_entries == 65_536
+
+
+def test_a_passed_stream_is_found_only_with_the_key_that_started_it() -> None:
+    now = [0.0]
+    streams = PassedStreams(ttl=10, clock=lambda: now[0])
+    streams.add(["s1", "chatcmpl-1"], "backend", "http://a", owner="key-a")
+    assert streams.get("s1", "key-a").replica_url == "http://a"
+    assert streams.get("chatcmpl-1", "key-a").owner == "key-a"
+    assert streams.get("s1", "key-b") is None and streams.get("chatcmpl-1", "key-b") is None
+    assert streams.get("s1") is None  # no key is not the owner's key either
+    streams.add(["s2"], "backend", "http://b")  # no keys configured: owner ""
+    assert streams.get("s2").replica_url == "http://b" and streams.get("s2", "key-a") is None
+    now[0] = 10.0  # s1 expires exactly now: the next add drops it from memory
+    streams.add(["s3"], "backend", "http://c")
+    assert len(streams) == 1 and streams.get("s3").replica_url == "http://c"

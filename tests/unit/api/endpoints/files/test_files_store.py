@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from vlmserve.api.endpoints.files.store import FileRow, FilesStore, LineResult
+from vlmserve.api.endpoints.files.store import FileRow, FilesStore, LineResult, _wide_ints
 
 NOW = int(time.time())
 
@@ -301,6 +301,16 @@ def test_results_keep_preserialised_parts_and_integers_wider_than_64_bits(
     assert '"big":1180591620717411303424,' in second
     with pytest.raises(TypeError):
         store.add_line("batch-1", LineResult(3, True, {"big": 2**70, "x": object()}))
+
+
+def test_only_integers_orjson_cannot_write_become_fragments() -> None:
+    # orjson writes [-2**63, 2**64 - 1] itself; one past either end is written from its text.
+    inside = [2**64 - 1, -(2**63), 0, 127, -127, True]
+    assert _wide_ints(inside) == inside
+    assert all(type(a) is type(b) for a, b in zip(_wide_ints(inside), inside, strict=True))
+    outside = _wide_ints({"up": 2**64, "down": -(2**63) - 1})
+    assert all(isinstance(v, orjson.Fragment) for v in outside.values())
+    assert orjson.dumps(outside) == b'{"up":18446744073709551616,"down":-9223372036854775809}'
 
 
 def test_a_file_row_is_openai_s_file_object() -> None:
