@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 import torch
 
 from vlmserve.engine.configs import ChatEngineConfig, batched_tokens
-from vlmserve.engine.core.accept import accept
 from vlmserve.engine.core.choices import fork
 from vlmserve.engine.core.detok_fast import fast_decoder
 from vlmserve.engine.core.faults import (
@@ -39,22 +38,20 @@ from vlmserve.engine.core.faults import (
     retry_alone,
 )
 from vlmserve.engine.core.gauges import EngineGauges, StepTimer
+from vlmserve.engine.core.handoff import Handoff
 from vlmserve.engine.core.kv_cache import DEFAULT_BLOCK_SIZE
 from vlmserve.engine.core.lifecycle import EngineLifecycle
-from vlmserve.engine.core.outbox import END, Outbox
-from vlmserve.engine.core.paging import NOT_SAMPLED, build_paging
+from vlmserve.engine.core.outbox import END
+from vlmserve.engine.core.paging import build_paging
 from vlmserve.engine.core.prefix import block_hashes
 from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.core.scheduler import Scheduler
-from vlmserve.engine.core.sequence import Group, SeqStatus, Sequence
-from vlmserve.engine.guards import thinking_budget
+from vlmserve.engine.core.sequence import SeqStatus, Sequence
 from vlmserve.engine.hf.inputs import Prepared
 from vlmserve.engine.hf.threads import model_threads
-from vlmserve.engine.hf.tracker import OutputTracker
 from vlmserve.engine.models.architectures import build
 from vlmserve.engine.models.batch import DecodeRows, PrefillRow
 from vlmserve.engine.models.vision_cache import VisionCache
-from vlmserve.engine.types import Chunk, FinishReason
 
 __all__ = ["END", "BatchEngine"]
 
@@ -89,7 +86,6 @@ class BatchEngine:
         c = config
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
-        self._hf_tokenizer = tokenizer
         self.vision_cache = VisionCache(c.vision_cache_bytes)
         self.runner, self.embedder = build(model, self.vision_cache)
         budget = batched_tokens(c.max_num_batched_tokens, self.runner.device.type)
@@ -106,20 +102,21 @@ class BatchEngine:
         self.scheduler = Scheduler(c.max_num_seqs, budget, self.blocks)
         self.scheduler.prefix_hasher = self._block_hashes
         self.model_id = model_id  # in messages
-        self._outbox = Outbox()
+        self.handoff = Handoff(  # rows made, given their tokens, retired; their outputs
+            self.scheduler, self.tokenizer, tokenizer, vocab, eos_ids, lambda: self.steps
+        )
         self.lifecycle = EngineLifecycle(  # the engine thread: submit, close, the fatal path
             model_id,
             self.scheduler,
-            self._outbox,
+            self.handoff.outbox,
             submit=submit,
             run=self._run,
-            fail=self._fail,
+            fail=self.handoff.fail,
             flush=self._flush,
             release=self._release_cache,
             on_fatal=on_fatal,
         )
         self._forked: list[tuple[Sequence, int]] = []  # choices forked this step, first tokens
-        self.tokens_generated = 0
         self.steps = 0
         self.stream_interval = max(1, c.stream_interval)  # steps between outputs under load
         self.peak_running = 0  # most rows decoded in one step since start
@@ -166,31 +163,7 @@ class BatchEngine:
     # --- called from event loops ---------------------------------------------------------
     def new_sequence(self, prepared: Prepared, loop: Any, queue: Any) -> Sequence:
         """Choice 0 of a request; the others ride on it until its prefill (``choices.py``)."""
-        head = self._sequence(prepared, loop, queue, 0)
-        if (n := prepared.request.sampling.n) > 1:
-            head.pending = [self._sequence(prepared, loop, queue, i) for i in range(1, n)]
-            for seq in [head, *head.pending]:
-                seq.group = Group(head, n) if seq is head else head.group
-        return head
-
-    def _sequence(self, prepared: Prepared, loop: Any, queue: Any, index: int) -> Sequence:
-        req = prepared.request
-        seq = Sequence(
-            prepared,
-            loop,
-            queue,
-            req.sampling.max_tokens - len(req.prefix_token_ids),
-            priority=req.priority,
-        )
-        seq.index = index
-        seq.run = OutputTracker(
-            prepared, self.tokenizer, lambda chunk: self._emit(seq, chunk), index
-        )
-        end = getattr(prepared.parsers, "reasoning_end", None)
-        if prepared.grammar is not None and end:  # the grammar starts after the reasoning
-            seq.think_end = self._hf_tokenizer.encode(end, add_special_tokens=False)
-        seq.budget = thinking_budget(prepared, self._hf_tokenizer)
-        return seq
+        return self.handoff.new_sequence(prepared, loop, queue)
 
     # --- the loop (engine thread) -----------------------------------------------------------
     def _run(self) -> None:
@@ -230,9 +203,9 @@ class BatchEngine:
                 self.peak_running = max(self.peak_running, len(decoding))
                 with self.timer.phase("prefill"):
                     items, tokens = self._forward(self._prefill_forward, [*decoding, *ready])
-                self._advance([_seq(item) for item in items], tokens)
+                self.handoff.advance([_seq(item) for item in items], tokens)
                 forked, self._forked = self._forked, []  # other choices of those rows (n > 1)
-                self._advance([seq for seq, _ in forked], [token for _, token in forked])
+                self.handoff.advance([seq for seq, _ in forked], [token for _, token in forked])
                 decoding = []  # they have their token of this step
             self._flush()  # first tokens out now, not after the decode step
         if not mixing:
@@ -243,7 +216,7 @@ class BatchEngine:
             self.peak_running = max(self.peak_running, len(running))
             with self.timer.phase("decode"):
                 decoded = self._forward(self._decode_forward, running)
-            self._advance(*decoded)
+            self.handoff.advance(*decoded)
         elif not admitted and not continuing and not preempted and self.scheduler.waiting:
             raise EngineStateError(
                 f"the scheduler admitted none of {len(self.scheduler.waiting)} waiting "
@@ -264,16 +237,16 @@ class BatchEngine:
         for seq in [s for s in self.scheduler.waiting if s.cancelled_now]:
             self.scheduler.drop_waiting(seq)
             if seq.output_ids:  # preempted after streaming: its stream ends as any other
-                self._finish(seq, cancelled=True)
+                self.handoff.finish(seq, cancelled=True)
             else:
-                self._end(seq)
+                self.handoff.end(seq)
         for seq in [s for s in self.scheduler.running if s.cancelled_now]:
-            self._finish(seq, cancelled=True)
+            self.handoff.finish(seq, cancelled=True)
 
     def _refuse_oversized(self) -> None:
         for seq, exc in self.paging.oversized(self.scheduler.waiting):
             self.scheduler.drop_waiting(seq)
-            self._fail(seq, exc)
+            self.handoff.fail(seq, exc)
 
     def _start_rows(self, admitted: list[Sequence]) -> list[tuple[Sequence, PrefillRow]]:
         """Embed each admitted prompt (vision tower included); a row whose input fails here
@@ -281,7 +254,7 @@ class BatchEngine:
         ready: list[tuple[Sequence, PrefillRow]] = []
         for seq in admitted:
             if seq.max_new <= 0:  # a resumed stream that had already reached max_tokens
-                self._finish(seq)
+                self.handoff.finish(seq)
                 continue
             try:
                 started = time.perf_counter()
@@ -294,7 +267,7 @@ class BatchEngine:
                     seq.start_sampling(self.vocab, self.runner.device)
             except Exception as exc:
                 log.exception("request %s: its input failed to embed", _rid(seq))
-                self._fail(seq, request_error(exc))
+                self.handoff.fail(seq, request_error(exc))
                 continue
             ready.append((seq, built.row))
         return ready
@@ -323,7 +296,7 @@ class BatchEngine:
         if seq.status is not SeqStatus.RUNNING:
             return False
         log.error("request %s fails alone too: failing it", _rid(seq), exc_info=exc)
-        self._fail(seq, request_error(exc))
+        self.handoff.fail(seq, request_error(exc))
         return True
 
     def _block_hashes(self, seq: Sequence) -> list[bytes]:
@@ -360,7 +333,7 @@ class BatchEngine:
             heads_ = [seqs[i] for i in heads]
             forked, failed = fork(self.scheduler, self.paging, self.sampler, heads_, shared)
             for seq, exc in failed:
-                self._fail(seq, request_error(exc))
+                self.handoff.fail(seq, request_error(exc))
             self.forked_rows += len(forked)
             self._forked.extend(forked)
         return tokens
@@ -385,65 +358,15 @@ class BatchEngine:
             self.paging.after_decode(seq)
         return tokens
 
-    def _advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        """Record each row's new token, stream it, and retire rows that are done."""
-        now = time.perf_counter()
-        for seq, token in zip(seqs, tokens, strict=True):
-            if token == NOT_SAMPLED and (seq.output_ids or seq.chunk_row is not None):
-                continue  # recomputing after a preemption, or prefilling: nothing new yet
-            seq.first_at, seq.last_at = seq.first_at or now, now
-            try:
-                done = accept(seq, token, self.vocab, self.eos_ids)
-            except Exception as exc:  # the grammar refused a token, an id out of range
-                log.exception("request %s: token %d not accepted", _rid(seq), token)
-                self._fail(seq, request_error(exc))
-                continue
-            if done:
-                self._finish(seq)
-
-    # --- leaving ------------------------------------------------------------------------------
-    def _finish(self, seq: Sequence, cancelled: bool = False) -> None:
-        seq.run.finish(cancelled, self.eos_ids)
-        self._retire(seq)
-        self._end(seq)
-
-    def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        self._retire(seq)
-        if seq.run is not None:
-            seq.run.release()  # as after a finish: its media are freed with the row
-        self._outbox.put(seq, exc)
-        self._end(seq)
-
-    def _end(self, seq: Sequence) -> None:
-        """Done; ``END`` once every choice is (choices never forked end with their head)."""
-        dropped, seq.pending = seq.pending, []
-        group = seq.group
-        if group is not None:
-            group.left -= 1 + len(dropped)
-            if group.left > 0:
-                return
-            seq = group.head
-        self._outbox.put(seq, END)  # the lifecycle forgets it once delivered (``_flush``)
-
-    def _retire(self, seq: Sequence) -> None:
-        seq.finished_step = self.steps
-        if seq.status is not SeqStatus.RUNNING:
-            seq.status = SeqStatus.FINISHED
-            return
-        self.scheduler.remove(seq)  # its KV blocks are free at once
-
-    # --- output -------------------------------------------------------------------------------
-    def _emit(self, seq: Sequence, chunk: Chunk) -> None:
-        if seq.grammar_done and chunk.finish_reason is not None and not seq.cancelled:
-            chunk.finish_reason = FinishReason.STOP  # the grammar is complete
-        if chunk.finish_reason is not None:
-            chunk.timings = seq.timings()
-        self.tokens_generated += len(chunk.token_ids)
-        self._outbox.put(seq, chunk)
+    # --- output (``handoff.py`` collects a step's, ``_flush`` delivers them) -----------------
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens handed to consumers since start."""
+        return self.handoff.tokens_generated
 
     def _flush(self) -> None:
         """Deliver this step's outputs: one wake-up per event loop, not one per token."""
-        self.lifecycle.delivered(self._outbox.flush())
+        self.lifecycle.delivered(self.handoff.outbox.flush())
 
     def _release_cache(self) -> None:
         if self.runner.cache is not None:
