@@ -224,9 +224,7 @@ def build_paging(
 
 
 def _compiles_attention(runner: DecoderRunner, c: ChatEngineConfig) -> bool:
-    """CPU decode attention in place (compiled) for half-precision models, whose gathered
-    path copies and upcasts every row's context per step; float32 (the demo's tiny models)
-    keeps gathering, sparing a first start the ~15 s of compiling (docs/engine.md, "How
-    decode attention reads the cache"); ``--enforce-eager`` never compiles."""
-    half = runner.dtype in (torch.bfloat16, torch.float16)
-    return runner.device.type == "cpu" and half and not c.enforce_eager
+    """CPU decode attention in place (the C kernel, ``cpu_attention.py``) for every dtype:
+    the gathered path copies every row's context per step (and upcasts a half-precision
+    one); ``--enforce-eager`` keeps gathering."""
+    return runner.device.type == "cpu" and not c.enforce_eager

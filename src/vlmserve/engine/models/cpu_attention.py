@@ -1,39 +1,50 @@
-"""Decode attention on CPU that reads the paged KV cache where it lies (inductor's C++).
+"""Decode attention on CPU that reads the paged KV cache where it lies (``cpu_decode.c``).
 
-``paged_decode`` is written in torch ops: each row's keys and values are indexed through its
-block table (``k_cache[tables]``) inside the reductions that consume them, in the cache's
-dtype, with float32 scores and sums. Run eagerly that indexing would copy every row's blocks
-(what ``PagedKVCache.gather`` does); ``torch.compile`` (inductor's C++ backend) fuses it into
-the kernels, so a step reads each row's blocks once, nothing is gathered or cast, and a bf16
-model's attention runs on bf16 keys and values (no float32 copy).
+The kernel is a small C file built once with the system C compiler (``-O3``, the host's
+ISA, OpenMP) and loaded with ctypes: each row's keys and values are read through its block
+table in the cache's dtype and converted in registers, with float32 scores and sums and an
+online softmax; nothing is gathered, copied or cast. Threads split the work by (row, KV
+head) pairs, each pair's reductions run on one thread in one order, so a row's result does
+not depend on its companions or the thread count (batch invariance). The OpenMP runtime is
+torch's own (a library asking for ``libgomp.so.1`` gets the one torch loaded), so the
+kernel's threads are torch's team: nothing spins against anything.
 
-Batch invariance: in the kernels inductor generates here every reduction over a row's keys is
-a sequential loop inside one row (vectorised across heads or head_dim, never across keys),
-and the kernel runs on one thread, so a row's result does not depend on its companions or
-the thread count; positions past a row's length (up to the batch's widest
-table, read from the zeroed null block) add exact zeros after its last key. One kernel serves
-every batch size and width: the batch and table-width dimensions are compiled dynamic, and a
-batch of one row or of one-block tables is padded to two (a dimension of size 1 would be
-compiled as a constant: another kernel, other rounding).
+Built libraries are cached under ``VLMSERVE_KERNEL_CACHE`` (default
+``~/.cache/vlmserve/kernels``), keyed by the source, the compiler, its flags and the CPU's
+flags, so a later start loads in milliseconds. Where building is impossible (no C
+compiler, a compile error) the runner keeps gathered attention and the log says why.
 
-Compiling costs seconds once (``warm_up``, at engine start); inductor's on-disk cache makes
-later starts load the kernel. Where compiling is impossible (no C++ compiler, a compile
-error) the runner keeps gathered attention and the log says why.
+Under an ISA cap (``ATEN_CPU_CAPABILITY=avx2``, what CI runs the engine tests with) the
+kernel is built for x86-64-v3 (AVX2, FMA, F16C) instead of the host's full ISA, so the cap
+runs the code an AVX2-only machine would.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import logging
 import os
+import platform
+import subprocess
+import tempfile
 import time
-from typing import Any
+from importlib import resources
+from pathlib import Path
 
 import torch
 
-__all__ = ["CompiledAttention", "paged_decode"]
+__all__ = ["CpuPagedAttention", "KernelBuildError", "build_library", "paged_decode"]
 
 log = logging.getLogger(__name__)
-RECOMPILE_LIMIT = 64  # one compiled graph per head layout and dtype: many models in a process
+
+_SOURCE = "cpu_decode.c"
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_decode.c's enum
+_ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler is missing or failed; the message says which and how."""
 
 
 def paged_decode(
@@ -44,51 +55,107 @@ def paged_decode(
     lengths: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] (one layer); tables
-    [B, MB] block ids (padded with the null block); lengths [B] keys each row attends to
-    (>= 1) -> [B, H, D] in q's dtype. Eagerly this gathers; compiled (``CompiledAttention``)
-    the indexing happens inside the kernels."""
+    """The reference the kernel is tested against (it gathers): q [B, H, D]; k_cache, v_cache
+    [num_blocks, block_size, KVH, D] (one layer); tables [B, MB] block ids; lengths [B] keys
+    each row attends to (>= 1) -> [B, H, D] in q's dtype, computed in float32."""
     b, heads, dim = q.shape
     _, block, kv_heads, _ = k_cache.shape
     rep, width = heads // kv_heads, tables.shape[1]
     qf = q.float().view(b, 1, 1, kv_heads, rep, dim)
-    keys = k_cache[tables].float()  # [B, MB, BS, KVH, D]: indexed loads once compiled
+    keys = k_cache[tables].float()  # [B, MB, BS, KVH, D]
     scores = (qf * keys[..., None, :]).sum(-1) * scale  # [B, MB, BS, KVH, rep]
     pos = torch.arange(width * block, device=q.device).view(1, width, block, 1, 1)
     scores = scores.masked_fill(pos >= lengths.view(b, 1, 1, 1, 1), float("-inf"))
-    top = scores.amax(dim=(1, 2), keepdim=True)
-    p = torch.exp(scores - top)
-    total = p.sum(dim=(1, 2))  # [B, KVH, rep]
-    values = v_cache[tables].float()
-    out = (p[..., None] * values[..., None, :]).sum(dim=(1, 2))  # [B, KVH, rep, D]
-    return (out / total[..., None]).view(b, heads, dim).to(q.dtype)
+    p = torch.softmax(scores.flatten(1, 2), dim=1)  # [B, MB * BS, KVH, rep]
+    values = v_cache[tables].float().flatten(1, 2)  # [B, MB * BS, KVH, D]
+    out = (p[..., None] * values[..., None, :]).sum(1)  # [B, KVH, rep, D]
+    return out.reshape(b, heads, dim).to(q.dtype)
 
 
-def _cache_per_isa() -> None:
-    """Under an ISA cap (``ATEN_CPU_CAPABILITY``) keep inductor's on-disk cache in a folder of
-    its own: a kernel cached by a capped process and loaded by an uncapped one, or the other
-    way round, computes NaN or corrupts memory (measured on torch 2.14, AVX-512 and avx2)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+def _isa_flags() -> list[str]:
+    """The target ISA: the host's, or x86-64-v3 under ``ATEN_CPU_CAPABILITY=avx2``."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if platform.machine() in ("x86_64", "AMD64"):
+        if cap == "avx2":
+            return ["-march=x86-64-v3"]
+        if cap == "default":
+            return ["-march=x86-64"]
+    return ["-march=native"]
 
-    cap = os.environ.get("ATEN_CPU_CAPABILITY")
-    base = cache_dir()
-    if cap and os.path.basename(base) != f"isa-{cap}":
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"isa-{cap}")
+
+def _cpu_flags() -> str:
+    """The first CPU's feature flags (what ``-march=native`` builds for), or the machine."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-class CompiledAttention:
-    """``paged_decode`` compiled by inductor, batch and table width dynamic."""
+def _cache_dir() -> Path:
+    if folder := os.environ.get("VLMSERVE_KERNEL_CACHE"):
+        return Path(folder)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "vlmserve" / "kernels"
 
-    def __init__(self) -> None:
-        _cache_per_isa()
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-        # one thread inside the kernel: its OpenMP (the compiler's) and torch's spin against
-        # each other between layers; on 2 busy cores a 2-thread kernel made the 8 x 4,096
-        # step 5x slower (504 against 95 ms)
-        self._fn: Any = torch.compile(paged_decode, dynamic=False, options={"cpp.threads": 1})
-        self.broken = False  # a call needed compiling again: eager from then on
-        self._threads: set[int] = set()  # torch thread counts compiled for (dynamo guards it)
+
+def _compiler() -> list[str]:
+    return (os.environ.get("CC") or "cc").split()
+
+
+def build_library() -> Path:
+    """The kernel's shared library, built now or found in the cache -> its path. Raises
+    ``KernelBuildError`` when there is no C compiler or it fails."""
+    source = resources.files(__package__).joinpath(_SOURCE).read_bytes()
+    cc = _compiler()
+    flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-strict-aliasing"]
+    flags += _isa_flags()
+    try:
+        version = subprocess.run(
+            [*cc, "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"no working C compiler ({' '.join(cc)}; set CC): {exc}") from exc
+    key = hashlib.sha256(
+        b"\0".join(x.encode() for x in (version, " ".join(flags), _cpu_flags())) + source
+    ).hexdigest()[:24]
+    folder = _cache_dir()
+    target = folder / f"cpu_decode-{key}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as work:
+        src = Path(work) / _SOURCE
+        src.write_bytes(source)
+        built = Path(work) / target.name
+        done = subprocess.run(
+            [*cc, *flags, str(src), "-o", str(built)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise KernelBuildError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: another process may be building the same
+    return target
+
+
+class CpuPagedAttention:
+    """``cpu_decode.c`` loaded: ``paged_decode``'s contract, reading the cache in place."""
+
+    def __init__(self, library: Path | None = None) -> None:
+        started = time.perf_counter()
+        lib = ctypes.CDLL(str(library or build_library()))
+        self._fn = lib.paged_decode
+        self._fn.argtypes, self._fn.restype = _ARGS, ctypes.c_int
+        self._kinds = dict(_KINDS)
+        if not lib.has_float16():  # the compiler has no _Float16
+            del self._kinds[torch.float16]
+        self._lib = lib
+        self.seconds = time.perf_counter() - started
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in self._kinds
 
     def __call__(
         self,
@@ -99,50 +166,46 @@ class CompiledAttention:
         lengths: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """``paged_decode``'s contract; tables and lengths int64. Runs the kernel compiled by
-        ``warm_up``: the inputs are made alike (fresh contiguous inference tensors, at least
-        2 rows of 2 blocks), so its guards hold; a call that would compile again runs
-        ``paged_decode`` eagerly instead (correct, but gathering) and the log says so."""
-        b = q.shape[0]
-        with torch.inference_mode():
-            q, tables, lengths = q.clone(), tables.clone(), lengths.clone()
-            if b < 2:  # a padding row: one key of the null block
-                q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
-                tables = torch.cat([tables, tables.new_zeros(1, tables.shape[1])])
-                lengths = torch.cat([lengths, lengths.new_ones(1)])
-            if tables.shape[1] < 2:  # a null block past every row's keys
-                tables = torch.cat([tables, tables.new_zeros(tables.shape[0], 1)], 1)
-            args = (q, k_cache, v_cache, tables, lengths, scale)
-            if torch.get_num_threads() not in self._threads and not self.broken:
-                self.warm_up(q, k_cache, v_cache, scale)  # the same kernel: seconds, once
-            if not self.broken:
-                try:
-                    with torch.compiler.set_stance("fail_on_recompile"):
-                        return self._fn(*args)[:b]
-                except RuntimeError as exc:
-                    self.broken = True
-                    log.warning("CPU paged attention runs eagerly (gathering): %s", exc)
-            return paged_decode(*args)[:b]
-
-    def warm_up(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
-    ) -> float:
-        """Compile for these head shapes and dtype (q [B, H, D], any B) and the current
-        thread count: one call on the null block, 2 rows of 3-block tables (distinct sizes:
-        dimensions of equal size would be compiled as one) -> seconds taken. Raises
-        whatever compiling raises."""
-        started = time.perf_counter()
-        self._threads.add(torch.get_num_threads())
-        with torch.inference_mode():  # as ``__call__`` makes its inputs
-            q = q.new_zeros(2, *q.shape[1:])
-            tables = torch.zeros(2, 3, dtype=torch.long, device=q.device)
-            lengths = torch.ones(2, dtype=torch.long, device=q.device)
-            for t, dim in ((q, 0), (tables, 0), (lengths, 0)):
-                torch._dynamo.mark_dynamic(t, dim)  # the cache's shape stays: its own kernel
-            # the width unbacked: no guard on it, so no second kernel past 4,096 keys (where
-            # inductor would switch its float sums to chunked ones: other rounding)
-            torch._dynamo.decorators.mark_unbacked(tables, 1)
-            self._fn(q, k_cache, v_cache, tables, lengths, scale)
-        seconds = time.perf_counter() - started
-        log.debug("compiled the CPU paged decode attention in %.1f s", seconds)
-        return seconds
+        """q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] contiguous, q's
+        dtype; tables [B, MB] and lengths [B] int64 (every length >= 1 and within its
+        table) -> [B, H, D]. A table or length out of range is a ``ValueError`` (the kernel
+        would read past the cache)."""
+        rows, heads, dim = q.shape
+        blocks, block, kv_heads, _ = k_cache.shape
+        kind = self._kinds[q.dtype]
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the KV cache must be contiguous")
+        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise ValueError(f"cache dtype {k_cache.dtype} is not the query's {q.dtype}")
+        q = q.contiguous()
+        tables = tables.to(torch.int64).contiguous()
+        lengths = lengths.to(torch.int64).contiguous()
+        width = tables.shape[1]
+        if rows and (
+            int(lengths.max()) > width * block
+            or int(lengths.min()) < 1
+            or int(tables.max()) >= blocks
+            or int(tables.min()) < 0
+        ):
+            raise ValueError("a decode row's table or length is out of the cache's range")
+        out = torch.empty_like(q)
+        failed = self._fn(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            lengths.data_ptr(),
+            out.data_ptr(),
+            rows,
+            heads,
+            kv_heads,
+            dim,
+            block,
+            width,
+            scale,
+            kind,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise ValueError(f"head layout {heads}/{kv_heads} x {dim}, block {block}: too large")
+        return out

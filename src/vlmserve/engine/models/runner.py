@@ -20,8 +20,8 @@ same weights itself (nano-vllm's ``model_runner``), with:
   attention is one ``scaled_dot_product_attention`` per layer for the whole batch over the
   rows' gathered blocks (padded with the zero null block, masked), one query per head and
   ``enable_gqa`` (see ``_decode_attention`` for why that layout is batch invariant); on
-  CPU, for half-precision models the engine compiles attention that reads each row's blocks
-  in place instead (``use_compiled_attention``, ``cpu_attention.py``);
+  CPU, for half-precision models a C kernel reads each row's blocks in place instead
+  (``use_compiled_attention``, ``cpu_attention.py``);
 - **fused projections**: q/k/v and gate/up are one matmul each. The fused weights are new
   storage and the HF parameters are re-pointed at views of it, so no memory is duplicated
   and ``model.generate`` keeps working on the same weights;
@@ -48,7 +48,7 @@ from vlmserve.engine.models.batch import (
     decode_inputs,
     prefill_inputs,
 )
-from vlmserve.engine.models.cpu_attention import CompiledAttention
+from vlmserve.engine.models.cpu_attention import CpuPagedAttention, KernelBuildError
 from vlmserve.engine.models.graphs import (
     PagedDecode,
     base_decode,
@@ -120,7 +120,7 @@ class DecoderRunner:
         self.ropes = self._rotary(lm.rotary_emb, sections, interleaved)  # by layer kind
         self.cache: PagedKVCache | None = None  # allocate_cache(), once the budget is known
         self.paged: PagedDecode | None = None  # use_paged_decode(): CUDA's decode step
-        self.compiled: CompiledAttention | None = None  # use_compiled_attention(): CPU's
+        self.compiled: CpuPagedAttention | None = None  # use_compiled_attention(): CPU's
 
     def _rotary(
         self, rotary: Any, sections: list[int] | None, interleaved: bool
@@ -348,26 +348,23 @@ class DecoderRunner:
         return f"paged attention, eager ({why})"
 
     def use_compiled_attention(self, threads: int = 0) -> str:
-        """CPU: decode attention reads the cache in place through ``CompiledAttention``,
-        compiled now for ``threads`` torch threads (0: the current count; the steps' count,
-        else the first step compiles again); where it does not apply or compiling fails,
-        decode gathers each row's blocks as before. -> how decode runs, for the log."""
+        """CPU: decode attention reads the cache in place through ``CpuPagedAttention`` (a C
+        kernel built now, or loaded from the kernel cache); where it does not apply or
+        building fails, decode gathers each row's blocks as before. ``threads`` is kept for
+        callers: the kernel runs on the calling thread's torch team, whatever its size. ->
+        how decode runs, for the log."""
+        del threads
         if not base_decode(self):
             return "gathered attention (the model's own decode attention)"
-        cache = self._kv()
-        q = torch.zeros(1, self.heads, self.head_dim, dtype=self.dtype, device=self.device)
-        before = torch.get_num_threads()
         try:
-            torch.set_num_threads(threads or before)
-            compiled = CompiledAttention()
-            seconds = compiled.warm_up(q, cache.k[0], cache.v[0], self.scale)
-        except Exception as exc:  # no C++ compiler, a compile error: inductor's many kinds
-            log.warning("decode attention gathers each row's blocks: compiling failed (%s)", exc)
-            return f"gathered attention (compiling failed: {type(exc).__name__})"
-        finally:
-            torch.set_num_threads(before)
-        self.compiled = compiled
-        return f"paged attention, compiled for CPU ({seconds:.1f} s)"
+            kernel = CpuPagedAttention()
+        except (KernelBuildError, OSError) as exc:
+            log.warning("decode attention gathers each row's blocks: building failed (%s)", exc)
+            return f"gathered attention (building the CPU kernel failed: {type(exc).__name__})"
+        if not kernel.supports(self.dtype):
+            return f"gathered attention (the CPU kernel has no {self.dtype})"
+        self.compiled = kernel
+        return f"paged attention, CPU kernel ({kernel.seconds:.1f} s to load)"
 
     def decode(
         self,
