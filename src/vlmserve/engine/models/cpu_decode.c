@@ -89,6 +89,7 @@ static inline void store(void *p, int64_t offset, int kind, const float *restric
 #define MAX_BLOCK 128
 #define MAX_HEADS_DIM 8192 /* query heads x dim in one work unit */
 #define MAX_HEADS 128 /* query heads in one work unit */
+#define TILE 16 /* keys a step of the tiled path: a block holds whole tiles */
 
 /* One (row, KV head): rep query heads q[rep][dim] (float32), the row's table and length ->
  * out[rep][dim] (float32). A block of keys is converted to float32 first (kf, vf: L1), then
@@ -234,15 +235,16 @@ static inline v8 sum_lanes(const v8 *a) {
 }
 
 /* A row's KV heads g0..g1-1 on the tiled path: q [heads][nc] vectors (their rep query heads
- * each, nc = dim / 8) -> out, alike. Each tile of 8 tokens is read for all of them at once:
- * the tokens' keys of consecutive KV heads lie side by side. */
+ * each, nc = dim / 8) -> out, alike. A tile is 16 tokens (two groups of 8 lanes) of one
+ * block, read for all the unit's KV heads at once: the keys of consecutive KV heads lie side
+ * by side. */
 static inline __attribute__((always_inline)) void
 tiles(const v8 *restrict q, const void *k, const void *v, int kind, const int64_t *table,
       int64_t length, int64_t g0, int64_t g1, int64_t rep, const int64_t nc, int64_t block,
       int64_t token_stride, int64_t block_stride, float scale, v8 *restrict out) {
     const int64_t heads = (g1 - g0) * rep;
     float m[MAX_HEADS], l[MAX_HEADS];
-    v8 kt[8][MAX_DIM / 8], vt[8][MAX_DIM / 8];
+    v8 kt[TILE][MAX_DIM / 8], vt[TILE][MAX_DIM / 8];
     const v8 zero = {0}, floor = zero - 3.0e38f;
     const i8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
     for (int64_t h = 0; h < heads; h++) {
@@ -250,13 +252,13 @@ tiles(const v8 *restrict q, const void *k, const void *v, int kind, const int64_
         l[h] = 0.0f;
     }
     for (int64_t x = 0; x < heads * nc; x++) out[x] = zero;
-    for (int64_t start = 0; start < length; start += 8) {
-        const int64_t n = length - start < 8 ? length - start : 8;
-        const i8 valid = lanes < (int32_t)n;
+    for (int64_t start = 0; start < length; start += TILE) {
+        const int64_t n = length - start < TILE ? length - start : TILE;
+        const i8 valid[2] = {lanes < (int32_t)n, lanes + 8 < (int32_t)n};
         const int64_t tile = table[start / block] * block_stride + (start % block) * token_stride;
         for (int64_t g = g0; g < g1; g++) {
             const int64_t base = tile + g * nc * 8;
-            for (int64_t j = 0; j < 8; j++)
+            for (int64_t j = 0; j < TILE; j++)
                 for (int64_t c = 0; c < nc; c++) {
                     const int64_t at = base + j * token_stride + c * 8;
                     kt[j][c] = j < n ? load8(k, at, kind) : zero; /* past the row: zeros */
@@ -264,25 +266,28 @@ tiles(const v8 *restrict q, const void *k, const void *v, int kind, const int64_
                 }
             for (int64_t h = (g - g0) * rep; h < (g - g0 + 1) * rep; h++) {
                 const v8 *restrict qh = q + h * nc;
-                v8 acc[8];
-                for (int64_t j = 0; j < 8; j++) {
+                v8 acc[TILE], scores[2], p[2];
+                for (int64_t j = 0; j < TILE; j++) {
                     v8 a = qh[0] * kt[j][0];
                     for (int64_t c = 1; c < nc; c++) a += qh[c] * kt[j][c];
                     acc[j] = a;
                 }
-                const v8 scores = select8(valid, sum_lanes(acc) * scale, floor);
-                const float top = max8(scores, m[h]);
+                for (int half = 0; half < 2; half++)
+                    scores[half] = select8(valid[half], sum_lanes(acc + 8 * half) * scale, floor);
+                const float top = max8(scores[1], max8(scores[0], m[h]));
                 const float shrink = exp_neg(m[h] - top);
-                const v8 p = select8(valid, exp_neg8(scores - top), zero);
-                const float sum = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+                for (int half = 0; half < 2; half++)
+                    p[half] = select8(valid[half], exp_neg8(scores[half] - top), zero);
+                const v8 both = p[0] + p[1];
+                const float sum =
+                    ((both[0] + both[1]) + (both[2] + both[3])) + ((both[4] + both[5]) + (both[6] + both[7]));
                 l[h] = l[h] * shrink + sum;
                 m[h] = top;
-                v8 *restrict o = out + h * nc;
-                for (int64_t c = 0; c < nc; c++) {
-                    v8 x = o[c] * shrink;
-                    for (int64_t j = 0; j < 8; j++) x += p[j] * vt[j][c];
-                    o[c] = x;
-                }
+                v8 *restrict o = out + h * nc, x[MAX_DIM / 8];
+                for (int64_t c = 0; c < nc; c++) x[c] = o[c] * shrink;
+                for (int64_t j = 0; j < TILE; j++) /* nc independent sums a key: no chain */
+                    for (int64_t c = 0; c < nc; c++) x[c] += p[j / 8][j % 8] * vt[j][c];
+                for (int64_t c = 0; c < nc; c++) o[c] = x[c];
             }
         }
     }
@@ -307,7 +312,7 @@ int paged_decode(const void *q, const void *k, const void *v, const int64_t *tab
                  int kind, int threads) {
     const int64_t rep = heads / kv_heads;
     const int64_t token_stride = kv_heads * dim, block_stride = block * token_stride;
-    const int tiled = dim % 8 == 0 && block % 8 == 0;
+    const int tiled = dim % 8 == 0 && block % TILE == 0;
     if (rep > MAX_REP || dim > MAX_DIM || rep * dim > MAX_HEADS_DIM || block > MAX_BLOCK)
         return -1;
     int64_t per = kv_heads; /* KV heads a unit */
@@ -321,7 +326,8 @@ int paged_decode(const void *q, const void *k, const void *v, const int64_t *tab
     for (int64_t u = 0; u < units; u++) {
         const int64_t b = u / groups, g0 = u % groups * per;
         const int64_t g1 = g0 + per < kv_heads ? g0 + per : kv_heads;
-        v8 qv[MAX_HEADS_DIM / 8], ov[MAX_HEADS_DIM / 8];
+        v8 qv[MAX_HEADS_DIM / 8] __attribute__((aligned(64)));
+        v8 ov[MAX_HEADS_DIM / 8] __attribute__((aligned(64)));
         float *qf = (float *)qv, *of = (float *)ov; /* built with -fno-strict-aliasing */
         const int64_t head = (b * heads + g0 * rep) * dim, span = (g1 - g0) * rep * dim;
         const int64_t *table = tables + b * width;
