@@ -123,7 +123,8 @@ HELP = {
     "enforce_eager": (
         ENGINE,
         "With --cuda-graphs: run each decode step eagerly instead of "
-        "replaying its CUDA graph (slower; for debugging).",
+        "replaying its CUDA graph; on CPU: decode attention gathers each "
+        "row's blocks instead of the C kernel (slower; for debugging).",
     ),
     "engine_process": (
         ENGINE,
