@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Coroutine
 from multiprocessing.connection import Connection
@@ -30,12 +31,17 @@ __all__ = ["EngineCore", "run"]
 
 log = logging.getLogger(__name__)
 STATS_EVERY = 0.5  # seconds between the stats the API process shows in /metrics
+SWITCH_INTERVAL = 0.001  # seconds a thread holds the GIL while another waits for it
 
 
 def run(conn: Connection) -> None:
     """The engine process's entry point: the first message says what to build."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until serve() says so in the log
+    # As in the API process (cli/serve.py): the model thread, the loop and the processor
+    # threads share the GIL, and at the default 5 ms the model thread or the loop could wait
+    # that long after each torch call while a processor thread patchifies a photo.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     factory, log_level = conn.recv()
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
