@@ -26,8 +26,12 @@ MAX_NICE = 19
 
 
 def thread_nice() -> int:
-    """The calling thread's nice value (its own, not the process's main thread's)."""
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    """The calling thread's nice value (its own, not the process's main thread's; the
+    process's where the system keeps one per process)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except OSError:
+        return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def lower_this_thread(nice: int) -> int:
