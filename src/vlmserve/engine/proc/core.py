@@ -20,12 +20,14 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
 from vlmserve.engine.proc.pixels import has_media, receive
 from vlmserve.engine.proc.wire import Ready, encode_error, read_forever
 from vlmserve.engine.protocol import Backend
+from vlmserve.media.workers.priority import low_priority_executor
 
 __all__ = ["EngineCore", "run"]
 
@@ -59,6 +61,7 @@ class EngineCore:
         self.tasks: dict[int, asyncio.Task[None]] = {}  # rid -> its generate task
         self.outbox: list[Any] = []
         self.closing = asyncio.Event()
+        self.receiver: ThreadPoolExecutor | None = None  # media_nice threads: pixels read in
 
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -70,6 +73,8 @@ class EngineCore:
             self.conn.send([("load_failed", encode_error(exc))])
             return
         self.backend = backend
+        nice = getattr(getattr(backend, "config", None), "media_nice", 0)
+        self.receiver = low_priority_executor(2, nice, "vlmserve-media-receive")
         backend.watch_failures(lambda _: self.loop.call_soon_threadsafe(self._failed))
         config = getattr(backend, "config", None)
         ready = Ready(
@@ -130,7 +135,7 @@ class EngineCore:
         assert self.backend is not None
         try:
             if has_media(request):  # out of the API process's shared blocks (pixels.py)
-                request = await asyncio.to_thread(receive, request)
+                request = await self.loop.run_in_executor(self.receiver, receive, request)
             self.prepared[rid] = await self.backend.prepare(request)
         finally:
             self.preparing.pop(rid, None)
@@ -138,7 +143,7 @@ class EngineCore:
     async def _tokenize(self, what: Any, add_special_tokens: bool) -> Any:
         assert self.backend is not None
         if not isinstance(what, str) and has_media(what):
-            what = await asyncio.to_thread(receive, what)
+            what = await self.loop.run_in_executor(self.receiver, receive, what)
         return await self.backend.tokenize(what, add_special_tokens=add_special_tokens)
 
     async def _detokenize(self, ids: list[int]) -> str:
