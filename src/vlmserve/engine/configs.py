@@ -35,6 +35,7 @@ class ChatEngineConfig:
     max_num_batched_tokens: int | None  # prompt tokens per step; None: by device
     vision_cache_bytes: int  # vision-tower outputs kept by content hash; 0 = off
     processor_cache_bytes: int  # preprocessed images by content; 0 = off
+    media_nice: int  # media_worker_nice: the processor on media requests, below requests'
     stream_interval: int  # tokens per stream event when the batch is busy
     kv_cache_bytes: int  # kv_cache_memory: the KV budget; 0 = auto
     gpu_memory_utilization: float  # share of the GPU the model may use (weights + KV)
@@ -52,6 +53,7 @@ class ChatEngineConfig:
         "max_num_batched_tokens": "max_num_batched_tokens",
         "vision_cache_bytes": "vision_cache_bytes",
         "processor_cache_bytes": "processor_cache_bytes",
+        "media_nice": "media_worker_nice",
         "stream_interval": "stream_interval",
         "kv_cache_bytes": "kv_cache_memory",
         "gpu_memory_utilization": "gpu_memory_utilization",

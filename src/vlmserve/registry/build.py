@@ -79,7 +79,9 @@ def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
     check_parser_names(config.reasoning_parser, config.tool_call_parser)
     if settings.engine_process:
         return EngineProcClient(
-            cfg.served_name, partial(HFChatBackend, cfg.served_name, options, config)
+            cfg.served_name,
+            partial(HFChatBackend, cfg.served_name, options, config),
+            media_nice=config.media_nice,
         )
     return HFChatBackend(cfg.served_name, options, config)
 

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -17,6 +18,7 @@ from PIL import Image
 from vlmserve.errors import MediaError, ServiceUnavailable
 from vlmserve.media import MediaPolicy, decode_image, decode_video
 from vlmserve.media.workers import MediaPool, read_and_decode
+from vlmserve.media.workers.priority import low_priority_executor, lower_this_thread, thread_nice
 from vlmserve.testing.media import image_bytes, mp4_bytes
 
 POLICY = MediaPolicy()
@@ -126,3 +128,30 @@ async def test_close_stops_every_worker_even_one_mid_decode() -> None:
         await busy
     with pytest.raises(ServiceUnavailable, match="shutting down"):
         await pool.run(time.sleep, 0)
+
+
+def _nice_now() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+async def test_workers_and_the_copies_out_of_shared_memory_run_below_the_request_path() -> None:
+    """Under an image flood the cores go to the request path first: decodes in the workers and
+    the API process's copies of their pixels run ``nice`` lower, the event loop does not."""
+    base = thread_nice()
+    pool = MediaPool(1, nice=4)
+    try:
+        assert await pool.run(_nice_now) == min(19, base + 4)
+        assert pool._takers.submit(thread_nice).result() == min(19, base + 4)
+        assert thread_nice() == base
+    finally:
+        pool.close()
+
+
+def test_a_low_priority_thread_lowers_itself_only_up_to_19() -> None:
+    base = thread_nice()
+    with low_priority_executor(1, 3, "test-low") as executor:
+        assert executor.submit(thread_nice).result() == min(19, base + 3)
+        assert executor.submit(lower_this_thread, 40).result() == 19
+    with low_priority_executor(1, 0, "test-same") as executor:
+        assert executor.submit(thread_nice).result() == base
+    assert thread_nice() == base

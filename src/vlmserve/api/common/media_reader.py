@@ -4,7 +4,11 @@ the model's frame rule and the request's controls, or taken by ``uuid`` from ``M
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -30,6 +34,7 @@ from vlmserve.media.sampling import UNIFORM, FrameRequest, VideoSampling
 from vlmserve.media.video import source_fps
 from vlmserve.media.workers import MediaPool, current_lease, read_and_decode
 from vlmserve.media.workers.budget import PIXEL_FACTOR
+from vlmserve.media.workers.priority import low_priority_executor
 
 __all__ = ["EMPTY_FRAMES", "MediaRead", "MediaReader", "controls", "media_policy", "sample_frames"]
 
@@ -110,6 +115,7 @@ class MediaReader:
     metrics: Metrics | None = None
     refs: MediaRefs | None = None  # media by uuid (None: not kept)
     pool: MediaPool | None = None  # media workers; None: decode on a thread of this process
+    decoder: ThreadPoolExecutor | None = None  # those threads (media_worker_nice); None: asyncio's
 
     @classmethod
     def from_settings(
@@ -120,7 +126,12 @@ class MediaReader:
             getattr(settings, "media_uuid_cache_bytes", 256 * 2**20),
         )
         policy = media_policy(settings)
-        return cls(settings=settings, policy=policy, metrics=metrics, refs=refs, pool=pool)
+        decoder = None
+        if pool is None:  # without workers, decodes yield the cores to requests all the same
+            threads = min(8, (os.cpu_count() or 1) + 4)
+            nice = getattr(settings, "media_worker_nice", 0)
+            decoder = low_priority_executor(threads, nice, "vlmserve-media-decode")
+        return cls(settings, policy, metrics, refs, pool, decoder)
 
     async def _read_decode(
         self, kind: MediaKind, source: str, decode: Any, *args: Any, **kwargs: Any
@@ -135,7 +146,10 @@ class MediaReader:
             )
         else:
             data = await read_source(source, self.policy, kind=kind)
-            decoded, size = await asyncio.to_thread(decode, data, *args, **kwargs), len(data)
+            context = contextvars.copy_context()  # as asyncio.to_thread
+            call = functools.partial(context.run, decode, data, *args, **kwargs)
+            loop = asyncio.get_running_loop()
+            decoded, size = await loop.run_in_executor(self.decoder, call), len(data)
         lease = current_lease()
         if lease is not None:
             lease.grow(size + PIXEL_FACTOR * _pixel_bytes(decoded))

@@ -31,7 +31,7 @@ from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.hf.media_options import family_media, processor_kwargs
 from vlmserve.engine.hf.processor_cache import CachedImageProcessor
 from vlmserve.engine.hf.processor_cache import install as install_processor_cache
-from vlmserve.engine.hf.threads import off_loop
+from vlmserve.engine.hf.threads import media_executor, off_loop
 from vlmserve.engine.models.architectures import supports
 from vlmserve.engine.models.families._media import MediaRules
 from vlmserve.engine.outputs import OutputParsers, parse_outputs
@@ -41,8 +41,10 @@ from vlmserve.engine.types import (
     ChatMessage,
     Chunk,
     GenerateRequest,
+    ImagePart,
     Serves,
     Tokenized,
+    VideoPart,
 )
 from vlmserve.errors import InvalidRequest
 from vlmserve.media.sampling import VideoSampling
@@ -121,10 +123,15 @@ class HFChatBackend(HFModel):
         return self._media[1] if self._media is not None else None
 
     def _build(self, loaded: Any, request: GenerateRequest) -> Any:
-        """``build_inputs`` (off the loop) with the request's media options."""
+        """``build_inputs`` (off the loop) with the request's media options; with images or
+        video on the media threads, below the request path's priority (``threads.py``)."""
         rules = self._media[0] if self._media is not None else MediaRules()
         kwargs = processor_kwargs(rules, loaded.processor, request.media)
-        return off_loop(build_inputs, loaded.processor, request, None, kwargs)
+        media = any(
+            isinstance(p, ImagePart | VideoPart) for m in request.messages for p in m.content
+        )
+        executor = media_executor(self.config.media_nice) if media else None
+        return off_loop(build_inputs, loaded.processor, request, None, kwargs, executor=executor)
 
     def watch_failures(self, callback: Callable[[Any], None]) -> None:
         self.on_engine_failure = callback

@@ -15,7 +15,11 @@ longer (39 vs 28 ms, in the server against the runner alone). So:
 - a model loads and runs on its own thread (``model_executor``), with the process's default
   thread count (``OMP_NUM_THREADS``, else the physical cores);
 - everything else torch does on worker threads (the processor, grammar compilation) runs on
-  ``prep_executor``'s threads, pinned to one intra-op thread: no team.
+  ``prep_executor``'s threads, pinned to one intra-op thread: no team;
+- the processor on a request with images or video runs on ``media_executor``'s threads,
+  also pinned to one, at a lower OS priority (``media/workers/priority.py``): resizing and
+  patchifying a photo takes tens of milliseconds of a core, and on a 2-core CPU under an image
+  flood that work would otherwise take the cores a text request's next hop needs.
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from vlmserve.media.workers.priority import low_priority_executor
+
 __all__ = [
     "DEFAULT_THREADS",
     "SMALL_MODEL_PARAMS",
+    "media_executor",
     "model_executor",
     "model_threads",
     "off_loop",
@@ -44,6 +51,7 @@ _T = TypeVar("_T")
 DEFAULT_THREADS = torch.get_num_threads()  # before anything here changes torch's setting
 _PREP_WORKERS = min(8, (os.cpu_count() or 1) + 4)  # as asyncio's default executor
 _prep: ThreadPoolExecutor | None = None
+_media: dict[int, ThreadPoolExecutor] = {}  # by how much lower their priority is
 SMALL_MODEL_PARAMS = 50_000_000  # below this a CPU model's matmuls take microseconds
 
 
@@ -84,7 +92,22 @@ def prep_executor() -> ThreadPoolExecutor:
     return _prep
 
 
-async def off_loop(fn: Callable[..., _T], *args: Any) -> _T:
-    """``asyncio.to_thread`` on ``prep_executor`` (the caller's context variables too)."""
+def media_executor(nice: int) -> ThreadPoolExecutor:
+    """Threads like ``prep_executor``'s, ``nice`` below the process's priority: the processor
+    on requests with media."""
+    executor = _media.get(nice)
+    if executor is None:
+        executor = _media[nice] = low_priority_executor(
+            _PREP_WORKERS, nice, "vlmserve-media-prep", functools.partial(pin, 1)
+        )
+    return executor
+
+
+async def off_loop(
+    fn: Callable[..., _T], *args: Any, executor: ThreadPoolExecutor | None = None
+) -> _T:
+    """``asyncio.to_thread`` on ``executor`` (default ``prep_executor``), the caller's context
+    variables too."""
     call = functools.partial(contextvars.copy_context().run, fn, *args)
-    return await asyncio.get_running_loop().run_in_executor(prep_executor(), call)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor or prep_executor(), call)

@@ -48,6 +48,7 @@ from vlmserve.engine.types import (
     Tokenized,
 )
 from vlmserve.errors import ServiceUnavailable
+from vlmserve.media.workers.priority import low_priority_executor
 
 __all__ = ["EngineProcClient"]
 
@@ -66,10 +67,13 @@ class _Stream:
 class EngineProcClient(Backend):
     serves = Serves.CHAT
 
-    def __init__(self, model_id: str, factory: Callable[[], Backend]):
-        """``factory`` (picklable) builds the in-process backend inside the engine process."""
+    def __init__(self, model_id: str, factory: Callable[[], Backend], media_nice: int = 0):
+        """``factory`` (picklable) builds the in-process backend inside the engine process;
+        a request's pixels are copied into shared memory ``media_nice`` below the request
+        path's priority (``media/workers/priority.py``)."""
         self.model_id = model_id
         self.factory = factory
+        self._shipper = low_priority_executor(2, media_nice, "vlmserve-media-ship")
         self.state = ModelState.UNLOADED
         self.error: str | None = None
         self.load_seconds: float | None = None
@@ -173,7 +177,7 @@ class EngineProcClient(Backend):
         rid = next(self._ids)
         blocks: list[str] = []
         if has_media(request):  # pixels go in shared memory (pixels.py), not the pickle
-            request, blocks = await shipped(request)
+            request, blocks = await shipped(request, self._shipper)
         try:
             await self._call(rid, ("prepare", rid, request))
         except asyncio.CancelledError:
@@ -193,7 +197,7 @@ class EngineProcClient(Backend):
         rid = next(self._ids)
         blocks: list[str] = []
         if isinstance(what, GenerateRequest) and has_media(what):
-            what, blocks = await shipped(what)
+            what, blocks = await shipped(what, self._shipper)
         try:
             result: Tokenized = await self._call(rid, ("tokenize", rid, what, add_special_tokens))
         finally:

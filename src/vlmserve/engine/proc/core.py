@@ -17,25 +17,33 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
 from vlmserve.engine.proc.pixels import has_media, receive
 from vlmserve.engine.proc.wire import Ready, encode_error, read_forever
 from vlmserve.engine.protocol import Backend
+from vlmserve.media.workers.priority import low_priority_executor
 
 __all__ = ["EngineCore", "run"]
 
 log = logging.getLogger(__name__)
 STATS_EVERY = 0.5  # seconds between the stats the API process shows in /metrics
+SWITCH_INTERVAL = 0.001  # seconds a thread holds the GIL while another waits for it
 
 
 def run(conn: Connection) -> None:
     """The engine process's entry point: the first message says what to build."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until serve() says so in the log
+    # As in the API process (cli/serve.py): the model thread, the loop and the processor
+    # threads share the GIL, and at the default 5 ms the model thread or the loop could wait
+    # that long after each torch call while a processor thread patchifies a photo.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     factory, log_level = conn.recv()
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
@@ -53,6 +61,7 @@ class EngineCore:
         self.tasks: dict[int, asyncio.Task[None]] = {}  # rid -> its generate task
         self.outbox: list[Any] = []
         self.closing = asyncio.Event()
+        self.receiver: ThreadPoolExecutor | None = None  # media_nice threads: pixels read in
 
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -64,6 +73,8 @@ class EngineCore:
             self.conn.send([("load_failed", encode_error(exc))])
             return
         self.backend = backend
+        nice = getattr(getattr(backend, "config", None), "media_nice", 0)
+        self.receiver = low_priority_executor(2, nice, "vlmserve-media-receive")
         backend.watch_failures(lambda _: self.loop.call_soon_threadsafe(self._failed))
         config = getattr(backend, "config", None)
         ready = Ready(
@@ -124,7 +135,7 @@ class EngineCore:
         assert self.backend is not None
         try:
             if has_media(request):  # out of the API process's shared blocks (pixels.py)
-                request = await asyncio.to_thread(receive, request)
+                request = await self.loop.run_in_executor(self.receiver, receive, request)
             self.prepared[rid] = await self.backend.prepare(request)
         finally:
             self.preparing.pop(rid, None)
@@ -132,7 +143,7 @@ class EngineCore:
     async def _tokenize(self, what: Any, add_special_tokens: bool) -> Any:
         assert self.backend is not None
         if not isinstance(what, str) and has_media(what):
-            what = await asyncio.to_thread(receive, what)
+            what = await self.loop.run_in_executor(self.receiver, receive, what)
         return await self.backend.tokenize(what, add_special_tokens=add_special_tokens)
 
     async def _detokenize(self, ids: list[int]) -> str:

@@ -22,6 +22,7 @@ import dataclasses
 import os
 import secrets
 from _posixshmem import shm_open, shm_unlink  # the block calls SharedMemory makes, untracked
+from concurrent.futures import Executor
 from multiprocessing import resource_tracker
 from typing import Any
 
@@ -57,10 +58,13 @@ def ship(request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
     return dataclasses.replace(request, messages=messages), names
 
 
-async def shipped(request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
-    """``ship`` on a thread (a photo's copy would hold the event loop); a caller cancelled
-    meanwhile leaves no blocks behind."""
-    work = asyncio.ensure_future(asyncio.to_thread(ship, request))
+async def shipped(
+    request: GenerateRequest, executor: Executor | None = None
+) -> tuple[GenerateRequest, list[str]]:
+    """``ship`` on a thread of ``executor`` (default asyncio's; a photo's copy would hold the
+    event loop); a caller cancelled meanwhile leaves no blocks behind."""
+    loop = asyncio.get_running_loop()
+    work = asyncio.ensure_future(loop.run_in_executor(executor, ship, request))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:

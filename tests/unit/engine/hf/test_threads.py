@@ -19,12 +19,14 @@ import pytest
 import torch
 
 from support import MODEL
+from vlmserve.config import Settings
 from vlmserve.engine.hf import chat as chat_module
 from vlmserve.engine.hf import threads
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.embed import HFEmbedBackend
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.types import EmbedInput
+from vlmserve.media.workers.priority import thread_nice
 from vlmserve.testing.media import data_url, image_bytes
 
 
@@ -116,26 +118,54 @@ async def test_a_model_loads_on_its_own_thread(tiny_dir: Path) -> None:
         await backend.aclose()
 
 
-async def test_a_request_is_prepared_on_a_single_threaded_prep_thread(
-    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The processor (image resizing, tokenizing) never starts a second team beside the
-    model's."""
-    seen: list[tuple[str, int]] = []
+def _recording_build(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Where each ``build_inputs`` runs: thread name, intra-op threads, OS nice value."""
+    seen: list[tuple[str, int, int]] = []
     real = chat_module.build_inputs
 
     def recording(*args: Any) -> Any:
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        seen.append((threading.current_thread().name, torch.get_num_threads(), thread_nice()))
         return real(*args)
 
     monkeypatch.setattr(chat_module, "build_inputs", recording)
+    return seen
+
+
+async def test_an_image_request_is_prepared_single_threaded_below_the_request_path(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The processor (image resizing, tokenizing) never starts a second team beside the
+    model's, and runs at the media workers' lower priority (``media_worker_nice``)."""
+    seen = _recording_build(monkeypatch)
     image = {"type": "image_url", "image_url": {"url": data_url(image_bytes(), "image/png")}}
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [image]}]}
     response = await client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     assert len(seen) == 1
-    name, count = seen[0]
+    name, count, nice = seen[0]
+    assert name.startswith("vlmserve-media-prep") and count == 1
+    expected = min(19, thread_nice() + Settings.model_fields["media_worker_nice"].default)
+    assert nice == expected > thread_nice()
+
+
+async def test_a_text_request_is_prepared_at_the_request_paths_priority(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat without images never runs on the threads that yield to media work."""
+    seen = _recording_build(monkeypatch)
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(seen) == 1
+    name, count, nice = seen[0]
     assert name.startswith("vlmserve-prep") and count == 1
+    assert nice == thread_nice()
+
+
+def test_media_prep_threads_run_lower_by_the_setting_and_single_threaded() -> None:
+    assert threads.media_executor(3).submit(thread_nice).result() == min(19, thread_nice() + 3)
+    assert threads.media_executor(3).submit(_parallel_work).result() == 1
+    assert threads.prep_executor().submit(thread_nice).result() == thread_nice()
 
 
 async def test_off_loop_carries_the_callers_context_as_to_thread_does() -> None:

@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from vlmserve.engine.proc import pixels
+from vlmserve.engine.proc.client import EngineProcClient
 from vlmserve.engine.types import (
     ChatMessage,
     GenerateRequest,
@@ -23,6 +24,7 @@ from vlmserve.engine.types import (
     VideoPart,
 )
 from vlmserve.errors import ServiceUnavailable
+from vlmserve.media.workers.priority import low_priority_executor, thread_nice
 from vlmserve.media.workers.shared import SharedImage
 from vlmserve.testing.media import gradient_image
 
@@ -133,3 +135,21 @@ def test_shipped_blocks_are_private_to_the_user() -> None:
         assert all(os.stat(f"/dev/shm/{n}").st_mode & 0o077 == 0 for n in names)
     finally:
         pixels.release(names)
+
+
+async def test_pixels_are_shipped_on_the_threads_given_at_their_priority() -> None:
+    """The API process's copy into shared memory is media work: it runs on the engine
+    client's threads, ``media_nice`` below the request path."""
+    base = thread_nice()
+    seen: list[int] = []
+    with low_priority_executor(1, 3, "test-ship") as executor:
+        executor.submit(lambda: seen.append(thread_nice())).result()
+        request = _request(ImagePart(gradient_image(64, 48, seed=1)))
+        shipped, names = await pixels.shipped(request, executor)
+    try:
+        assert seen == [min(19, base + 3)] and thread_nice() == base
+        assert [s.name for s in _blocks(shipped)] == names and all(map(_exists, names))
+    finally:
+        pixels.release(names)
+    client = EngineProcClient("tiny", dict, media_nice=4)
+    assert client._shipper.submit(thread_nice).result() == min(19, base + 4)
