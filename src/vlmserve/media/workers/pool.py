@@ -141,7 +141,8 @@ class MediaPool:
                 except asyncio.CancelledError:  # a timeout or a client gone: the call may
                     future.add_done_callback(_discard)  # still finish, its blocks are freed
                     raise
-                return await self._take(shared)
+                result: T = await self._take(shared)
+                return result
         finally:
             self.in_flight -= 1
         raise ServiceUnavailable(
