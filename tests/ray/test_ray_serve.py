@@ -49,8 +49,15 @@ def ray_serve(
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_application(setup), name="vlmserve", route_prefix="/")
         cluster = RayServe(f"http://127.0.0.1:{port}", time.monotonic() - started)
-        ready = cluster.per_ingress("/ready")  # the proxy routes to both ingress replicas
-        assert [r.status_code for r in ready.values()] == [200, 200]
+        # the proxy routes to both ingress replicas; each says 503 + Retry-After until it
+        # sees every model loaded, which may come a moment after serve.run returns
+        deadline = time.monotonic() + 60
+        ready = cluster.per_ingress("/ready")
+        while sorted(r.status_code for r in ready.values()) != [200, 200]:
+            assert time.monotonic() < deadline, {k: r.text for k, r in ready.items()}
+            assert all(r.status_code in (200, 503) for r in ready.values())
+            time.sleep(0.5)
+            ready = cluster.per_ingress("/ready")
         yield cluster
     finally:
         serve.shutdown()
