@@ -96,7 +96,7 @@ class BatchEngine:
         # a prompt longer than chunk_size is computed in chunks of it, one per step
         self.chunk_size = budget
         self._threads = model_threads(model, self.runner.device)
-        self.paging, self.decode_mode = build_paging(self.runner, c, block_size, self._threads)
+        self.paging, self.decode_mode = build_paging(self.runner, c, block_size)
         log.info("%s: decode runs with %s", model_id, self.decode_mode)
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
         self.scheduler = Scheduler(c.max_num_seqs, budget, self.blocks)

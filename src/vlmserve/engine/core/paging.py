@@ -201,7 +201,7 @@ class KVPaging:
 
 
 def build_paging(
-    runner: DecoderRunner, c: ChatEngineConfig, block_size: int, threads: Any
+    runner: DecoderRunner, c: ChatEngineConfig, block_size: int
 ) -> tuple[KVPaging, str]:
     """The KV budget (0: ``kv_cache.auto_budget`` less a prefill's activations on CUDA),
     allocated once, in blocks; then how decode reads it (``--cuda-graphs``), named for the log.
@@ -217,7 +217,7 @@ def build_paging(
     if c.cuda_graphs:
         mode = runner.use_paged_decode(c.max_num_seqs, c.max_model_len, graphs=not c.enforce_eager)
     elif _compiles_attention(runner, c):
-        mode = runner.use_compiled_attention(threads)
+        mode = runner.use_compiled_attention()
     else:
         mode = "gathered attention"
     return paging, mode

@@ -3,11 +3,11 @@
 The kernel is a small C file built once with the system C compiler (``-O3``, the host's
 ISA, OpenMP) and loaded with ctypes: each row's keys and values are read through its block
 table in the cache's dtype and converted in registers, with float32 scores and sums and an
-online softmax; nothing is gathered, copied or cast. Threads split the work by (row, KV
-head) pairs, each pair's reductions run on one thread in one order, so a row's result does
-not depend on its companions or the thread count (batch invariance). The OpenMP runtime is
-torch's own (a library asking for ``libgomp.so.1`` gets the one torch loaded), so the
-kernel's threads are torch's team: nothing spins against anything.
+online softmax; nothing is gathered, copied or cast. Threads split the work by units of a
+row's KV heads, and each KV head's reductions run on one thread in one order, so a row's
+result does not depend on its companions or the thread count (batch invariance). The
+OpenMP runtime is torch's own (a library asking for ``libgomp.so.1`` gets the one torch
+loaded), so the kernel's threads are the calling thread's torch team, at its thread count.
 
 Built libraries are cached under ``VLMSERVE_KERNEL_CACHE`` (default
 ``~/.cache/vlmserve/kernels``), keyed by the source, the compiler, its flags and the CPU's

@@ -347,13 +347,11 @@ class DecoderRunner:
             why = "capturing failed"
         return f"paged attention, eager ({why})"
 
-    def use_compiled_attention(self, threads: int = 0) -> str:
+    def use_compiled_attention(self) -> str:
         """CPU: decode attention reads the cache in place through ``CpuPagedAttention`` (a C
         kernel built now, or loaded from the kernel cache); where it does not apply or
-        building fails, decode gathers each row's blocks as before. ``threads`` is kept for
-        callers: the kernel runs on the calling thread's torch team, whatever its size. ->
-        how decode runs, for the log."""
-        del threads
+        building fails, decode gathers each row's blocks as before. -> how decode runs, for
+        the log."""
         if not base_decode(self):
             return "gathered attention (the model's own decode attention)"
         try:
