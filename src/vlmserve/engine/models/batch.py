@@ -61,6 +61,7 @@ class DecodeInputs:
     table: torch.Tensor  # [B, MB] block tables, padded with the null block
     lengths: torch.Tensor  # [B]
     masks: dict[str, torch.Tensor] | None  # gathered attention's [B, 1, 1, L] masks by kind
+    attend: torch.Tensor | None = None  # the CPU kernel's keys a row (lengths + 1), checked
 
 
 @dataclass(slots=True)
@@ -125,5 +126,11 @@ def decode_inputs(runner: DecoderRunner, rows: DecodeRows) -> DecodeInputs:
     table_t = table_t.to(runner.device)
     highest = max(rows.positions)
     ropes = {kind: t.text(pos, highest) for kind, t in runner.ropes.items()}
-    masks = None if runner.compiled is not None else runner._decode_masks(len_t, width * bs)
-    return DecodeInputs(runner.embed(ids), slot_t, ropes, len(rows.tokens), table_t, len_t, masks)
+    masks = attend = None
+    if runner.compiled is None:
+        masks = runner._decode_masks(len_t, width * bs)
+    else:  # the kernel's range check, once a step instead of once a layer
+        attend = (len_t + 1).contiguous()
+        runner.compiled.check(table_t, attend, cache.num_blocks, bs)
+    x = runner.embed(ids)
+    return DecodeInputs(x, slot_t, ropes, len(rows.tokens), table_t, len_t, masks, attend)

@@ -157,6 +157,17 @@ class CpuPagedAttention:
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._kinds
 
+    def check(self, tables: torch.Tensor, lengths: torch.Tensor, blocks: int, block: int) -> None:
+        """A ``ValueError`` unless every row's length is >= 1 and within its table and every
+        table entry is a block of the cache: what the kernel reads must lie inside it."""
+        if tables.numel() and (
+            int(lengths.max()) > tables.shape[1] * block
+            or int(lengths.min()) < 1
+            or int(tables.max()) >= blocks
+            or int(tables.min()) < 0
+        ):
+            raise ValueError("a decode row's table or length is out of the cache's range")
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -165,11 +176,15 @@ class CpuPagedAttention:
         tables: torch.Tensor,
         lengths: torch.Tensor,
         scale: float,
+        *,
+        checked: bool = False,
     ) -> torch.Tensor:
         """q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] contiguous, q's
         dtype; tables [B, MB] and lengths [B] int64 (every length >= 1 and within its
         table) -> [B, H, D]. A table or length out of range is a ``ValueError`` (the kernel
-        would read past the cache)."""
+        would read past the cache); ``checked``: the caller has run ``check`` on these
+        tables and lengths for this cache's shape, int64 and contiguous (the runner does it
+        once a step, not once a layer)."""
         rows, heads, dim = q.shape
         blocks, block, kv_heads, _ = k_cache.shape
         kind = self._kinds[q.dtype]
@@ -178,16 +193,11 @@ class CpuPagedAttention:
         if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
             raise ValueError(f"cache dtype {k_cache.dtype} is not the query's {q.dtype}")
         q = q.contiguous()
-        tables = tables.to(torch.int64).contiguous()
-        lengths = lengths.to(torch.int64).contiguous()
+        if not checked:
+            tables = tables.to(torch.int64).contiguous()
+            lengths = lengths.to(torch.int64).contiguous()
+            self.check(tables, lengths, blocks, block)
         width = tables.shape[1]
-        if rows and (
-            int(lengths.max()) > width * block
-            or int(lengths.min()) < 1
-            or int(tables.max()) >= blocks
-            or int(tables.min()) < 0
-        ):
-            raise ValueError("a decode row's table or length is out of the cache's range")
         out = torch.empty_like(q)
         failed = self._fn(
             q.data_ptr(),

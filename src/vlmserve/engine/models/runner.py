@@ -390,7 +390,10 @@ class DecoderRunner:
         """The decode rows' attention, one query each over its row's blocks -> [B, H * D]."""
         cache = self._kv()
         if self.compiled is not None:  # reads each row's blocks in place
-            o = self.compiled(q, cache.k[li], cache.v[li], d.table, d.lengths + 1, self.scale)
+            assert d.attend is not None  # decode_inputs checked them for the kernel
+            o = self.compiled(
+                q, cache.k[li], cache.v[li], d.table, d.attend, self.scale, checked=True
+            )
             return o.view(d.count, -1)
         assert d.masks is not None
         keys, values = cache.gather(li, d.table, self._attention_dtype())  # [B, KVH, L, D]
