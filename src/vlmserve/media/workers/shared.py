@@ -1,22 +1,48 @@
-"""Decoded pixels handed from a media worker to the API process through shared memory.
+"""Decoded pixels handed from a media worker to the API process through shared memory, and
+on to the engine process in the same block.
 
 A worker's result is walked once: every PIL image in it (alone, in a list or tuple, or in a
 dataclass such as ``VideoFrames``) is written into its own ``multiprocessing.shared_memory``
 block and replaced by a ``SharedImage`` naming it. Only those small descriptors cross the
-pipe; the API process maps each block, copies the pixels into an image and unlinks it. A
-1280x960 photo is 3.7 MB of pixels: pickled through the pipe it would be copied four times.
+pipe. The API process does not copy the pixels out: each descriptor becomes a ``BlockImage``,
+a PIL image whose pixels stay in the worker's block until something in the API process reads
+them. A chat request for an engine in its own process lends the block to the engine
+(``engine/proc/pixels.py``), which reads it once; consumers in the API process (embeddings,
+rerank, an engine in this process) read it when they touch the pixels, as PIL does with a file.
+
+The API process owns every block: the engine only reads. A block is unlinked exactly once,
+when its ``BlockImage`` is garbage (a finished, cancelled or refused request; an entry
+dropped from the media-by-reference cache) or as soon as the API process has read its pixels
+and no engine is reading it; the resource tracker unlinks what a killed server leaves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import threading
+import weakref
+from _posixshmem import (  # type: ignore[import-not-found]  # SharedMemory's calls, untracked
+    shm_open,
+    shm_unlink,
+)
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 from PIL import Image
+from PIL._util import DeferredError
 
-__all__ = ["SharedImage", "from_shared", "to_shared"]
+__all__ = [
+    "BlockImage",
+    "SharedImage",
+    "held",
+    "read_block",
+    "release",
+    "release_block",
+    "to_shared",
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,15 +62,6 @@ class SharedImage:
             block.close()
         return cls(block.name, image.mode, image.size, len(data))
 
-    def take(self) -> Image.Image:
-        """The image, copied out of its block; the block is gone afterwards."""
-        block = shared_memory.SharedMemory(name=self.name)
-        try:
-            return Image.frombytes(self.mode, self.size, bytes(_view(block)[: self.nbytes]))
-        finally:
-            block.close()
-            block.unlink()
-
 
 def _view(block: shared_memory.SharedMemory) -> memoryview:
     view = block.buf
@@ -53,14 +70,115 @@ def _view(block: shared_memory.SharedMemory) -> memoryview:
     return view
 
 
+def read_block(shared: SharedImage) -> bytes:
+    """The block's pixels (``pread``: the copy runs without the GIL and without a page fault
+    per page). Opened without this process's resource tracker; nothing is unlinked."""
+    fd = shm_open(f"/{shared.name.lstrip('/')}", os.O_RDONLY, 0o600)
+    try:
+        pieces: list[bytes] = []
+        done = 0
+        while done < shared.nbytes:
+            pieces.append(os.pread(fd, shared.nbytes - done, done))
+            if not pieces[-1]:
+                raise FileNotFoundError(f"shared memory block {shared.name} is short")
+            done += len(pieces[-1])
+    finally:
+        os.close(fd)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def release_block(name: str) -> None:
+    """Unlink a block this process answers for and drop it from the resource tracker (the
+    media workers share the API process's)."""
+    path = f"/{name.lstrip('/')}"
+    with contextlib.suppress(FileNotFoundError):
+        shm_unlink(path)
+    with contextlib.suppress(Exception):  # the tracker is gone while the server exits
+        resource_tracker.unregister(path, "shared_memory")
+
+
+class BlockImage(Image.Image):
+    """A PIL image whose pixels are in a media worker's block until something reads them.
+
+    Size, mode and bands need no read; any pixel access (``load``, ``tobytes``, ``convert``,
+    ``numpy.asarray``, ...) reads the block once. ``lend`` names the block to a reader in
+    another process while it is still there; ``give_back`` ends that loan.
+    """
+
+    def __init__(self, shared: SharedImage):
+        super().__init__()
+        self._mode, self._size = shared.mode, shared.size
+        self.shared = shared
+        self._lock = threading.RLock()
+        self._lent = 0
+        self._release = weakref.finalize(self, release_block, shared.name)
+
+    @property
+    def im(self) -> Any:
+        if self._im is None:
+            self.load()
+        if isinstance(self._im, DeferredError):  # closed
+            raise self._im.ex
+        return self._im
+
+    @im.setter
+    def im(self, value: Any) -> None:
+        self._im = value
+
+    def load(self) -> Any:
+        with self._lock:
+            if self._im is None:
+                if not self._release.alive:
+                    raise FileNotFoundError(f"shared memory block {self.shared.name} is gone")
+                pixels = read_block(self.shared)
+                self._im = Image.frombytes(self.mode, self.size, pixels).im
+                if not self._lent:  # read here; nobody else needs the block
+                    self._release()
+        return super().load()
+
+    def lend(self) -> SharedImage | None:
+        """The block's name for a reader in another process, or None when it is gone (the
+        pixels were read here: copy them)."""
+        with self._lock:
+            if not self._release.alive:
+                return None
+            self._lent += 1
+            return self.shared
+
+    def give_back(self) -> None:
+        """One ``lend`` is over: the other process has read the block, or never will."""
+        with self._lock:
+            self._lent -= 1
+            if not self._lent and self._im is not None:
+                self._release()
+
+    @property
+    def held(self) -> bool:
+        """The block is still there."""
+        return self._release.alive
+
+    def __reduce__(self) -> Any:  # pickled, it is a plain image
+        return _plain, (self.mode, self.size, self.tobytes())
+
+
+def _plain(mode: str, size: tuple[int, int], data: bytes) -> Image.Image:
+    return Image.frombytes(mode, size, data)
+
+
 def to_shared(value: Any) -> Any:
     """``value`` with each PIL image replaced by a ``SharedImage`` (runs in the worker)."""
-    return _walk(value, lambda image: SharedImage.put(image), Image.Image)
+    return _walk(value, SharedImage.put, Image.Image)
 
 
-def from_shared(value: Any) -> Any:
-    """``to_shared`` undone (runs in the API process)."""
-    return _walk(value, lambda shared: shared.take(), SharedImage)
+def held(value: Any) -> Any:
+    """``to_shared`` undone without a copy: each ``SharedImage`` a ``BlockImage``, which owns
+    its block from now on (runs in the API process)."""
+    return _walk(value, BlockImage, SharedImage)
+
+
+def release(value: Any) -> None:
+    """Unlink every block a worker's result names (a result nobody will use)."""
+    _walk(value, lambda shared: release_block(shared.name), SharedImage)
 
 
 def _walk(value: Any, convert: Any, kind: type) -> Any:
