@@ -6,7 +6,9 @@ is garbage; never while lent."""
 
 from __future__ import annotations
 
+import errno
 import gc
+import os
 import pickle
 from _posixshmem import shm_unlink
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vlmserve.errors import ServiceUnavailable
 from vlmserve.media.workers import shared
 from vlmserve.media.workers.shared import BlockImage, SharedImage, held, read_block
 from vlmserve.testing.media import gradient_image
@@ -140,3 +143,16 @@ def test_a_closed_block_image_says_so_as_any_closed_image() -> None:
     image.close()
     with pytest.raises(ValueError, match="closed image"):
         image.tobytes()
+
+
+def test_a_full_dev_shm_is_a_503_that_says_so_and_leaves_no_block(
+    monkeypatch: pytest.MonkeyPatch, released: list[str]
+) -> None:
+    def full(fd: int, data: object, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(ServiceUnavailable, match="/dev/shm") as caught:
+        shared.to_shared(gradient_image(64, 48))
+    assert caught.value.status_code == 503 and caught.value.code == "shared_memory_full"
+    assert len(released) == 1 and not _exists(released[0])

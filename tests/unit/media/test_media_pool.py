@@ -30,7 +30,7 @@ def _shared_blocks(nbytes: int) -> set[str]:
     names = set()
     for name in os.listdir("/dev/shm"):
         with contextlib.suppress(OSError):
-            if name.startswith("psm_") and os.stat(f"/dev/shm/{name}").st_size == nbytes:
+            if name.startswith("vlmserve_px_") and os.stat(f"/dev/shm/{name}").st_size == nbytes:
                 names.add(name)
     return names
 

@@ -20,24 +20,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import secrets
-from _posixshmem import shm_open  # the block calls SharedMemory makes, untracked
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
 from typing import Any
 
 from PIL import Image
 
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, VideoPart
 from vlmserve.errors import ServiceUnavailable
-from vlmserve.media.workers.shared import BlockImage, SharedImage, read_block, release_block
+from vlmserve.media.workers.shared import (
+    BlockImage,
+    SharedImage,
+    read_block,
+    release_block,
+    write_block,
+)
 
 __all__ = ["Blocks", "has_media", "receive", "release", "ship", "shipped"]
-
-_PREFIX = "/vlmserve_px_"  # the names in /dev/shm of blocks made for the engine
 
 
 @dataclass(slots=True)
@@ -151,26 +151,8 @@ def receive(request: GenerateRequest) -> GenerateRequest:
 
 
 def _put(image: Image.Image) -> SharedImage:
-    """The image's pixels in a new block, written with ``pwrite``: the copy runs without the
-    GIL and without a page fault per page (a copy into a mapping took about twice as long
-    for a 1280x960 photo, the GIL held throughout). The block is registered with this
-    process's resource tracker, which unlinks it should this process die before ``release``."""
-    data = image.tobytes()
-    path = f"{_PREFIX}{secrets.token_hex(8)}"
-    fd = shm_open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        resource_tracker.register(path, "shared_memory")
-        os.ftruncate(fd, max(1, len(data)))
-        with memoryview(data) as view:
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, view[done:], done)
-    except BaseException:
-        release_block(path)
-        raise
-    finally:
-        os.close(fd)
-    return SharedImage(path.lstrip("/"), image.mode, image.size, len(data))
+    """The image's pixels in a new block of this process's (``write_block``)."""
+    return write_block(image)
 
 
 def _take(shared: SharedImage) -> Image.Image:
