@@ -13,6 +13,7 @@ import pickle
 from _posixshmem import shm_unlink
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,3 +157,22 @@ def test_a_full_dev_shm_is_a_503_that_says_so_and_leaves_no_block(
         shared.to_shared(gradient_image(64, 48))
     assert caught.value.status_code == 503 and caught.value.code == "shared_memory_full"
     assert len(released) == 1 and not _exists(released[0])
+
+
+def test_a_clip_whose_third_frame_finds_dev_shm_full_leaves_none_of_its_blocks(
+    monkeypatch: pytest.MonkeyPatch, released: list[str]
+) -> None:
+    writes: list[int] = []
+    pwrite = os.pwrite
+
+    def full_on_the_third(fd: int, data: Any, offset: int) -> int:
+        writes.append(fd)
+        if len(writes) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full_on_the_third)
+    frames = [gradient_image(16, 16, seed=i) for i in range(4)]
+    with pytest.raises(ServiceUnavailable):
+        shared.to_shared({"frames": frames})
+    assert len(released) == 3 and not any(map(_exists, released))

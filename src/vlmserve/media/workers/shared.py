@@ -198,8 +198,21 @@ def _plain(mode: str, size: tuple[int, int], data: bytes) -> Image.Image:
 
 
 def to_shared(value: Any) -> Any:
-    """``value`` with each PIL image replaced by a ``SharedImage`` (runs in the worker)."""
-    return _walk(value, SharedImage.put, Image.Image)
+    """``value`` with each PIL image replaced by a ``SharedImage`` (runs in the worker); when
+    one cannot be written, the blocks already written for it are unlinked."""
+    made: list[str] = []
+
+    def put(image: Image.Image) -> SharedImage:
+        shared = write_block(image)
+        made.append(shared.name)
+        return shared
+
+    try:
+        return _walk(value, put, Image.Image)
+    except BaseException:
+        for name in made:
+            release_block(name)
+        raise
 
 
 def held(value: Any) -> Any:
