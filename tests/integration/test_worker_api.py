@@ -172,3 +172,24 @@ def test_openai_client_embeddings(live_server: Any, tiny_dir: Path, two_models: 
     assert len(vectors) == 2 and len(vectors[0]) == 128
     assert len(unit(short.data[0].embedding)) == 8
     assert result.usage.prompt_tokens > 0
+
+
+async def test_embeddings_of_media_decoded_in_media_workers_equal_those_decoded_here(
+    tiny_dir: Path, two_models: ModelManager
+) -> None:
+    """The embedding model runs in the API process: it reads a media worker's pixels out of
+    their shared memory block (``BlockImage``), and gets the very pixels of a local decode."""
+    url = data_url(image_bytes(80, 60, "JPEG", seed=3), "image/jpeg")
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "cat"}]
+    image = {"model": EMBED, "messages": [{"role": "user", "content": content}]}
+    vectors = []
+    for workers in (1, 0):
+        app = build_app(make_settings(tiny_dir, media_workers=workers), models=two_models)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
+                r = await c.post("/v1/embeddings", json=image, timeout=120)
+                v = await c.post("/encode-video", json={"frames": jpeg_frames(3)}, timeout=120)
+        assert r.status_code == 200 and v.status_code == 200, (r.text, v.text)
+        vectors.append((r.json()["data"][0]["embedding"], v.json()["embedding"]))
+    assert vectors[0] == vectors[1]

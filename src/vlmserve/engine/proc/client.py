@@ -7,7 +7,8 @@ crashes (a segfault, the kernel's OOM killer) takes down only its process: the m
 ``failed``, its streams end with a 503, and the model manager reloads it (a fresh process).
 
 Requests go over as ``GenerateRequest`` objects, their images in shared memory blocks
-(``pixels.py``: only the blocks' names are pickled); ``prepare`` answers
+(``pixels.py``: only the blocks' names are pickled; a media worker's block is handed over as
+it is); ``prepare`` answers
 once the engine process has tokenised and preprocessed one, so input errors are still 4xx
 before a stream starts. Chunks come back a decode step at a time; a reader thread hands them to
 the consumers' event loops with one ``call_soon_threadsafe`` per loop and step. Admission (the
@@ -36,7 +37,7 @@ from typing import Any
 import vlmserve
 from vlmserve.engine.admission import QueuePlaces
 from vlmserve.engine.coalesce import END, coalesced
-from vlmserve.engine.proc.pixels import has_media, release, shipped
+from vlmserve.engine.proc.pixels import Blocks, has_media, shipped
 from vlmserve.engine.proc.wire import Ready, Sender, decode_error, read_forever
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import (
@@ -175,7 +176,7 @@ class EngineProcClient(Backend):
     async def prepare(self, request: GenerateRequest) -> int:
         self.check_ready()
         rid = next(self._ids)
-        blocks: list[str] = []
+        blocks = Blocks()
         if has_media(request):  # pixels go in shared memory (pixels.py), not the pickle
             request, blocks = await shipped(request, self._shipper)
         try:
@@ -184,7 +185,7 @@ class EngineProcClient(Backend):
             self._send(("discard", rid))  # the engine process may have prepared it
             raise
         finally:
-            release(blocks)  # taken by the engine by now, or left: unlinked here
+            blocks.release()  # read by the engine by now, or never will be
         return rid
 
     async def discard(self, prepared: Any) -> None:
@@ -195,13 +196,13 @@ class EngineProcClient(Backend):
     ) -> Tokenized:
         self.check_ready()
         rid = next(self._ids)
-        blocks: list[str] = []
+        blocks = Blocks()
         if isinstance(what, GenerateRequest) and has_media(what):
             what, blocks = await shipped(what, self._shipper)
         try:
             result: Tokenized = await self._call(rid, ("tokenize", rid, what, add_special_tokens))
         finally:
-            release(blocks)
+            blocks.release()
         return result
 
     async def detokenize(self, ids: list[int]) -> str:

@@ -2,67 +2,96 @@
 
 A 1280x960 photo is 3.7 MB of pixels; pickled into the ``prepare`` message it would be
 copied into the pickle, through the pipe, into the engine's receive buffer and out of it again.
-Instead ``ship`` (API process) writes each image and video frame of a ``GenerateRequest``
-into its own POSIX shared memory block and sends a copy of the request whose
-parts name the blocks (``SharedImage``); ``receive`` (engine process) reads each block, copies
-the pixels into an image and unlinks it, every block of the request even when one fails.
+Instead ``ship`` (API process) sends a copy of the ``GenerateRequest`` whose image and video
+frame parts name shared memory blocks (``SharedImage``), and ``receive`` (engine process)
+reads each block once into an image. An image decoded by a media worker is still in the
+worker's block (a ``BlockImage``, ``media/workers/shared.py``): that block is lent to the
+engine as it is, no copy in the API process. Any other image (decoded in this process, or
+already read here) is written into a new block of its own.
 
-The API process stays answerable for the blocks until the engine has answered the
-``prepare``: ``release`` then unlinks any block still there (the engine died, the request was
-cancelled before the engine took it) and drops them from this process's resource tracker, so
-neither a failed request nor a crashed engine leaves pixels in ``/dev/shm``. Requests without
-media go over as they are.
+The API process answers for every block; the engine only reads. Until the engine has answered
+the ``prepare``, the request's ``Blocks`` hold them; ``release`` then unlinks the blocks made
+for it and ends the loans (a worker's block goes when its last user does), whether the engine
+read them, died, or the request was cancelled or refused meanwhile. A block the engine finds
+gone is a 503 for a request nobody waits for. Requests without media go over as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import os
-import secrets
-from _posixshmem import shm_open, shm_unlink  # the block calls SharedMemory makes, untracked
+from collections.abc import Iterator
 from concurrent.futures import Executor
-from multiprocessing import resource_tracker
+from dataclasses import dataclass, field
 from typing import Any
 
 from PIL import Image
 
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, VideoPart
 from vlmserve.errors import ServiceUnavailable
-from vlmserve.media.workers.shared import SharedImage
+from vlmserve.media.workers.shared import (
+    BlockImage,
+    SharedImage,
+    read_block,
+    release_block,
+    write_block,
+)
 
-__all__ = ["has_media", "receive", "release", "ship", "shipped"]
+__all__ = ["Blocks", "has_media", "receive", "release", "ship", "shipped"]
 
-_PREFIX = "/vlmserve_px_"  # the blocks' names in /dev/shm
+
+@dataclass(slots=True)
+class Blocks:
+    """The blocks a shipped request names, which the API process answers for."""
+
+    made: list[str] = field(default_factory=list)  # written for the engine: unlinked
+    lent: list[BlockImage] = field(default_factory=list)  # a media worker's: loans ended
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.made, *(image.shared.name for image in self.lent)]
+
+    def release(self) -> None:
+        """Once the engine has read them or never will; a second call does nothing."""
+        made, lent, self.made, self.lent = self.made, self.lent, [], []
+        for name in made:
+            release_block(name)
+        for image in lent:
+            image.give_back()
 
 
 def has_media(request: GenerateRequest) -> bool:
     return any(isinstance(p, ImagePart | VideoPart) for m in request.messages for p in m.content)
 
 
-def ship(request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
-    """A copy of ``request`` with its pixels in shared blocks, and the blocks' names."""
-    names: list[str] = []
+def ship(request: GenerateRequest) -> tuple[GenerateRequest, Blocks]:
+    """A copy of ``request`` whose pixels are in shared blocks, and those blocks."""
+    blocks = Blocks()
 
-    def put(image: Any) -> SharedImage:
+    def put(image: Image.Image) -> SharedImage:
+        if isinstance(image, BlockImage) and (shared := image.lend()) is not None:
+            blocks.lent.append(image)  # the worker's block, as it is
+            return shared
         shared = _put(image)
-        names.append(shared.name)
+        blocks.made.append(shared.name)
         return shared
 
     try:
         messages = [_message(m, put) for m in request.messages]
     except BaseException:
-        release(names)
+        blocks.release()
         raise
-    return dataclasses.replace(request, messages=messages), names
+    return dataclasses.replace(request, messages=messages), blocks
 
 
 async def shipped(
     request: GenerateRequest, executor: Executor | None = None
-) -> tuple[GenerateRequest, list[str]]:
-    """``ship`` on a thread of ``executor`` (default asyncio's; a photo's copy would hold the
-    event loop); a caller cancelled meanwhile leaves no blocks behind."""
+) -> tuple[GenerateRequest, Blocks]:
+    """``ship``: on the event loop when every image is still in a media worker's block (no
+    copy to make), else on a thread of ``executor`` (default asyncio's; a photo's copy would
+    hold the event loop); a caller cancelled meanwhile leaves no blocks behind."""
+    if not _copies(request):
+        return ship(request)
     loop = asyncio.get_running_loop()
     work = asyncio.ensure_future(loop.run_in_executor(executor, ship, request))
     try:
@@ -72,13 +101,36 @@ async def shipped(
         raise
 
 
-def _release_shipped(work: asyncio.Future[tuple[GenerateRequest, list[str]]]) -> None:
+def _copies(request: GenerateRequest) -> bool:
+    """Some image of ``request`` must be copied into a block of its own."""
+    return not all(_in_block(image) for image in _images(request))
+
+
+def _images(request: GenerateRequest) -> Iterator[Image.Image]:
+    for message in request.messages:
+        for part in message.content:
+            if isinstance(part, ImagePart):
+                yield part.image
+            elif isinstance(part, VideoPart):
+                yield from part.frames
+
+
+def _in_block(image: Image.Image) -> bool:
+    return isinstance(image, BlockImage) and image.held
+
+
+def _release_shipped(work: asyncio.Future[tuple[GenerateRequest, Blocks]]) -> None:
     if not work.cancelled() and work.exception() is None:
-        release(work.result()[1])
+        work.result()[1].release()
+
+
+def release(blocks: Blocks) -> None:
+    """The API process's share of a shipped request's blocks ends (``Blocks.release``)."""
+    blocks.release()
 
 
 def receive(request: GenerateRequest) -> GenerateRequest:
-    """``request`` with its images out of their blocks (runs in the engine process)."""
+    """``request`` with its images read out of their blocks (runs in the engine process)."""
     missing: list[str] = []
 
     def take(shared: SharedImage) -> Image.Image | None:
@@ -99,61 +151,14 @@ def receive(request: GenerateRequest) -> GenerateRequest:
 
 
 def _put(image: Image.Image) -> SharedImage:
-    """The image's pixels in a new block, written with ``pwrite``: the copy runs without the
-    GIL and without a page fault per page (a copy into a mapping took about twice as long
-    for a 1280x960 photo, the GIL held throughout). The block is registered with this
-    process's resource tracker, which unlinks it should this process die before ``release``."""
-    data = image.tobytes()
-    path = f"{_PREFIX}{secrets.token_hex(8)}"
-    fd = shm_open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        resource_tracker.register(path, "shared_memory")
-        os.ftruncate(fd, max(1, len(data)))
-        with memoryview(data) as view:
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, view[done:], done)
-    except BaseException:
-        release([path])
-        raise
-    finally:
-        os.close(fd)
-    return SharedImage(path.lstrip("/"), image.mode, image.size, len(data))
+    """The image's pixels in a new block of this process's (``write_block``)."""
+    return write_block(image)
 
 
 def _take(shared: SharedImage) -> Image.Image:
-    """The image read out of its block (``pread``, without the GIL), which is unlinked. The
-    block is opened without this process's resource tracker: the API process that made it
-    answers for it."""
-    path = f"/{shared.name.lstrip('/')}"
-    fd = shm_open(path, os.O_RDONLY, 0o600)
-    try:
-        pieces: list[bytes] = []
-        done = 0
-        while done < shared.nbytes:
-            pieces.append(os.pread(fd, shared.nbytes - done, done))
-            if not pieces[-1]:
-                raise FileNotFoundError(f"shared memory block {path} is shorter than its image")
-            done += len(pieces[-1])
-    finally:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            shm_unlink(path)
-    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-    return Image.frombytes(shared.mode, shared.size, data)
-
-
-def release(names: list[str]) -> None:
-    """The API process's share of the blocks ends: unlink what the engine did not take."""
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            _unlink(name)
-        with contextlib.suppress(Exception):  # the tracker is gone while the server exits
-            resource_tracker.unregister(f"/{name.lstrip('/')}", "shared_memory")
-
-
-def _unlink(name: str) -> None:
-    shm_unlink(f"/{name.lstrip('/')}")
+    """The image read out of its block (``pread``, without the GIL); the block stays, the
+    API process unlinks it."""
+    return Image.frombytes(shared.mode, shared.size, read_block(shared))
 
 
 def _message(message: ChatMessage, convert: Any) -> ChatMessage:

@@ -29,7 +29,9 @@ __all__ = ["BODY_FACTOR", "PIXEL_FACTOR", "Lease", "MediaBudget", "current_lease
 # JSON text, and the copy pickled to a media worker with its unpickled text there (or, with no
 # workers, the base64 text's cleaned copy and the bytes being decoded)
 BODY_FACTOR = 4
-PIXEL_FACTOR = 3  # decoded pixels: the decoder's image, its copy out, and this process's image
+# decoded pixels: the decoder's image, its shared memory block (a media worker's, or one this
+# process writes for the engine process) and the engine's image
+PIXEL_FACTOR = 3
 SETTING = "VLMSERVE_MEDIA_MEMORY"
 
 

@@ -5,10 +5,10 @@ photo; in the API process they would delay every other request's next event. Her
 in ``workers`` spawned processes (a lower OS priority than the request path, ``nice``), and
 the call site keeps its function and arguments: what a decode is called with is unchanged.
 
-Results come back with their images in shared memory (``shared.py``), copied out on the
-pool's own threads, which run at the workers' lower priority: a photo's 3.7 MB copied twice
-held the event loop for milliseconds per image (a third of the loop's busy time under an
-image flood, measured). A worker that dies
+Results come back with their images in shared memory (``shared.py``) and stay there: the
+API process gets ``BlockImage``s naming the blocks, which an engine in its own process reads
+directly; nothing is copied on the event loop (a photo's 3.7 MB copied out and in again was a
+third of the loop's busy time under an image flood, measured). A worker that dies
 (``kill -9``, the OOM killer, a crashing decoder) breaks the executor: every call in flight on
 it is retried once on a fresh set of workers, and a call whose retry also loses its worker is
 a 503 that says so. Requests without media never touch the pool.
@@ -29,8 +29,7 @@ from typing import Any, TypeVar
 
 from vlmserve.errors import ServiceUnavailable
 from vlmserve.media.workers.memory import return_large_buffers
-from vlmserve.media.workers.priority import low_priority_executor
-from vlmserve.media.workers.shared import from_shared, to_shared
+from vlmserve.media.workers.shared import held, release, to_shared
 
 __all__ = ["MediaPool", "default_workers"]
 
@@ -68,7 +67,7 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
 def _discard(future: Future[Any]) -> None:
     """Free the shared blocks of a result nobody waits for any more."""
     if not future.cancelled() and future.exception() is None:
-        from_shared(future.result())
+        release(future.result())
 
 
 def _ready() -> int:
@@ -90,7 +89,6 @@ class MediaPool:
         self._generation = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._takers = low_priority_executor(workers, nice, "vlmserve-media-take")
 
     def _current(self) -> tuple[ProcessPoolExecutor, int]:
         with self._lock:
@@ -141,7 +139,7 @@ class MediaPool:
                 except asyncio.CancelledError:  # a timeout or a client gone: the call may
                     future.add_done_callback(_discard)  # still finish, its blocks are freed
                     raise
-                result: T = await self._take(shared)
+                result: T = held(shared)  # the blocks are the images' from here on
                 return result
         finally:
             self.in_flight -= 1
@@ -153,12 +151,6 @@ class MediaPool:
             code="media_worker_died",
         )
 
-    async def _take(self, shared: Any) -> Any:
-        """``from_shared`` on the pool's threads; a caller cancelled meanwhile does not stop
-        it (the copy then frees the blocks all the same)."""
-        work = asyncio.get_running_loop().run_in_executor(self._takers, from_shared, shared)
-        return await asyncio.shield(work)
-
     def close(self, *, grace: float = 2.0) -> None:
         """Stop the workers: none outlives the server, whatever it was decoding.
 
@@ -168,7 +160,6 @@ class MediaPool:
         """
         with self._lock:
             self._closed, executor, self._executor = True, self._executor, None
-        self._takers.shutdown(wait=False)
         if executor is None:
             return
         processes = list((getattr(executor, "_processes", None) or {}).values())

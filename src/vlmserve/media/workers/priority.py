@@ -2,14 +2,14 @@
 
 On a machine whose cores an image flood keeps busy, a text request's way through the server
 is a chain of thread wake-ups (event loop, engine reader, engine loop, model thread). Each
-one that finds both cores taken by media work (decode, copies out of shared memory, the
-image processor) waits for the scheduler; at the same priority that is a few milliseconds a
+one that finds both cores taken by media work (decode, copies into and out of shared memory,
+the image processor) waits for the scheduler; at the same priority that is a few milliseconds a
 hop. Linux keeps the nice value per thread, so the threads that only do media work can be
 made to yield to the others while the process's other threads keep their priority: a
-media worker process (``os.nice`` in its initializer), the API process's threads that take
-pixels out of shared memory, and the engine process's threads that run the processor on
-requests with media. Raising one's own nice value needs no privilege; lowering it does,
-so these threads do media work only, for their whole life.
+media worker process (``os.nice`` in its initializer), the API process's threads that copy
+pixels decoded in this process into shared memory, and the engine process's threads that
+read them and run the processor on requests with media. Raising one's own nice value needs
+no privilege; lowering it does, so these threads do media work only, for their whole life.
 """
 
 from __future__ import annotations

@@ -1,22 +1,57 @@
-"""Decoded pixels handed from a media worker to the API process through shared memory.
+"""Decoded pixels handed from a media worker to the API process through shared memory, and
+on to the engine process in the same block.
 
 A worker's result is walked once: every PIL image in it (alone, in a list or tuple, or in a
-dataclass such as ``VideoFrames``) is written into its own ``multiprocessing.shared_memory``
-block and replaced by a ``SharedImage`` naming it. Only those small descriptors cross the
-pipe; the API process maps each block, copies the pixels into an image and unlinks it. A
-1280x960 photo is 3.7 MB of pixels: pickled through the pipe it would be copied four times.
+dataclass such as ``VideoFrames``) is written into its own POSIX shared memory block
+(``write_block``) and replaced by a ``SharedImage`` naming it. Only those small descriptors
+cross the pipe. The API process does not copy the pixels out: each descriptor becomes a
+``BlockImage``, a PIL image whose pixels stay in the worker's block until something in the
+API process reads them. A chat request for an engine in its own process lends the block to
+the engine (``engine/proc/pixels.py``), which reads it once; consumers in the API process
+(embeddings, rerank, an engine in this process) read it when they touch the pixels, as PIL
+does with a file.
+
+The API process owns every block: the engine only reads. A block is unlinked exactly once,
+when its ``BlockImage`` is garbage (a finished, cancelled or refused request; an entry
+dropped from the media-by-reference cache) or as soon as the API process has read its pixels
+and no engine is reading it; the resource tracker unlinks what a killed server leaves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import os
+import secrets
+import threading
+import weakref
+from _posixshmem import (  # type: ignore[import-not-found]  # SharedMemory's calls, untracked
+    shm_open,
+    shm_unlink,
+)
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker
 from typing import Any
 
 from PIL import Image
+from PIL._util import DeferredError
 
-__all__ = ["SharedImage", "from_shared", "to_shared"]
+from vlmserve.errors import ServiceUnavailable
+
+__all__ = [
+    "BlockImage",
+    "SharedImage",
+    "held",
+    "read_block",
+    "release",
+    "release_block",
+    "to_shared",
+    "write_block",
+]
+
+
+PREFIX = "/vlmserve_px_"  # the blocks' names in /dev/shm
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,39 +63,167 @@ class SharedImage:
 
     @classmethod
     def put(cls, image: Image.Image) -> SharedImage:
-        data = image.tobytes()
-        block = shared_memory.SharedMemory(create=True, size=max(1, len(data)))
-        try:
-            _view(block)[: len(data)] = data
-        finally:
-            block.close()
-        return cls(block.name, image.mode, image.size, len(data))
-
-    def take(self) -> Image.Image:
-        """The image, copied out of its block; the block is gone afterwards."""
-        block = shared_memory.SharedMemory(name=self.name)
-        try:
-            return Image.frombytes(self.mode, self.size, bytes(_view(block)[: self.nbytes]))
-        finally:
-            block.close()
-            block.unlink()
+        return write_block(image)
 
 
-def _view(block: shared_memory.SharedMemory) -> memoryview:
-    view = block.buf
-    if view is None:  # only after close()
-        raise RuntimeError(f"shared memory block {block.name} is closed")
-    return view
+def write_block(image: Image.Image) -> SharedImage:
+    """The image's pixels in a new block, written with ``pwrite``: the copy runs without the
+    GIL and without a page fault per page (a copy into a mapping took about twice as long
+    for a 1280x960 photo), and a full ``/dev/shm`` is an error, not a SIGBUS. The block is
+    registered with the resource tracker (the API process's; media workers share it), which
+    unlinks it should the server die before it is released."""
+    data = image.tobytes()
+    path = f"{PREFIX}{secrets.token_hex(8)}"
+    fd = shm_open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        resource_tracker.register(path, "shared_memory")
+        os.ftruncate(fd, max(1, len(data)))
+        with memoryview(data) as view:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, view[done:], done)
+    except BaseException as exc:
+        release_block(path)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise _shm_full(len(data)) from exc
+        raise
+    finally:
+        os.close(fd)
+    return SharedImage(path.lstrip("/"), image.mode, image.size, len(data))
+
+
+def _shm_full(nbytes: int) -> ServiceUnavailable:
+    return ServiceUnavailable(
+        f"shared memory (/dev/shm) has no room for {nbytes} bytes of decoded pixels; retry, "
+        "and give the server a larger /dev/shm (docker run --shm-size) or less media memory "
+        "(VLMSERVE_MEDIA_MEMORY)",
+        retry_after=1.0,
+        code="shared_memory_full",
+    )
+
+
+def read_block(shared: SharedImage) -> bytes:
+    """The block's pixels (``pread``: the copy runs without the GIL and without a page fault
+    per page). Opened without this process's resource tracker; nothing is unlinked."""
+    fd = shm_open(f"/{shared.name.lstrip('/')}", os.O_RDONLY, 0o600)
+    try:
+        pieces: list[bytes] = []
+        done = 0
+        while done < shared.nbytes:
+            pieces.append(os.pread(fd, shared.nbytes - done, done))
+            if not pieces[-1]:
+                raise FileNotFoundError(f"shared memory block {shared.name} is short")
+            done += len(pieces[-1])
+    finally:
+        os.close(fd)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def release_block(name: str) -> None:
+    """Unlink a block this process answers for and drop it from the resource tracker (the
+    media workers share the API process's)."""
+    path = f"/{name.lstrip('/')}"
+    with contextlib.suppress(FileNotFoundError):
+        shm_unlink(path)
+    with contextlib.suppress(Exception):  # the tracker is gone while the server exits
+        resource_tracker.unregister(path, "shared_memory")
+
+
+class BlockImage(Image.Image):
+    """A PIL image whose pixels are in a media worker's block until something reads them.
+
+    Size, mode and bands need no read; any pixel access (``load``, ``tobytes``, ``convert``,
+    ``numpy.asarray``, ...) reads the block once. ``lend`` names the block to a reader in
+    another process while it is still there; ``give_back`` ends that loan.
+    """
+
+    def __init__(self, shared: SharedImage):
+        super().__init__()
+        self._mode, self._size = shared.mode, shared.size
+        self.shared = shared
+        self._lock = threading.RLock()
+        self._lent = 0
+        self._release = weakref.finalize(self, release_block, shared.name)
+
+    @property
+    def im(self) -> Any:
+        if self._im is None:
+            self.load()
+        if isinstance(self._im, DeferredError):  # closed
+            raise self._im.ex
+        return self._im
+
+    @im.setter
+    def im(self, value: Any) -> None:
+        self._im = value
+
+    def load(self) -> Any:
+        with self._lock:
+            if self._im is None:
+                if not self._release.alive:
+                    raise FileNotFoundError(f"shared memory block {self.shared.name} is gone")
+                pixels = read_block(self.shared)
+                self._im = Image.frombytes(self.mode, self.size, pixels).im
+                if not self._lent:  # read here; nobody else needs the block
+                    self._release()
+        return super().load()
+
+    def lend(self) -> SharedImage | None:
+        """The block's name for a reader in another process, or None when it is gone (the
+        pixels were read here: copy them)."""
+        with self._lock:
+            if not self._release.alive:
+                return None
+            self._lent += 1
+            return self.shared
+
+    def give_back(self) -> None:
+        """One ``lend`` is over: the other process has read the block, or never will."""
+        with self._lock:
+            self._lent -= 1
+            if not self._lent and self._im is not None:
+                self._release()
+
+    @property
+    def held(self) -> bool:
+        """The block is still there."""
+        return self._release.alive
+
+    def __reduce__(self) -> Any:  # pickled, it is a plain image
+        return _plain, (self.mode, self.size, self.tobytes())
+
+
+def _plain(mode: str, size: tuple[int, int], data: bytes) -> Image.Image:
+    return Image.frombytes(mode, size, data)
 
 
 def to_shared(value: Any) -> Any:
-    """``value`` with each PIL image replaced by a ``SharedImage`` (runs in the worker)."""
-    return _walk(value, lambda image: SharedImage.put(image), Image.Image)
+    """``value`` with each PIL image replaced by a ``SharedImage`` (runs in the worker); when
+    one cannot be written, the blocks already written for it are unlinked."""
+    made: list[str] = []
+
+    def put(image: Image.Image) -> SharedImage:
+        shared = write_block(image)
+        made.append(shared.name)
+        return shared
+
+    try:
+        return _walk(value, put, Image.Image)
+    except BaseException:
+        for name in made:
+            release_block(name)
+        raise
 
 
-def from_shared(value: Any) -> Any:
-    """``to_shared`` undone (runs in the API process)."""
-    return _walk(value, lambda shared: shared.take(), SharedImage)
+def held(value: Any) -> Any:
+    """``to_shared`` undone without a copy: each ``SharedImage`` a ``BlockImage``, which owns
+    its block from now on (runs in the API process)."""
+    return _walk(value, BlockImage, SharedImage)
+
+
+def release(value: Any) -> None:
+    """Unlink every block a worker's result names (a result nobody will use)."""
+    _walk(value, lambda shared: release_block(shared.name), SharedImage)
 
 
 def _walk(value: Any, convert: Any, kind: type) -> Any:

@@ -1,13 +1,16 @@
 """Images to the engine process through shared memory (``engine/proc/pixels.py``): the
 ``prepare`` message pickles block names, not pixels; the engine gets the very same pixels;
-no block outlives its request, whether the engine took it, never did, or the request was
-cancelled while its pixels were being written."""
+a media worker's block is lent as it is (no copy in the API process); no block outlives its
+request, whether the engine read it, never did, or the request was cancelled while its pixels
+were being written; a block is unlinked once, by the API process, never by the engine."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import pickle
+from _posixshmem import shm_unlink
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,12 @@ from vlmserve.engine.types import (
 )
 from vlmserve.errors import ServiceUnavailable
 from vlmserve.media.workers.priority import low_priority_executor, thread_nice
-from vlmserve.media.workers.shared import SharedImage
+from vlmserve.media.workers.shared import (
+    BlockImage,
+    SharedImage,
+    held,
+    to_shared,
+)
 from vlmserve.testing.media import gradient_image
 
 
@@ -52,15 +60,17 @@ def test_a_photo_crosses_as_block_names_and_arrives_with_the_same_pixels() -> No
     photo = gradient_image(1280, 960, seed=3)
     frames = [gradient_image(96, 64, seed=i) for i in range(3)]
     request = _request(ImagePart(photo), VideoPart(frames, fps=2.0, frame_indices=[0, 5, 9]))
-    shipped, names = pixels.ship(request)
+    shipped, blocks = pixels.ship(request)
+    names = blocks.names
     try:
         assert len(names) == 4 and all(_exists(n) for n in names)
         assert len(pickle.dumps(shipped)) < 4096  # 3.7 MB of pixels travel outside the pickle
         assert isinstance(request.messages[0].content[0], ImagePart)  # the original is intact
         assert request.messages[0].content[0].image is photo
         taken = pixels.receive(pickle.loads(pickle.dumps(shipped)))
+        assert all(_exists(n) for n in names)  # the engine only reads
     finally:
-        pixels.release(names)
+        pixels.release(blocks)
     image, video, text = taken.messages[0].content
     assert isinstance(image, ImagePart) and image.image.tobytes() == photo.tobytes()
     assert image.image.size == photo.size and image.image.mode == photo.mode
@@ -68,7 +78,7 @@ def test_a_photo_crosses_as_block_names_and_arrives_with_the_same_pixels() -> No
     assert [f.tobytes() for f in video.frames] == [f.tobytes() for f in frames]
     assert text == TextPart("what is this?")
     assert taken.sampling == request.sampling and taken.request_id == "r1"
-    assert not any(_exists(n) for n in names)  # the engine unlinked what it took
+    assert not any(_exists(n) for n in names)  # the API process unlinked them
 
 
 def test_a_request_without_media_is_not_shipped() -> None:
@@ -79,23 +89,25 @@ def test_a_request_without_media_is_not_shipped() -> None:
 
 def test_blocks_the_engine_never_took_are_unlinked_by_release() -> None:
     """The engine process died, or the request was cancelled before it read them."""
-    shipped, names = pixels.ship(_request(ImagePart(gradient_image(64, 48))))
+    shipped, blocks = pixels.ship(_request(ImagePart(gradient_image(64, 48))))
+    names = blocks.names
     assert all(_exists(n) for n in names)
-    pixels.release(names)
+    pixels.release(blocks)
     assert not any(_exists(n) for n in names)
     with pytest.raises(ServiceUnavailable, match="gone before the engine read them"):
         pixels.receive(shipped)
-    pixels.release(names)  # twice is harmless
+    pixels.release(blocks)  # twice is harmless
 
 
-def test_an_image_gone_midway_still_unlinks_the_rest() -> None:
+def test_an_image_gone_midway_is_a_503_and_release_unlinks_the_rest() -> None:
     parts = [ImagePart(gradient_image(32, 32, seed=i)) for i in range(3)]
-    shipped, names = pixels.ship(_request(*parts))
-    pixels.release(names[1:2])
-    with pytest.raises(ServiceUnavailable):
+    shipped, blocks = pixels.ship(_request(*parts))
+    names = blocks.names
+    shm_unlink(f"/{names[1]}")  # gone underneath (not the API process's release)
+    with pytest.raises(ServiceUnavailable, match="1 of the request's images"):
         pixels.receive(shipped)
+    pixels.release(blocks)
     assert not any(_exists(n) for n in names)
-    pixels.release(names)
 
 
 def test_a_request_cancelled_while_its_pixels_are_written_leaves_no_block(
@@ -130,11 +142,11 @@ def test_a_request_cancelled_while_its_pixels_are_written_leaves_no_block(
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory in /dev/shm")
 def test_shipped_blocks_are_private_to_the_user() -> None:
-    _, names = pixels.ship(_request(ImagePart(gradient_image(16, 16))))
+    _, blocks = pixels.ship(_request(ImagePart(gradient_image(16, 16))))
     try:
-        assert all(os.stat(f"/dev/shm/{n}").st_mode & 0o077 == 0 for n in names)
+        assert all(os.stat(f"/dev/shm/{n}").st_mode & 0o077 == 0 for n in blocks.names)
     finally:
-        pixels.release(names)
+        pixels.release(blocks)
 
 
 async def test_pixels_are_shipped_on_the_threads_given_at_their_priority() -> None:
@@ -145,11 +157,93 @@ async def test_pixels_are_shipped_on_the_threads_given_at_their_priority() -> No
     with low_priority_executor(1, 3, "test-ship") as executor:
         executor.submit(lambda: seen.append(thread_nice())).result()
         request = _request(ImagePart(gradient_image(64, 48, seed=1)))
-        shipped, names = await pixels.shipped(request, executor)
+        shipped, blocks = await pixels.shipped(request, executor)
     try:
         assert seen == [min(19, base + 3)] and thread_nice() == base
-        assert [s.name for s in _blocks(shipped)] == names and all(map(_exists, names))
+        assert [s.name for s in _blocks(shipped)] == blocks.names
+        assert all(map(_exists, blocks.names))
     finally:
-        pixels.release(names)
+        pixels.release(blocks)
     client = EngineProcClient("tiny", dict, media_nice=4)
     assert client._shipper.submit(thread_nice).result() == min(19, base + 4)
+
+
+def _from_worker(image: Image.Image) -> BlockImage:
+    """As a media worker's result reaches the API process."""
+    out = held(to_shared(image))
+    assert isinstance(out, BlockImage)
+    return out
+
+
+def _no_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(image: Image.Image) -> SharedImage:
+        raise AssertionError("a media worker's pixels were copied into a new block")
+
+    monkeypatch.setattr(pixels, "_put", refuse)
+
+
+async def test_a_media_workers_block_is_lent_to_the_engine_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    photo, frames = (
+        gradient_image(320, 240, seed=7),
+        [gradient_image(48, 32, seed=i) for i in (1, 2)],
+    )
+    image, video = _from_worker(photo), [_from_worker(f) for f in frames]
+    request = _request(ImagePart(image), VideoPart(video, fps=1.0))
+    _no_copies(monkeypatch)
+    shipped, blocks = await pixels.shipped(request, _Refusing())  # no copy: no thread either
+    names = [image.shared.name, *(f.shared.name for f in video)]
+    assert blocks.made == [] and blocks.names == names
+    assert [s.name for s in _blocks(shipped)] == names
+    taken = pixels.receive(pickle.loads(pickle.dumps(shipped)))
+    got_image, got_video, _ = taken.messages[0].content
+    assert isinstance(got_image, ImagePart) and type(got_image.image) is Image.Image
+    assert got_image.image.tobytes() == photo.tobytes()
+    assert isinstance(got_video, VideoPart)
+    assert [f.tobytes() for f in got_video.frames] == [f.tobytes() for f in frames]
+    pixels.release(blocks)
+    assert all(map(_exists, names))  # the images still live (this request, the uuid cache)
+    del request, image, video, got_image, got_video, taken, shipped
+    assert not any(map(_exists, names))  # and go with them
+
+
+def test_one_image_in_two_requests_outlives_the_first_ones_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The media-by-reference cache hands one decoded part to several requests."""
+    photo = gradient_image(64, 48, seed=9)
+    image = _from_worker(photo)
+    _no_copies(monkeypatch)
+    _, first_blocks = pixels.ship(_request(ImagePart(image)))
+    second, second_blocks = pixels.ship(_request(ImagePart(image)))
+    pixels.release(first_blocks)
+    pixels.release(first_blocks)  # twice is harmless: one loan ended, once
+    assert image._lent == 1  # type: ignore[attr-defined]
+    assert pixels.receive(second).messages[0].content[0].image.tobytes() == photo.tobytes()
+    pixels.release(second_blocks)
+    assert _exists(image.shared.name)
+
+
+def test_an_image_read_in_the_api_process_meanwhile_keeps_its_block_for_the_engine() -> None:
+    """An embedding or rerank of the same cached image reads its pixels while the engine
+    process has not read the block yet: the block stays until the engine's loan ends."""
+    photo = gradient_image(64, 48, seed=11)
+    image = _from_worker(photo)
+    shipped, blocks = pixels.ship(_request(ImagePart(image)))
+    assert image.tobytes() == photo.tobytes()
+    assert pixels.receive(shipped).messages[0].content[0].image.tobytes() == photo.tobytes()
+    name = image.shared.name
+    pixels.release(blocks)
+    assert not _exists(name) and not image.held  # read here, lent to nobody: gone now
+    again, blocks = pixels.ship(_request(ImagePart(image)))  # then it is copied, as any image
+    try:
+        assert len(blocks.made) == 1 and blocks.lent == []
+        assert pixels.receive(again).messages[0].content[0].image.tobytes() == photo.tobytes()
+    finally:
+        pixels.release(blocks)
+
+
+class _Refusing(ThreadPoolExecutor):
+    def submit(self, *args: object, **kwargs: object) -> Future[object]:  # type: ignore[override]
+        raise AssertionError("shipped used a thread for a request that needs no copy")
