@@ -142,7 +142,8 @@ class EngineLifecycle:
             return True
 
     def run_calls(self) -> None:
-        """Run the ``call``s queued so far (engine thread)."""
+        """Run the ``call``s queued so far (engine thread); each counts as a step for the
+        liveness check."""
         while True:
             with self._lock:
                 if not self.calls:
@@ -150,10 +151,12 @@ class EngineLifecycle:
                 fn, future = self.calls.popleft()
             if not future.set_running_or_notify_cancel():
                 continue
+            self.progress_at = time.monotonic()
             try:
                 future.set_result(fn())
             except BaseException as exc:  # the caller's error, not the engine's
                 future.set_exception(exc)
+            self.progress_at = time.monotonic()
 
     def run_step(self, step: Callable[[], None]) -> None:
         """Run one step, recording its progress for the liveness check."""
