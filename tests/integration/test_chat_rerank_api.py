@@ -1,7 +1,8 @@
 """One model served with the ``chat`` and ``rerank`` roles (a Qwen3-VL-Reranker-layout tiny
 checkpoint), through the API: it answers /v1/chat/completions and /v1/rerank from one copy of
 the weights, and an image is run through the vision tower once whichever route saw it first
-(the chat engine's vision cache serves both), in this process and in an engine process."""
+(the chat engine's vision cache serves both), in this process and in an engine process; a
+gateway entry with both roles relays both."""
 
 from __future__ import annotations
 
@@ -99,3 +100,31 @@ async def test_chat_and_rerank_share_the_vision_tower_outputs(engine_process: bo
         assert await settled(count, 2) == 2
         await chat(client, second)  # the image rerank encoded: not encoded again
         assert await settled(count, 3, timeout=1.0) == 2
+
+
+async def test_a_gateway_entry_with_both_roles_relays_chat_and_rerank() -> None:
+    from vlmserve.registry.build import entry_handle
+    from vlmserve.registry.entries import ModelEntry
+
+    async with serving(engine_process=False) as (worker, _):
+        config = {"base_url": str(worker.base_url), "preflight": False}
+        entry = ModelEntry(
+            name=NAME, backend="openai", roles=["chat", "rerank"], backend_config=config
+        )
+        settings = Settings(device="cpu", upstream_health_interval=0)
+        gateway = ModelManager([entry_handle(entry, settings)])
+        app = build_app(settings, models=gateway)
+        try:
+            async with (
+                app.router.lifespan_context(app),
+                httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=120
+                ) as client,
+            ):
+                image = data_url(image_bytes(32, 32, seed=4), "image/png")
+                await chat(client, image)
+                assert len(await rerank(client, image)) == 2
+                cards = (await client.get("/v1/models")).json()["data"]
+        finally:
+            await gateway.aclose()
+    assert [c["scores"] for c in cards if c["id"] == NAME] == [True]

@@ -137,6 +137,7 @@ def upstream_backend(entry: ModelEntry, settings: Settings) -> Backend:
         preflight=cfg.preflight,
         embedding=entry.capabilities.embedding,
         rerank="rerank" in entry.roles and not entry.capabilities.embedding,
+        chat="chat" in entry.roles,
         policy=PoolPolicy(
             max_failures=settings.upstream_max_failures,
             eject_seconds=settings.upstream_eject_seconds,
