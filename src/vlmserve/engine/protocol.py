@@ -77,6 +77,12 @@ class Backend(Protocol):
     error: str | None
     load_seconds: float | None
 
+    @property
+    def also_serves(self) -> frozenset[Serves]:
+        """Kinds of request answered besides ``serves``: a chat model with the ``rerank``
+        role scores documents too (on the same weights and vision cache)."""
+        return frozenset()
+
     # --- lifecycle ---------------------------------------------------------------------
     async def aload(self) -> None:
         """Load (off the event loop where it blocks); failures stay in ``state``/``error``."""

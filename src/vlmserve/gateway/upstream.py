@@ -61,6 +61,7 @@ class UpstreamConfig:
     preflight: bool = True  # run vlmserve.client.preflight on each replica before routing
     embedding: bool = False  # an embedding model (/v1/embeddings, /encode-*)
     rerank: bool = False  # a reranker (/v1/rerank, /v1/score)
+    chat: bool = False  # with ``rerank``: a chat model that also scores (both roles)
     policy: PoolPolicy = field(default_factory=PoolPolicy)
 
 
@@ -94,9 +95,14 @@ class UpstreamBackend(PassThrough, Proxied):
 
     @property
     def serves(self) -> Serves:  # type: ignore[override]
-        if self.config.rerank:
+        if self.config.rerank and not self.config.chat:
             return Serves.RERANK
         return Serves.EMBEDDING if self.config.embedding else Serves.CHAT
+
+    @property
+    def also_serves(self) -> frozenset[Serves]:
+        chat_and_rerank = self.config.rerank and self.config.chat
+        return frozenset({Serves.RERANK}) if chat_and_rerank else frozenset()
 
     # --- gateway: replicas registered at run time ----------------------------------------
     @property

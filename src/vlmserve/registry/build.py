@@ -57,9 +57,12 @@ def _template(value: str | None) -> str | None:
 
 def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
     """An in-process model: an embedding model for the ``embedding`` role, a cross-encoder
-    for the ``rerank`` role, else chat."""
+    for the ``rerank`` role, else chat; ``chat`` and ``rerank`` together: one chat model
+    that also scores (one copy of the weights, one vision cache)."""
     options = load_options(cfg, settings)
-    if Serves.RERANK.value in cfg.roles and Serves.EMBEDDING.value not in cfg.roles:
+    roles = set(cfg.roles)
+    rerank = Serves.RERANK.value in roles and Serves.EMBEDDING.value not in roles
+    if rerank and Serves.CHAT.value not in roles:
         return HFRerankBackend(
             cfg.served_name, options, config=RerankConfig.from_settings(settings)
         )
@@ -77,13 +80,15 @@ def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
         **_per_model(cfg),
     )
     check_parser_names(config.reasoning_parser, config.tool_call_parser)
+    scores = RerankConfig.from_settings(settings) if rerank else None
     if settings.engine_process:
         return EngineProcClient(
             cfg.served_name,
-            partial(HFChatBackend, cfg.served_name, options, config),
+            partial(HFChatBackend, cfg.served_name, options, config, scores=scores),
             media_nice=config.media_nice,
+            scores=rerank,
         )
-    return HFChatBackend(cfg.served_name, options, config)
+    return HFChatBackend(cfg.served_name, options, config, scores=scores)
 
 
 def _per_model(cfg: ModelConfig) -> dict[str, Any]:
@@ -132,6 +137,7 @@ def upstream_backend(entry: ModelEntry, settings: Settings) -> Backend:
         preflight=cfg.preflight,
         embedding=entry.capabilities.embedding,
         rerank="rerank" in entry.roles and not entry.capabilities.embedding,
+        chat="chat" in entry.roles,
         policy=PoolPolicy(
             max_failures=settings.upstream_max_failures,
             eject_seconds=settings.upstream_eject_seconds,

@@ -111,7 +111,7 @@ class ModelManager:
         if handle.reload_pending:
             self.reloader.start(handle)
         kinds = serves if isinstance(serves, frozenset) else frozenset({serves})
-        if handle.backend.serves not in kinds:
+        if handle.backend.serves not in kinds and not handle.backend.also_serves & kinds:
             message = _kind_message(handle, serves)
             raise InvalidRequest(message, param="model", code="wrong_model_kind")
         _check_inputs(handle, needs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -65,6 +66,7 @@ _BUSY_ROWS = 4
 # only multiply the inter-token latency clients see
 GROUP_WAIT_S = 0.010
 _Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
 
 
 class BatchEngine:
@@ -160,6 +162,11 @@ class BatchEngine:
         """The longest step so far (seconds)."""
         return self.lifecycle.longest_step
 
+    def call(self, fn: Callable[[], _Result]) -> Future[_Result]:
+        """Run ``fn`` on the engine thread between steps (``EngineLifecycle.call``): prefill-
+        only work such as scoring, which shares the runner and the vision cache."""
+        return self.lifecycle.call(fn)
+
     # --- called from event loops ---------------------------------------------------------
     def new_sequence(self, prepared: Prepared, loop: Any, queue: Any) -> Sequence:
         """Choice 0 of a request; the others ride on it until its prefill (``choices.py``)."""
@@ -171,6 +178,9 @@ class BatchEngine:
         flushed = time.perf_counter()
         with torch.inference_mode():
             while self.lifecycle.take_inbox():
+                self.lifecycle.run_calls()  # work queued with ``call``, between two steps
+                if self.scheduler.idle:
+                    continue
                 self.lifecycle.run_step(self.step)
                 busy = len(self.scheduler.running) >= _BUSY_ROWS
                 now = time.perf_counter()

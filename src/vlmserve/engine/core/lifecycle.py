@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from vlmserve.engine.core.faults import EngineFailed, EngineStalled
@@ -54,6 +55,8 @@ class EngineLifecycle:
         self._flush, self._release, self._on_fatal = flush, release, on_fatal
         self._lock = threading.Lock()
         self.inbox: deque[Sequence] = deque()  # submitted, not yet taken by the engine thread
+        # work besides the steps (``call``), run on the engine thread between steps
+        self.calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._live: set[Sequence] = set()  # END not yet delivered: a fatal error ends these
         self._active = False
         self._closed = False
@@ -65,23 +68,47 @@ class EngineLifecycle:
 
     def submit(self, seq: Sequence) -> None:
         with self._lock:
-            if self.failure is not None:
-                raise self.failure
-            if self._closed:
-                raise ServiceUnavailable("the model is unloading; retry shortly", retry_after=5)
+            self._check_open()
             self.inbox.append(seq)
             self._live.add(seq)
-            start, self._active = not self._active, True
-            if start:
-                self.progress_at = time.monotonic()  # the loop's first step is due now
+            start = self._activate()
         if start:
-            try:
-                future = self._submit(self._loop)
-            except Exception as exc:  # the executor is shut down: nothing will ever run
-                self._die(exc)
-                raise self.failure or exc from exc
-            if hasattr(future, "add_done_callback"):
-                future.add_done_callback(self._loop_ended)
+            self._start()
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` on the engine thread between two steps (at once when idle): work that
+        shares the engine's model state (its vision cache) without a lock. Its result, or the
+        error it raised, goes to the future; an engine that fails or closes first fails it."""
+        future: Future[Any] = Future()
+        with self._lock:
+            self._check_open()
+            self.calls.append((fn, future))
+            start = self._activate()
+        if start:
+            self._start()
+        return future
+
+    def _check_open(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self._closed:
+            raise ServiceUnavailable("the model is unloading; retry shortly", retry_after=5)
+
+    def _activate(self) -> bool:
+        """(Under the lock) mark the loop active; True when it has to be started."""
+        start, self._active = not self._active, True
+        if start:
+            self.progress_at = time.monotonic()  # the loop's first step is due now
+        return start
+
+    def _start(self) -> None:
+        try:
+            future = self._submit(self._loop)
+        except Exception as exc:  # the executor is shut down: nothing will ever run
+            self._die(exc)
+            raise self.failure or exc from exc
+        if hasattr(future, "add_done_callback"):
+            future.add_done_callback(self._loop_ended)
 
     def stalled_for(self) -> float:
         """Seconds the engine has had requests to run without a step starting or ending
@@ -109,10 +136,27 @@ class EngineLifecycle:
         with self._lock:
             while self.inbox:
                 self._scheduler.add(self.inbox.popleft())
-            if self._closed or self._scheduler.idle:
+            if self._closed or (self._scheduler.idle and not self.calls):
                 self._active = False
                 return False
             return True
+
+    def run_calls(self) -> None:
+        """Run the ``call``s queued so far (engine thread); each counts as a step for the
+        liveness check."""
+        while True:
+            with self._lock:
+                if not self.calls:
+                    return
+                fn, future = self.calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            self.progress_at = time.monotonic()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the caller's error, not the engine's
+                future.set_exception(exc)
+            self.progress_at = time.monotonic()
 
     def run_step(self, step: Callable[[], None]) -> None:
         """Run one step, recording its progress for the liveness check."""
@@ -153,6 +197,7 @@ class EngineLifecycle:
         with self._lock:
             pending = list(self.inbox) + list(self._scheduler.waiting)
             self.inbox.clear()
+            _fail_calls(self.calls, exc)
             self._scheduler.waiting.clear()
         for seq in pending + list(self._scheduler.running):
             self._fail(seq, exc)
@@ -170,6 +215,7 @@ class EngineLifecycle:
             live = [*self._live]
             self._live.clear()
             self.inbox.clear()
+            _fail_calls(self.calls, self.failure)
         log.error(
             "%s: the engine failed; ending its %d requests",
             self.model_id,
@@ -190,3 +236,11 @@ class EngineLifecycle:
                 )
         with contextlib.suppress(Exception):
             self._release()
+
+
+def _fail_calls(calls: deque[tuple[Callable[[], Any], Future[Any]]], exc: BaseException) -> None:
+    """(Under the lock) fail the ``call``s that have not run."""
+    while calls:
+        _, future = calls.popleft()
+        if future.set_running_or_notify_cancel():
+            future.set_exception(exc)

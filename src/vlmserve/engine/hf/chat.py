@@ -20,7 +20,7 @@ from typing import Any
 
 from vlmserve.engine.admission import QueuePlaces
 from vlmserve.engine.coalesce import coalesced
-from vlmserve.engine.configs import ChatEngineConfig
+from vlmserve.engine.configs import ChatEngineConfig, RerankConfig
 from vlmserve.engine.core.engine import END, BatchEngine
 from vlmserve.engine.core.faults import describe
 from vlmserve.engine.hf.capabilities import Capabilities, capabilities
@@ -31,6 +31,7 @@ from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.hf.media_options import family_media, processor_kwargs
 from vlmserve.engine.hf.processor_cache import CachedImageProcessor
 from vlmserve.engine.hf.processor_cache import install as install_processor_cache
+from vlmserve.engine.hf.score.backend import HFRerankBackend
 from vlmserve.engine.hf.threads import media_executor, off_loop
 from vlmserve.engine.models.architectures import supports
 from vlmserve.engine.models.families._media import MediaRules
@@ -42,6 +43,8 @@ from vlmserve.engine.types import (
     Chunk,
     GenerateRequest,
     ImagePart,
+    Scored,
+    ScorePair,
     Serves,
     Tokenized,
     VideoPart,
@@ -63,10 +66,15 @@ class HFChatBackend(HFModel):
         model_id: str,
         options: LoadOptions,
         config: ChatEngineConfig | None = None,
+        *,
+        scores: RerankConfig | None = None,
         **changes: Any,
     ):
-        """``config`` (default: the settings' defaults), with ``changes`` applied to it."""
+        """``config`` (default: the settings' defaults), with ``changes`` applied to it;
+        ``scores``: also score documents (the ``rerank`` role) with these settings."""
         super().__init__(model_id, options)
+        self._score_config = scores
+        self.scorer: HFRerankBackend | None = None  # scores on this model, when it does
         self.config = replace(config or ChatEngineConfig.defaults(), **changes)
         self._processor_cache: CachedImageProcessor | None = None
         self._caps: Capabilities | None = None  # what the loaded model takes (image, video)
@@ -93,6 +101,7 @@ class HFChatBackend(HFModel):
         detected = detect_reasoning_parser(template if isinstance(template, str) else None)
         self._reasoning = self.config.reasoning_parser or detected
         if not supports(loaded.model):
+            self._attach_scorer(loaded)
             log.info(
                 "%s: %s is served one request at a time (no batched runner for it)",
                 self.model_id,
@@ -103,6 +112,25 @@ class HFChatBackend(HFModel):
         self._processor_cache = install_processor_cache(
             loaded.processor, self.config.processor_cache_bytes
         )
+        self._attach_scorer(loaded)
+
+    def _attach_scorer(self, loaded: Any) -> None:
+        if self._score_config is not None:
+            self.scorer = HFRerankBackend.beside_chat(
+                self.model_id, self.options, self._score_config, loaded, self.engine
+            )
+
+    @property
+    def also_serves(self) -> frozenset[Serves]:
+        return frozenset({Serves.RERANK}) if self._score_config is not None else frozenset()
+
+    async def score(self, pairs: list[ScorePair]) -> Scored:
+        """Each pair's relevance, on this model's engine and vision cache (``beside_chat``)."""
+        if self._score_config is None:
+            return await super().score(pairs)
+        self._require()  # the 503 that says why, when not loaded
+        assert self.scorer is not None  # attached whenever the model is loaded
+        return await self.scorer.score(pairs)
 
     def _new_engine(self, loaded: Any) -> BatchEngine:
         return BatchEngine(
@@ -160,6 +188,9 @@ class HFChatBackend(HFModel):
 
     def close(self) -> None:
         self._processor_cache = None  # dropped with the processor
+        if self.scorer is not None:
+            self.scorer.close()
+            self.scorer = None
         if self.engine is not None:
             self.engine.close()
             self._tokens_before += self.engine.tokens_generated

@@ -45,6 +45,8 @@ from vlmserve.engine.types import (
     Chunk,
     GenerateRequest,
     ModelState,
+    Scored,
+    ScorePair,
     Serves,
     Tokenized,
 )
@@ -68,11 +70,21 @@ class _Stream:
 class EngineProcClient(Backend):
     serves = Serves.CHAT
 
-    def __init__(self, model_id: str, factory: Callable[[], Backend], media_nice: int = 0):
+    def __init__(
+        self,
+        model_id: str,
+        factory: Callable[[], Backend],
+        media_nice: int = 0,
+        *,
+        scores: bool = False,
+    ):
         """``factory`` (picklable) builds the in-process backend inside the engine process;
         a request's pixels are copied into shared memory ``media_nice`` below the request
-        path's priority (``media/workers/priority.py``)."""
+        path's priority (``media/workers/priority.py``); ``scores``: the backend also scores
+        documents (a chat model with the ``rerank`` role: pairs run in the engine process,
+        on its engine and vision cache)."""
         self.model_id = model_id
+        self._scores = scores
         self.factory = factory
         self._shipper = low_priority_executor(2, media_nice, "vlmserve-media-ship")
         self.state = ModelState.UNLOADED
@@ -209,6 +221,18 @@ class EngineProcClient(Backend):
         self.check_ready()
         rid = next(self._ids)
         return str(await self._call(rid, ("detokenize", rid, ids)))
+
+    @property
+    def also_serves(self) -> frozenset[Serves]:
+        return frozenset({Serves.RERANK}) if self._scores else frozenset()
+
+    async def score(self, pairs: list[ScorePair]) -> Scored:
+        if not self._scores:
+            return await super().score(pairs)
+        self.check_ready()
+        rid = next(self._ids)
+        result: Scored = await self._call(rid, ("score", rid, pairs))
+        return result
 
     def generate(self, prepared: Any) -> AsyncIterator[Chunk]:
         return self._chunks(prepared)

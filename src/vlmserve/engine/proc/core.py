@@ -117,6 +117,9 @@ class EngineCore:
             self._spawn(message[1], self._tokenize(message[2], message[3]))
         elif kind == "detokenize":
             self._spawn(message[1], self._detokenize(message[2]))
+        elif kind == "score":
+            assert self.backend is not None
+            self._spawn(message[1], self.backend.score(message[2]))
 
     def _spawn(self, rid: int, work: Coroutine[Any, Any, Any]) -> asyncio.Task[None]:
         """Run ``work``; its result (or error) goes back as ``done`` (or ``error``)."""

@@ -52,9 +52,14 @@ def _model_card(h: Any, created: int) -> dict[str, Any]:
         "roles": h.roles,
         "aliases": h.aliases,
         "capabilities": sorted(h.inputs) if h.inputs is not None else None,
-        "scores": h.backend.serves.value in ("rerank", "embedding"),  # /v1/rerank, /v1/score
+        "scores": _scores(h.backend),  # /v1/rerank, /v1/score
         "ready": h.ready,
     }
+
+
+def _scores(backend: Any) -> bool:
+    kinds = {backend.serves, *backend.also_serves}
+    return any(kind.value in ("rerank", "embedding") for kind in kinds)
 
 
 @router.get("/v1/models")

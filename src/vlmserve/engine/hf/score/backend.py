@@ -14,6 +14,12 @@ encoded again); the rows are packed into forwards of at most ``max_batch`` pairs
 allocated, written or kept). Other families fall back to transformers' forward over
 left-padded batches (``embed.last_token_states``).
 
+A model served with both the ``chat`` and ``rerank`` roles is loaded once: the chat backend
+holds a reranker made with ``beside_chat``, which scores on the chat engine's runner and
+prompt embedder, between the engine's steps and on its thread (``BatchEngine.call``), so the
+two share one ``VisionCache``: a document image a chat request encoded is not encoded again
+when it is scored, and the other way round.
+
 Concurrent ``score`` calls share forward passes through a ``MicroBatcher`` (as embeddings
 do); when a shared batch fails, each request runs again alone, so only the one at fault gets
 the error (a pair over the context limit, say).
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,7 +46,7 @@ from vlmserve.engine.models.architectures import build, supports
 from vlmserve.engine.models.batch import PrefillRow
 from vlmserve.engine.models.prefill_only import last_hidden
 from vlmserve.engine.models.vision_cache import VisionCache
-from vlmserve.engine.types import BackendStats, Scored, ScorePair, Serves
+from vlmserve.engine.types import BackendStats, ModelState, Scored, ScorePair, Serves
 from vlmserve.errors import InvalidRequest
 
 __all__ = ["HFRerankBackend"]
@@ -71,9 +78,26 @@ class HFRerankBackend(HFModel):
         self._head: ScoreHead | None = None
         self._runner: Any = None  # the batched engine's runner and prompt embedder, when
         self._embedder: Any = None  # the family has them; None: transformers' forward
+        self._engine: Any = None  # a chat model's BatchEngine this reranker scores on
         self._batcher: MicroBatcher[ScorePair, Scored] = MicroBatcher.for_model(
             self._run_groups, model_id, max_batch, config.batch_wait_ms
         )
+
+    @classmethod
+    def beside_chat(
+        cls, model_id: str, options: LoadOptions, config: RerankConfig, loaded: Loaded, engine: Any
+    ) -> HFRerankBackend:
+        """A reranker on a chat model's ``loaded`` weights: on its batched ``engine`` (runner,
+        prompt embedder and vision cache, work run between the engine's steps) where it has
+        one, else transformers' forward on a thread of its own."""
+        scorer = cls(model_id, options, config=config)
+        scorer._head = load_head(loaded.model, loaded.processor.tokenizer, options.source)
+        if engine is not None:
+            scorer._engine, scorer.vision_cache = engine, engine.vision_cache
+            scorer._runner, scorer._embedder = engine.runner, engine.embedder
+        scorer.max_batched_tokens = batched_tokens(scorer._tokens_setting, loaded.device.type)
+        scorer._loaded, scorer.state = loaded, ModelState.READY
+        return scorer
 
     @property
     def max_batch(self) -> int:
@@ -108,8 +132,9 @@ class HFRerankBackend(HFModel):
 
     def close(self) -> None:
         super().close()
-        self._runner = self._embedder = None
-        self.vision_cache.clear()
+        if self._engine is None:  # else the cache is the chat engine's, closed with it
+            self.vision_cache.clear()
+        self._runner = self._embedder = self._engine = None
 
     def stats(self) -> BackendStats:
         return BackendStats(vision_cache=self.vision_cache.stats())
@@ -179,11 +204,12 @@ class HFRerankBackend(HFModel):
         return await self._batcher.submit(pairs)
 
     async def _run_groups(self, groups: list[list[ScorePair]]) -> list[Scored | BaseException]:
-        """Every request's scores from shared forward passes (``shared_passes``)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, shared_passes, self.score_sync, groups, _by_request, "score"
-        )
+        """Every request's scores from shared forward passes (``shared_passes``), on the
+        chat engine's thread between its steps when scoring beside a chat model."""
+        job = partial(shared_passes, self.score_sync, groups, _by_request, "score")
+        if self._engine is not None:
+            return await asyncio.wrap_future(self._engine.call(job))
+        return await asyncio.get_running_loop().run_in_executor(self._executor, job)
 
     def _score_batch(
         self, loaded: Loaded, head: ScoreHead, pairs: list[ScorePair], indices: list[int]

@@ -172,29 +172,34 @@ def build_batch(processor: Any, kind: str, pairs: list[ScorePair]) -> dict[str, 
 def pair_inputs(processor: Any, kind: str, pairs: list[ScorePair]) -> list[dict[str, torch.Tensor]]:
     """Each pair's processor outputs as a single unpadded row (input_ids: [1, T]), what the
     batched engine's prompt embedder takes; for ``jina`` the score token ends each. Text-only
-    pairs are tokenised in one call (its padding cut off again): a processor call costs
-    far more than the tokens it reads; a pair with media has a call of its own."""
+    pairs are tokenised in one call of the tokenizer itself (what the processor does with a
+    prompt without media, less its per-call overhead and padding); a pair with media has a
+    processor call of its own."""
     rows: list[dict[str, torch.Tensor] | None] = [None] * len(pairs)
     text = [i for i, pair in enumerate(pairs) if not _has_media(pair)]
-    if text:
-        batch = build_batch(processor, kind, [pairs[i] for i in text])  # left-padded
-        lengths = batch["attention_mask"].sum(dim=1).tolist()
-        width = batch["input_ids"].shape[1]
-        for j, (i, n) in enumerate(zip(text, lengths, strict=True)):
-            cut = slice(width - int(n), width)  # the row's own tokens: its last n
-            rows[i] = {k: v[j : j + 1, cut] for k, v in batch.items() if _per_token(v, width)}
+    for i, ids in zip(text, _text_ids(processor, kind, [pairs[i] for i in text]), strict=True):
+        row = torch.tensor([ids])
+        rows[i] = {"input_ids": row, "attention_mask": torch.ones_like(row)}
     for i, pair in enumerate(pairs):
         if rows[i] is None:
             rows[i] = _processed(processor, kind, [pair])
     return [row for row in rows if row is not None]
 
 
+def _text_ids(processor: Any, kind: str, pairs: list[ScorePair]) -> list[list[int]]:
+    """The token ids of text-only pairs' prompts (jina's score token appended)."""
+    if not pairs:
+        return []
+    if kind == JINA:
+        texts = [jina_prompt(p, processor.tokenizer).text for p in pairs]
+    else:
+        texts = [yes_no_prompt(p, processor).text for p in pairs]
+    ids: list[list[int]] = processor.tokenizer(texts)["input_ids"]
+    return [[*row, JINA_SCORE_TOKEN_ID] for row in ids] if kind == JINA else ids
+
+
 def _has_media(pair: ScorePair) -> bool:
     return any(s.image is not None or s.frames is not None for s in (pair.query, pair.document))
-
-
-def _per_token(value: Any, width: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == width
 
 
 def append_score_token(batch: dict[str, torch.Tensor]) -> None:
