@@ -273,6 +273,20 @@ tiles(const v8 *restrict q, const void *k, const void *v, int kind, const int64_
         const int64_t n = length - start < TILE ? length - start : TILE;
         const i8 valid[2] = {lanes < (int32_t)n, lanes + 8 < (int32_t)n};
         const int64_t tile = table[start / block] * block_stride + (start % block) * token_stride;
+        if (start + TILE < length) { /* the next tile (often another block), into L2 only:
+                                      * prefetched into L1 it evicts this tile's floats and
+                                      * is slower than none (measured) */
+            const int64_t next = start + TILE;
+            const int64_t at = table[next / block] * block_stride + (next % block) * token_stride;
+            const int64_t esize = kind == F32 ? 4 : 2, bytes = (g1 - g0) * nc * 8 * esize;
+            for (int64_t j = 0; j < TILE && next + j < length; j++) {
+                const int64_t x = (at + j * token_stride + g0 * nc * 8) * esize;
+                for (int64_t b = 0; b < bytes; b += 64) {
+                    __builtin_prefetch((const char *)k + x + b, 0, 1);
+                    __builtin_prefetch((const char *)v + x + b, 0, 1);
+                }
+            }
+        }
         for (int64_t g = g0; g < g1; g++) {
             const int64_t base = tile + g * nc * 8;
             for (int64_t j = 0; j < TILE; j++)
