@@ -74,6 +74,7 @@ class PrefillInputs:
     starts: list[int]
     lengths: list[int]
     tables: list[torch.Tensor | None]  # [1, MB] for a row after a cached prefix
+    cached: list[int]  # each row's tokens before its own (a cached prefix, earlier chunks)
     masks: list[dict[str, torch.Tensor]]
     visual: torch.Tensor | None  # [M] packed indices of DeepStack's visual tokens
     deep: torch.Tensor | None  # [k, M, hidden]
@@ -91,8 +92,8 @@ def prefill_inputs(runner: DecoderRunner, rows: list[PrefillRow]) -> PrefillInpu
         torch.tensor([row.table], device=runner.device) if row.cached and row.table else None
         for row in rows
     ]
-    masks = [  # by layer kind: [T, T] (a kind without one: causal), or [T, L] after a
-        # cached prefix (L: the gathered keys)
+    masks = [  # by layer kind: [T, T], or [T, L] after a cached prefix (L: the gathered
+        # keys); a kind without one is plain causal
         runner._prefill_masks(row)
         if table is None
         else runner._cached_masks(row, table.shape[1] * cache.block_size)
@@ -108,6 +109,7 @@ def prefill_inputs(runner: DecoderRunner, rows: list[PrefillRow]) -> PrefillInpu
         starts,
         lengths,
         tables,
+        [row.cached if table is not None else 0 for row, table in zip(rows, tables, strict=True)],
         masks,
         visual,
         deep,

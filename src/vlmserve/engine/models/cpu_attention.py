@@ -9,6 +9,10 @@ result does not depend on its companions or the thread count (batch invariance).
 OpenMP runtime is torch's own (a library asking for ``libgomp.so.1`` gets the one torch
 loaded), so the kernel's threads are the calling thread's torch team, at its thread count.
 
+The same library holds ``cpu_prefill.c``: a prompt's causal attention in bfloat16 on the
+CPU's bfloat16 dot-product instructions (AVX512-BF16), twice as fast as torch's CPU flash
+attention, which computes in float32; elsewhere prefill keeps torch's kernel.
+
 Built libraries are cached under ``VLMSERVE_KERNEL_CACHE`` (default
 ``~/.cache/vlmserve/kernels``), keyed by the source, the compiler, its flags and the CPU's
 flags, so a later start loads in milliseconds. Where building is impossible (no C
@@ -38,9 +42,11 @@ __all__ = ["CpuPagedAttention", "KernelBuildError", "build_library", "paged_deco
 
 log = logging.getLogger(__name__)
 
-_SOURCE = "cpu_decode.c"
+_SOURCES = ("cpu_decode.c", "cpu_prefill.c")  # one library
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_decode.c's enum
 _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_PREFILL_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int]
+_KT = 32  # cpu_prefill.c's keys a tile: the packed keys' length is rounded up to it
 
 
 class KernelBuildError(RuntimeError):
@@ -109,7 +115,7 @@ def _compiler() -> list[str]:
 def build_library() -> Path:
     """The kernel's shared library, built now or found in the cache -> its path. Raises
     ``KernelBuildError`` when there is no C compiler or it fails."""
-    source = resources.files(__package__).joinpath(_SOURCE).read_bytes()
+    sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in _SOURCES}
     cc = _compiler()
     flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-strict-aliasing"]
     flags += _isa_flags()
@@ -120,7 +126,8 @@ def build_library() -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"no working C compiler ({' '.join(cc)}; set CC): {exc}") from exc
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (version, " ".join(flags), _cpu_flags())) + source
+        b"\0".join(x.encode() for x in (version, " ".join(flags), _cpu_flags()))
+        + b"\0".join(sources.values())
     ).hexdigest()[:24]
     folder = _cache_dir()
     target = folder / f"cpu_decode-{key}.so"
@@ -128,11 +135,16 @@ def build_library() -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as work:
-        src = Path(work) / _SOURCE
-        src.write_bytes(source)
+        paths = []
+        for name, text in sources.items():
+            paths.append(Path(work) / name)
+            paths[-1].write_bytes(text)
         built = Path(work) / target.name
         done = subprocess.run(
-            [*cc, *flags, str(src), "-o", str(built)], capture_output=True, text=True, timeout=300
+            [*cc, *flags, *map(str, paths), "-o", str(built)],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if done.returncode != 0:
             raise KernelBuildError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
@@ -151,11 +163,58 @@ class CpuPagedAttention:
         self._kinds = dict(_KINDS)
         if not lib.has_float16():  # the compiler has no _Float16
             del self._kinds[torch.float16]
+        self._prefill = lib.prefill_attention
+        self._prefill.argtypes, self._prefill.restype = _PREFILL_ARGS, ctypes.c_int
+        self.prefills = bool(lib.has_prefill())  # the build has AVX512-BF16
         self._lib = lib
         self.seconds = time.perf_counter() - started
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._kinds
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, first: int = 0
+    ) -> torch.Tensor | None:
+        """Causal attention of a prompt's tokens in bfloat16 (``cpu_prefill.c``): q [T, H, D],
+        the tokens at positions ``first``..``first + T - 1`` (those before them are a cached
+        prefix or earlier chunks); k and v [>= first + T, KVH, D], every key from position 0
+        (each token's heads contiguous; tokens may be strided) -> [T, H, D]; the token at
+        position p attends to keys 0..p. None where the kernel does not apply (no
+        AVX512-BF16 in this build, another dtype, a head layout past its buffers): use
+        torch's attention."""
+        if not self.prefills or q.dtype != torch.bfloat16:
+            return None
+        t, heads, dim = q.shape
+        keys = first + t
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"keys {k.dtype} and values {v.dtype} are not the query's {q.dtype}")
+        if k.shape[0] < keys or v.shape[0] < keys or k.shape[1:] != v.shape[1:]:
+            raise ValueError(f"{t} queries after {first} need {keys} keys and values")
+        kv_heads = k.shape[1]
+        q, k, v = (
+            x if x.stride(2) == 1 and x.stride(1) == dim else x.contiguous() for x in (q, k, v)
+        )
+        out = torch.empty(t, heads, dim, dtype=q.dtype)
+        scratch = torch.empty(2 * -(-keys // _KT) * _KT * kv_heads * dim, dtype=q.dtype)
+        failed = self._prefill(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            out.data_ptr(),
+            scratch.data_ptr(),
+            t,
+            first,
+            heads,
+            kv_heads,
+            dim,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            out.stride(0),
+            scale,
+            torch.get_num_threads(),
+        )
+        return None if failed else out
 
     def check(self, tables: torch.Tensor, lengths: torch.Tensor, blocks: int, block: int) -> None:
         """A ``ValueError`` unless every row's length is >= 1 and within its table and every

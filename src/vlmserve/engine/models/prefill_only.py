@@ -88,6 +88,7 @@ def _inputs(runner: DecoderRunner, rows: list[PrefillRow]) -> PrefillInputs:
         starts,
         lengths,
         [None] * len(rows),  # no block tables: _prefill_attend never reads the cache
+        [0] * len(rows),  # nothing before any row
         [runner._prefill_masks(row) for row in rows],
         visual,
         deep,

@@ -15,7 +15,9 @@ capturing and cache bookkeeping for a few microseconds of maths, so the runner w
 same weights itself (nano-vllm's ``model_runner``), with:
 
 - **packed tokens** (no padding): prefill rows are concatenated, ``x: [N, hidden]``; the
-  matmuls see every row; prefill attention runs per row over exactly that row's keys;
+  matmuls see every row; prefill attention runs per row over exactly that row's keys (on
+  CPU, for bfloat16 models where the CPU has AVX512-BF16, in the same C library's prefill
+  kernel, ``cpu_prefill.c``: twice torch's speed);
 - **a paged KV cache** (``PagedKVCache``): prefill and decode scatter K/V by slot; decode
   attention is one ``scaled_dot_product_attention`` per layer for the whole batch over the
   rows' gathered blocks (padded with the zero null block, masked), one query per head and
@@ -260,15 +262,22 @@ class DecoderRunner:
     ) -> torch.Tensor:
         """Each prefill row's attention over exactly its own keys -> [N, H * D]."""
         outs = []
-        for start, t, row_masks, table in zip(p.starts, p.lengths, p.masks, p.tables, strict=True):
+        rows = zip(p.starts, p.lengths, p.masks, p.tables, p.cached, strict=True)
+        for start, t, row_masks, table, first in rows:
             mask = row_masks.get(layer.kind)  # None: plain causal
             if table is not None:
-                outs.append(self._after_cached(li, q[start : start + t], table, mask))
+                outs.append(self._after_cached(li, q[start : start + t], table, mask, first))
                 continue
-            o = F.scaled_dot_product_attention(
-                q[start : start + t].transpose(0, 1)[None],
-                k[start : start + t].transpose(0, 1)[None],
-                v[start : start + t].transpose(0, 1)[None],
+            own = slice(start, start + t)
+            if mask is None and self.compiled is not None:  # bfloat16 on AVX512-BF16
+                o = self.compiled.prefill(q[own], k[own], v[own], self.scale)
+                if o is not None:
+                    outs.append(o.view(t, -1))
+                    continue
+            o = F.scaled_dot_product_attention(  # contiguous heads: faster than strided views
+                q[own].transpose(0, 1).contiguous()[None],
+                k[own].transpose(0, 1).contiguous()[None],
+                v[own].transpose(0, 1).contiguous()[None],
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=self.scale,
@@ -278,26 +287,42 @@ class DecoderRunner:
         return torch.cat(outs)
 
     def _after_cached(
-        self, li: int, q: torch.Tensor, table: torch.Tensor, seen: torch.Tensor | None
+        self,
+        li: int,
+        q: torch.Tensor,
+        table: torch.Tensor,
+        seen: torch.Tensor | None,
+        first: int,
     ) -> torch.Tensor:
-        """Attention of a row that computes only the tokens after its cached prefix: q
-        [t, H, D] (their K/V written already) over the row's blocks (table [1, MB]) with
-        ``seen`` [t, L] (``_cached_masks``) -> [t, H * D]."""
+        """Attention of a row that computes only its tokens after the ``first`` before them (a
+        cached prefix, earlier chunks): q [t, H, D] (their K/V written already) over the
+        row's blocks (table [1, MB]) with ``seen`` [t, L] (``_cached_masks``; None: plain
+        causal) -> [t, H * D]."""
         keys, values = self._kv().gather(li, table)  # [1, KVH, L, D]
+        t = q.shape[0]
+        if seen is None and self.compiled is not None:  # bfloat16 on AVX512-BF16
+            o = self.compiled.prefill(
+                q, keys[0].transpose(0, 1), values[0].transpose(0, 1), self.scale, first
+            )
+            if o is not None:
+                return o.view(t, -1)
+        if seen is None:
+            seen = self._causal(first, t, keys.shape[2])
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             keys,
             values,
-            attn_mask=seen[None, None],  # type: ignore[index]
+            attn_mask=seen[None, None],
             scale=self.scale,
             enable_gqa=True,
         )  # [1, H, t, D]
-        return o[0].transpose(0, 1).reshape(q.shape[0], -1)
+        return o[0].transpose(0, 1).reshape(t, -1)
 
     def _cached_masks(self, row: PrefillRow, width: int) -> dict[str, torch.Tensor]:
-        """Masks [t, L] by layer kind for a row after its cached prefix c: query i (token
-        c + i) sees keys 0..c+i; the padding of the gathered blocks past them never."""
-        return {"": self._causal(row.cached, row.embeds.shape[0], width)}
+        """Masks [t, L] by layer kind for a row after its cached prefix c, where a kind's is
+        not plain causal (query i, token c + i, sees keys 0..c+i; never the padding of the
+        gathered blocks past them): none here."""
+        return {}
 
     def _causal(self, first: int, t: int, width: int) -> torch.Tensor:
         """[t, width] boolean: query i (token first + i) sees keys 0..first+i."""
