@@ -45,7 +45,13 @@ log = logging.getLogger(__name__)
 _SOURCES = ("cpu_decode.c", "cpu_prefill.c")  # one library
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_decode.c's enum
 _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-_PREFILL_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int]
+_PREFILL_ARGS = (
+    [ctypes.c_void_p] * 5
+    + [ctypes.c_int64] * 2
+    + [ctypes.c_int]
+    + [ctypes.c_int64] * 7
+    + [ctypes.c_float, ctypes.c_int]
+)
 _KT = 32  # cpu_prefill.c's keys a tile: the packed keys' length is rounded up to it
 
 
@@ -173,13 +179,21 @@ class CpuPagedAttention:
         return dtype in self._kinds
 
     def prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, first: int = 0
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        first: int = 0,
+        *,
+        causal: bool = True,
     ) -> torch.Tensor | None:
         """Causal attention of a prompt's tokens in bfloat16 (``cpu_prefill.c``): q [T, H, D],
         the tokens at positions ``first``..``first + T - 1`` (those before them are a cached
         prefix or earlier chunks); k and v [>= first + T, KVH, D], every key from position 0
         (each token's heads contiguous; tokens may be strided) -> [T, H, D]; the token at
-        position p attends to keys 0..p. None where the kernel does not apply (no
+        position p attends to keys 0..p, or (``causal=False``, a vision tower's attention)
+        every query to all ``first + T`` keys. None where the kernel does not apply (no
         AVX512-BF16 in this build, another dtype, a head layout past its buffers): use
         torch's attention."""
         if not self.prefills or q.dtype != torch.bfloat16:
@@ -204,6 +218,7 @@ class CpuPagedAttention:
             scratch.data_ptr(),
             t,
             first,
+            int(causal),
             heads,
             kv_heads,
             dim,

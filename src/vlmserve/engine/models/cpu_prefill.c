@@ -78,8 +78,8 @@ static void pack(const uint16_t *k, const uint16_t *v, int64_t ks, int64_t vs, i
  * g's rep query heads. */
 static inline __attribute__((always_inline)) void
 unit(const uint16_t *q, int64_t qs, const uint16_t *kp, const uint16_t *vp, uint16_t *out,
-     int64_t os, int64_t T, int64_t first, int64_t g, int64_t rep, const int64_t dim, int64_t q0,
-     int64_t tiles, float scale) {
+     int64_t os, int64_t T, int64_t first, int causal, int64_t g, int64_t rep, const int64_t dim,
+     int64_t q0, int64_t tiles, float scale) {
     const int64_t nq = T - q0 < QB ? T - q0 : QB, rows = rep * QB;
     uint16_t qr[MAX_ROWS * MAX_PDIM] __attribute__((aligned(64)));
     float o[MAX_ROWS * MAX_PDIM] __attribute__((aligned(64)));
@@ -96,7 +96,8 @@ unit(const uint16_t *q, int64_t qs, const uint16_t *kp, const uint16_t *vp, uint
         l[r] = 0.0f;
     }
     memset(o, 0, (size_t)(rows * dim) * 4);
-    const int64_t last = first + q0 + nq - 1, used = last / KT + 1;
+    /* the last key any row of the unit sees: its last query's, or every key */
+    const int64_t last = causal ? first + q0 + nq - 1 : first + T - 1, used = last / KT + 1;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t t = 0; t < used; t++) {
         const uint16_t *kt = kp + (g * tiles + t) * dim * KT;
@@ -124,7 +125,7 @@ unit(const uint16_t *q, int64_t qs, const uint16_t *kp, const uint16_t *vp, uint
         }
         /* online softmax: keys after a row's token are masked */
         for (int64_t r = 0; r < rows; r++) {
-            const int64_t see = first + q0 + r % QB - t * KT; /* keys 0..see of this tile */
+            const int64_t see = (causal ? first + q0 + r % QB : last) - t * KT; /* keys 0..see */
             const __mmask16 v0 = _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32((int32_t)see));
             const __mmask16 v1 =
                 _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32((int32_t)(see - 16)));
@@ -182,13 +183,14 @@ unit(const uint16_t *q, int64_t qs, const uint16_t *kp, const uint16_t *vp, uint
 /* q [T][heads][dim]: the tokens at positions first..first+T-1; k and v [L][kv_heads][dim],
  * L = first + T: every key up to the last query (token strides qs, ks, vs: elements); out
  * [T][heads][dim] (token stride os); all bfloat16. scratch: 2 x L' x kv_heads x dim
- * bfloat16 (L' = L rounded up to 32) for the packed keys and values. The query at position
- * p attends to keys 0..p. Returns 0, or -1 where this build has no AVX512-BF16 or the layout
- * is past the kernel's buffers (dim not a multiple of 16 or over 256, rep x 16 over 128
- * rows). */
+ * bfloat16 (L' = L rounded up to 32) for the packed keys and values. causal: the query at
+ * position p attends to keys 0..p; else every query to all L keys (a vision tower's).
+ * Returns 0, or -1 where this build has no AVX512-BF16 or the layout is past the kernel's
+ * buffers (dim not a multiple of 16 or over 256, rep x 16 over 128 rows). */
 int prefill_attention(const void *q, const void *k, const void *v, void *out, void *scratch,
-                      int64_t T, int64_t first, int64_t heads, int64_t kv_heads, int64_t dim,
-                      int64_t qs, int64_t ks, int64_t vs, int64_t os, float scale, int threads) {
+                      int64_t T, int64_t first, int causal, int64_t heads, int64_t kv_heads,
+                      int64_t dim, int64_t qs, int64_t ks, int64_t vs, int64_t os, float scale,
+                      int threads) {
 #if defined(__AVX512BF16__)
     const int64_t rep = heads / kv_heads;
     if (dim % 16 != 0 || dim > MAX_PDIM || rep * QB > MAX_ROWS || rep * QB % 8 != 0) return -1;
@@ -200,19 +202,19 @@ int prefill_attention(const void *q, const void *k, const void *v, void *out, vo
     for (int64_t u = 0; u < kv_heads * blocks; u++) {
         const int64_t b = blocks - 1 - u / kv_heads, g = u % kv_heads;
         if (dim == 64)
-            unit((const uint16_t *)q, qs, kp, vp, (uint16_t *)out, os, T, first, g, rep, 64, b * QB,
+            unit((const uint16_t *)q, qs, kp, vp, (uint16_t *)out, os, T, first, causal, g, rep, 64, b * QB,
                  tiles, scale);
         else if (dim == 128)
-            unit((const uint16_t *)q, qs, kp, vp, (uint16_t *)out, os, T, first, g, rep, 128, b * QB,
+            unit((const uint16_t *)q, qs, kp, vp, (uint16_t *)out, os, T, first, causal, g, rep, 128, b * QB,
                  tiles, scale);
         else
-            unit((const uint16_t *)q, qs, kp, vp, (uint16_t *)out, os, T, first, g, rep, dim, b * QB,
+            unit((const uint16_t *)q, qs, kp, vp, (uint16_t *)out, os, T, first, causal, g, rep, dim, b * QB,
                  tiles, scale);
     }
     return 0;
 #else
-    (void)q, (void)k, (void)v, (void)out, (void)scratch, (void)T, (void)first, (void)heads;
-    (void)kv_heads;
+    (void)q, (void)k, (void)v, (void)out, (void)scratch, (void)T, (void)first, (void)causal;
+    (void)heads, (void)kv_heads;
     (void)dim, (void)qs, (void)ks, (void)vs, (void)os, (void)scale, (void)threads;
     return -1;
 #endif

@@ -51,6 +51,7 @@ from vlmserve.engine.models.batch import (
     prefill_inputs,
 )
 from vlmserve.engine.models.cpu_attention import CpuPagedAttention, KernelBuildError
+from vlmserve.engine.models.cpu_vision import use_in_vision_tower
 from vlmserve.engine.models.graphs import (
     PagedDecode,
     base_decode,
@@ -106,6 +107,7 @@ class DecoderRunner:
         default ``model.model.language_model``), ``model.lm_head`` the output projection.
         ``sections``: M-RoPE sections (default the rotary module's ``mrope_section``; none:
         1-D RoPE); ``interleaved``: Qwen3-VL's layout of them."""
+        self.model = model  # its vision tower may take the CPU prefill kernel
         lm = model.model.language_model if lm is None else lm
         cfg = lm.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -387,7 +389,12 @@ class DecoderRunner:
         if not kernel.supports(self.dtype):
             return f"gathered attention (the CPU kernel has no {self.dtype})"
         self.compiled = kernel
-        return f"paged attention, CPU kernel ({kernel.seconds:.1f} s to load)"
+        how = f"paged attention, CPU kernel ({kernel.seconds:.1f} s to load)"
+        if self.dtype == torch.bfloat16 and kernel.prefills:
+            how += "; bf16 prefill kernel"
+            if use_in_vision_tower(self.model, kernel):
+                how += " (and in the vision tower)"
+        return how
 
     def decode(
         self,

@@ -7,7 +7,8 @@ prefix or earlier chunks) across tile boundaries; a prompt attended in chunks is
 bit-identical to the same prompt whole (a query's result depends on nothing but the keys
 before it); too few keys are refused. On the tiny bfloat16 Qwen2-VL's runner: prefill runs
 no torch attention, and its logits match torch's attention within bfloat16 rounding with
-the same greedy token, whole and in two chunks. Where the build has no AVX512-BF16 (the
+the same greedy token, whole and in two chunks; its vision tower's attention (an image and
+a video, each bidirectional) runs the kernel too, within bfloat16 rounding of torch's. Where the build has no AVX512-BF16 (the
 ISA capped to AVX2, an older CPU) the kernel says so and prefill keeps torch's attention.
 """
 
@@ -162,3 +163,26 @@ def test_without_avx512_bf16_prefill_keeps_torchs_attention(
     assert not capped.prefills
     q, k, v = _qkv(0, 20, 2, 2, 32, seed=2)
     assert capped.prefill(q, k, v, 0.1) is None
+
+
+def test_a_bf16_vision_tower_runs_the_kernel_and_matches_torchs_attention(
+    kernel: CpuPagedAttention,
+) -> None:
+    """The tower's per-image bidirectional attention goes through the kernel (no torch
+    attention runs) once the runner takes the kernel, within bf16 rounding of torch's."""
+    path = build_qwen2_vl(TinySpec(torch_dtype="bfloat16"))
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).eval()
+    inner = model.model
+    gen = torch.Generator().manual_seed(9)
+    grid = torch.tensor([[1, 8, 12], [2, 4, 4]])  # an image, then a 2-frame video's grid
+    width = inner.visual.config.in_channels * inner.visual.config.temporal_patch_size * 14 * 14
+    pixels = torch.randn(int(grid.prod(-1).sum()), width, generator=gen).bfloat16()
+    with torch.inference_mode():
+        want = inner.get_image_features(pixels, grid, return_dict=True).pooler_output
+        runner = Qwen2VLRunner(model)
+        assert runner.use_compiled_attention().endswith("(and in the vision tower)")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = inner.get_image_features(pixels, grid, return_dict=True).pooler_output
+    assert "aten::scaled_dot_product_attention" not in {e.key for e in prof.key_averages()}
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=5e-2, atol=5e-2)
