@@ -154,6 +154,10 @@ class Settings(BaseSettings):
     # prompt tokens computed per engine step (a longer prompt runs in chunks, the running
     # rows decoding between them); None: 2,048 on CPU, 8,192 on CUDA, as vLLM's API server
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    # while streams decode and prompts wait, a step that prefilled for S seconds is followed
+    # by S x share / (1 - share) seconds of decode-only steps (engine/core/pacing.py); 0 =
+    # prefill whenever a prompt waits
+    decode_share: float = Field(default=1 / 3, ge=0, lt=1)
     # logprobs from the raw logits (vLLM's default raw_logprobs) or after grammar masks,
     # penalties and temperature (processed; the generate fallback always reports raw)
     logprobs_mode: Literal["raw", "processed"] = "raw"

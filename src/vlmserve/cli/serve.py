@@ -149,6 +149,7 @@ def command(
     prefix_cache_scope: Annotated[Str, _opt("prefix_cache_scope")] = None,
     max_num_seqs: Annotated[Int, _opt("max_num_seqs")] = None,
     max_num_batched_tokens: Annotated[Int, _opt("max_num_batched_tokens")] = None,
+    decode_share: Annotated[Float, _opt("decode_share")] = None,
     vision_cache_bytes: Annotated[Int, _opt("vision_cache_bytes")] = None,
     processor_cache_bytes: Annotated[Int, _opt("processor_cache_bytes")] = None,
     stream_interval: Annotated[Int, _opt("stream_interval")] = None,

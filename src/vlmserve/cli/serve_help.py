@@ -96,6 +96,13 @@ HELP = {
         "Prompt tokens computed per engine step; a longer prompt runs in chunks with the "
         "running streams decoding between them (default 2048 on CPU, 8192 on CUDA).",
     ),
+    "decode_share": (
+        ENGINE,
+        "While streams decode and prompts wait, the least share of the engine's time the "
+        "streams get: a prefill step of S seconds is followed by S x share / (1 - share) "
+        "seconds of decode-only steps before the next (default 1/3; 0 = prefill whenever a "
+        "prompt waits). Not applied while as many prompts wait as streams decode.",
+    ),
     "vision_cache_bytes": (ENGINE, "Vision-tower outputs cached by image content; 0 = off."),
     "processor_cache_bytes": (ENGINE, "Preprocessed images cached by content; 0 = off."),
     "stream_interval": (ENGINE, "Tokens per stream event when 4+ requests decode; 1 = each token."),

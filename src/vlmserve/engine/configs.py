@@ -33,6 +33,7 @@ class ChatEngineConfig:
     max_queued: int  # max_queued_requests: waiting requests before 429
     max_num_seqs: int  # sequences decoded together; 1 = one at a time
     max_num_batched_tokens: int | None  # prompt tokens per step; None: by device
+    decode_share: float  # least share of engine time the streams decode while prompts wait
     vision_cache_bytes: int  # vision-tower outputs kept by content hash; 0 = off
     processor_cache_bytes: int  # preprocessed images by content; 0 = off
     media_nice: int  # media_worker_nice: the processor on media requests, below requests'
@@ -51,6 +52,7 @@ class ChatEngineConfig:
         "max_queued": "max_queued_requests",
         "max_num_seqs": "max_num_seqs",
         "max_num_batched_tokens": "max_num_batched_tokens",
+        "decode_share": "decode_share",
         "vision_cache_bytes": "vision_cache_bytes",
         "processor_cache_bytes": "processor_cache_bytes",
         "media_nice": "media_worker_nice",

@@ -43,6 +43,7 @@ from vlmserve.engine.core.handoff import Handoff
 from vlmserve.engine.core.kv_cache import DEFAULT_BLOCK_SIZE
 from vlmserve.engine.core.lifecycle import EngineLifecycle
 from vlmserve.engine.core.outbox import END
+from vlmserve.engine.core.pacing import Pacing
 from vlmserve.engine.core.paging import build_paging
 from vlmserve.engine.core.prefix import block_hashes
 from vlmserve.engine.core.sampler import Sampler
@@ -102,6 +103,7 @@ class BatchEngine:
         log.info("%s: decode runs with %s", model_id, self.decode_mode)
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
         self.scheduler = Scheduler(c.max_num_seqs, budget, self.blocks)
+        self.pacing = Pacing(c.decode_share)  # prefill steps spaced for the streams' decode
         self.scheduler.prefix_hasher = self._block_hashes
         self.model_id = model_id  # in messages
         self.handoff = Handoff(  # rows made, given their tokens, retired; their outputs
@@ -201,8 +203,11 @@ class BatchEngine:
         mixing = self.runner.mixes and any(s.chunk_row is None for s in self.scheduler.running)
         preempted = self.scheduler.reserve_decode() if mixing else []
         decoding = [s for s in self.scheduler.running if s.chunk_row is None] if mixing else []
-        continuing, used = self.scheduler.continuing(self.chunk_size)
-        admitted = self.scheduler.schedule(used)
+        streams = sum(1 for s in self.scheduler.running if s.chunk_row is None)
+        chunking = len(self.scheduler.running) - streams
+        held = self.pacing.hold(streams, len(self.scheduler.waiting) + chunking)
+        continuing, used = self.scheduler.continuing(self.chunk_size) if not held else ([], 0)
+        admitted = self.scheduler.schedule(used) if not held else []
         if admitted or continuing:
             with self.timer.phase("vision"):
                 ready = self._start_rows(admitted)
@@ -211,8 +216,10 @@ class BatchEngine:
                 size = self.chunk_size
                 ready = [(seq, self.paging.next_chunk(seq, row, size)) for seq, row in ready]
                 self.peak_running = max(self.peak_running, len(decoding))
+                started = time.perf_counter()
                 with self.timer.phase("prefill"):
                     items, tokens = self._forward(self._prefill_forward, [*decoding, *ready])
+                self.pacing.prefilled(time.perf_counter() - started, streams)
                 self.handoff.advance([_seq(item) for item in items], tokens)
                 forked, self._forked = self._forked, []  # other choices of those rows (n > 1)
                 self.handoff.advance([seq for seq, _ in forked], [token for _, token in forked])
@@ -224,10 +231,12 @@ class BatchEngine:
         running = [s for s in decoding if s.status is SeqStatus.RUNNING]
         if running:
             self.peak_running = max(self.peak_running, len(running))
+            started = time.perf_counter()
             with self.timer.phase("decode"):
                 decoded = self._forward(self._decode_forward, running)
+            self.pacing.decoded(time.perf_counter() - started)
             self.handoff.advance(*decoded)
-        elif not admitted and not continuing and not preempted and self.scheduler.waiting:
+        elif not (admitted or continuing or preempted or held) and self.scheduler.waiting:
             raise EngineStateError(
                 f"the scheduler admitted none of {len(self.scheduler.waiting)} waiting "
                 "requests while no row runs"
