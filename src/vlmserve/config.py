@@ -228,7 +228,7 @@ class Settings(BaseSettings):
     # worker processes that read and decode media; None: half the cores (1-4); 0: a thread of
     # the API process (no workers)
     media_workers: int | None = Field(default=None, ge=0)
-    media_worker_nice: int = Field(default=19, ge=0, le=19)  # media work's priority below requests'
+    media_worker_nice: int = Field(default=10, ge=0, le=19)  # media work's priority below requests'
     media_timeout: float = Field(default=60.0, gt=0)  # seconds to read + decode a request's media
     # media by reference: a part's `uuid` keeps its decoded media this many minutes after
     # last use, within this many bytes (least recently used first); 0 bytes: off
