@@ -8,8 +8,9 @@ bit-identical to the same prompt whole (a query's result depends on nothing but 
 before it); too few keys are refused. On the tiny bfloat16 Qwen2-VL's runner: prefill runs
 no torch attention, and its logits match torch's attention within bfloat16 rounding with
 the same greedy token, whole and in two chunks; its vision tower's attention (an image and
-a video, each bidirectional) runs the kernel too, within bfloat16 rounding of torch's. Where the build has no AVX512-BF16 (the
-ISA capped to AVX2, an older CPU) the kernel says so and prefill keeps torch's attention.
+a video, each bidirectional) runs the kernel too, within bfloat16 rounding of torch's.
+Where the build has no AVX512-BF16 (the ISA capped to AVX2, an older CPU) the kernel says so
+and prefill keeps torch's attention.
 """
 
 from __future__ import annotations
