@@ -84,8 +84,7 @@ class BatchEngine:
         block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         """``config``: the model's engine settings (``ChatEngineConfig``); ``submit`` runs
-        a callable on the model's executor thread; ``on_fatal(cause, loop)`` tells the owner
-        that the engine failed."""
+        a callable on the model's thread; ``on_fatal(cause, loop)``: the engine failed."""
         c = config
         self.model, self.eos_ids = model, eos_ids
         self.tokenizer = fast_decoder(tokenizer)
