@@ -59,6 +59,7 @@ from vlmserve.engine.models.graphs import (
     paged_supported,
 )
 from vlmserve.engine.models.linear import Linear, fuse
+from vlmserve.engine.models.prefill_attention import prefill_attention
 from vlmserve.engine.models.rope import RotaryTables
 
 __all__ = ["DecodeRows", "DecoderRunner", "PrefillRow", "Qwen2VLRunner"]
@@ -262,63 +263,9 @@ class DecoderRunner:
         v: torch.Tensor,
         p: PrefillInputs,
     ) -> torch.Tensor:
-        """Each prefill row's attention over exactly its own keys -> [N, H * D]."""
-        outs = []
-        rows = zip(p.starts, p.lengths, p.masks, p.tables, p.cached, strict=True)
-        for start, t, row_masks, table, first in rows:
-            mask = row_masks.get(layer.kind)  # None: plain causal
-            if table is not None:
-                outs.append(self._after_cached(li, q[start : start + t], table, mask, first))
-                continue
-            own = slice(start, start + t)
-            if mask is None and self.compiled is not None:  # bfloat16 on AVX512-BF16
-                o = self.compiled.prefill(q[own], k[own], v[own], self.scale)
-                if o is not None:
-                    outs.append(o.view(t, -1))
-                    continue
-            o = F.scaled_dot_product_attention(  # contiguous heads: faster than strided views
-                q[own].transpose(0, 1).contiguous()[None],
-                k[own].transpose(0, 1).contiguous()[None],
-                v[own].transpose(0, 1).contiguous()[None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=True,
-            )  # [1, H, T, D]: each row over exactly its own keys
-            outs.append(o[0].transpose(0, 1).reshape(t, -1))
-        return torch.cat(outs)
-
-    def _after_cached(
-        self,
-        li: int,
-        q: torch.Tensor,
-        table: torch.Tensor,
-        seen: torch.Tensor | None,
-        first: int,
-    ) -> torch.Tensor:
-        """Attention of a row that computes only its tokens after the ``first`` before them (a
-        cached prefix, earlier chunks): q [t, H, D] (their K/V written already) over the
-        row's blocks (table [1, MB]) with ``seen`` [t, L] (``_cached_masks``; None: plain
-        causal) -> [t, H * D]."""
-        keys, values = self._kv().gather(li, table)  # [1, KVH, L, D]
-        t = q.shape[0]
-        if seen is None and self.compiled is not None:  # bfloat16 on AVX512-BF16
-            o = self.compiled.prefill(
-                q, keys[0].transpose(0, 1), values[0].transpose(0, 1), self.scale, first
-            )
-            if o is not None:
-                return o.view(t, -1)
-        if seen is None:
-            seen = self._causal(first, t, keys.shape[2])
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys,
-            values,
-            attn_mask=seen[None, None],
-            scale=self.scale,
-            enable_gqa=True,
-        )  # [1, H, t, D]
-        return o[0].transpose(0, 1).reshape(t, -1)
+        """Each prefill row's attention over exactly its own keys -> [N, H * D]
+        (``prefill_attention.py``)."""
+        return prefill_attention(self, li, layer.kind, q, k, v, p)
 
     def _cached_masks(self, row: PrefillRow, width: int) -> dict[str, torch.Tensor]:
         """Masks [t, L] by layer kind for a row after its cached prefix c, where a kind's is
