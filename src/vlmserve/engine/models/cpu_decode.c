@@ -247,21 +247,72 @@ static inline v8 sum_lanes(const v8 *a) {
     return SHUF(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+/* Prefetch tokens j0..j1-1 of one KV head's keys and values at element offset at (a tile to
+ * come) into L2 only: prefetched into L1 they evict the tile at work's floats, slower than
+ * none (measured). */
+static inline void prefetch_tokens(const void *k, const void *v, int64_t at, int64_t j0,
+                                   int64_t j1, int64_t token_stride, int64_t bytes,
+                                   int64_t esize) {
+    for (int64_t j = j0; j < j1; j++)
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch((const char *)k + (at + j * token_stride) * esize + b, 0, 1);
+            __builtin_prefetch((const char *)v + (at + j * token_stride) * esize + b, 0, 1);
+        }
+}
+
+/* o (nc vectors) = o * shrink + the sum over the tile's keys j of p[j] * vt[j]. */
+static inline __attribute__((always_inline)) void
+add_values(const v8 *restrict vt, const v8 *p, float shrink, v8 *restrict o, const int64_t nc) {
+    v8 x[MAX_DIM / 8];
+    for (int64_t c = 0; c < nc; c++) x[c] = o[c] * shrink;
+    for (int64_t j = 0; j < TILE; j++) /* nc independent sums a key: no chain */
+        for (int64_t c = 0; c < nc; c++) x[c] += p[j / 8][j % 8] * vt[j * nc + c];
+    for (int64_t c = 0; c < nc; c++) o[c] = x[c];
+}
+
+/* add_values for two query heads in one pass over the values (each head's sums in the same
+ * order as alone), where both heads' nc sums fit the registers. */
+static inline __attribute__((always_inline)) void
+add_values2(const v8 *restrict vt, const v8 *p0, const v8 *p1, float s0, float s1,
+            v8 *restrict o0, v8 *restrict o1, const int64_t nc) {
+    v8 x0[MAX_DIM / 8], x1[MAX_DIM / 8];
+    for (int64_t c = 0; c < nc; c++) {
+        x0[c] = o0[c] * s0;
+        x1[c] = o1[c] * s1;
+    }
+    for (int64_t j = 0; j < TILE; j++) {
+        const float a = p0[j / 8][j % 8], b = p1[j / 8][j % 8];
+        for (int64_t c = 0; c < nc; c++) {
+            x0[c] += a * vt[j * nc + c];
+            x1[c] += b * vt[j * nc + c];
+        }
+    }
+    for (int64_t c = 0; c < nc; c++) {
+        o0[c] = x0[c];
+        o1[c] = x1[c];
+    }
+}
+
 /* A row's KV heads g0..g1-1 on the tiled path: q [heads][nc] vectors (their rep query heads
  * each, nc = dim / 8) -> out, alike. A tile is 16 tokens (two groups of 8 lanes) of one
- * block, read for all the unit's KV heads at once: the keys of consecutive KV heads lie side
- * by side. */
+ * block, converted to float32 one KV head at a time. Each step runs for all of that KV head's
+ * query heads before the next (scores, then softmax updates, then value sums): their chains
+ * are independent, so the core overlaps them. The next tile's keys and values are
+ * prefetched a few tokens per query head, spread over the work instead of in one burst
+ * (measured: 30% faster from DRAM at 8 rows x 4,096 tokens). */
 static inline __attribute__((always_inline)) void
 tiles(const v8 *restrict q, const void *k, const void *v, int kind, const int64_t *table,
       int64_t length, int64_t g0, int64_t g1, int64_t rep, const int64_t nc, int64_t block,
       int64_t token_stride, int64_t block_stride, float scale, v8 *restrict out) {
-    const int64_t heads = (g1 - g0) * rep;
-    float m[MAX_HEADS], l[MAX_HEADS];
+    const int64_t heads = (g1 - g0) * rep, esize = kind == F32 ? 4 : 2;
+    const int64_t spread = (TILE + rep - 1) / rep; /* next-tile tokens prefetched a head */
+    float m[MAX_HEADS], l[MAX_HEADS], shrinks[MAX_REP];
     /* a tile's keys and values in float32, rows of nc vectors side by side: rows strided by
      * the largest dim instead (2 KiB apart) fall into the same few L1 sets and evict each
      * other (measured: 20% of the kernel's time) */
     v8 kt[TILE * MAX_DIM / 8] __attribute__((aligned(64)));
     v8 vt[TILE * MAX_DIM / 8] __attribute__((aligned(64)));
+    v8 sc[MAX_REP][2], p[MAX_REP][2];
     const v8 zero = {0}, floor = zero - 3.0e38f;
     const i8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
     for (int64_t h = 0; h < heads; h++) {
@@ -273,53 +324,49 @@ tiles(const v8 *restrict q, const void *k, const void *v, int kind, const int64_
         const int64_t n = length - start < TILE ? length - start : TILE;
         const i8 valid[2] = {lanes < (int32_t)n, lanes + 8 < (int32_t)n};
         const int64_t tile = table[start / block] * block_stride + (start % block) * token_stride;
-        if (start + TILE < length) { /* the next tile (often another block), into L2 only:
-                                      * prefetched into L1 it evicts this tile's floats and
-                                      * is slower than none (measured) */
-            const int64_t next = start + TILE;
-            const int64_t at = table[next / block] * block_stride + (next % block) * token_stride;
-            const int64_t esize = kind == F32 ? 4 : 2, bytes = (g1 - g0) * nc * 8 * esize;
-            for (int64_t j = 0; j < TILE && next + j < length; j++) {
-                const int64_t x = (at + j * token_stride + g0 * nc * 8) * esize;
-                for (int64_t b = 0; b < bytes; b += 64) {
-                    __builtin_prefetch((const char *)k + x + b, 0, 1);
-                    __builtin_prefetch((const char *)v + x + b, 0, 1);
-                }
-            }
-        }
+        const int64_t next = start + TILE, ahead = length - next < TILE ? length - next : TILE;
+        const int64_t at =
+            ahead > 0 ? table[next / block] * block_stride + (next % block) * token_stride : 0;
         for (int64_t g = g0; g < g1; g++) {
-            const int64_t base = tile + g * nc * 8;
+            const int64_t base = tile + g * nc * 8, h0 = (g - g0) * rep;
             for (int64_t j = 0; j < TILE; j++)
                 for (int64_t c = 0; c < nc; c++) {
-                    const int64_t at = base + j * token_stride + c * 8;
-                    kt[j * nc + c] = j < n ? load8(k, at, kind) : zero; /* past the row: zeros */
-                    vt[j * nc + c] = j < n ? load8(v, at, kind) : zero;
+                    const int64_t x = base + j * token_stride + c * 8;
+                    kt[j * nc + c] = j < n ? load8(k, x, kind) : zero; /* past the row: zeros */
+                    vt[j * nc + c] = j < n ? load8(v, x, kind) : zero;
                 }
-            for (int64_t h = (g - g0) * rep; h < (g - g0 + 1) * rep; h++) {
-                const v8 *restrict qh = q + h * nc;
-                v8 acc[TILE], scores[2], p[2];
+            for (int64_t r = 0; r < rep; r++) { /* scores */
+                const int64_t j0 = r * spread < ahead ? r * spread : ahead;
+                const int64_t j1 = j0 + spread < ahead ? j0 + spread : ahead;
+                prefetch_tokens(k, v, at + g * nc * 8, j0, j1, token_stride, nc * 8 * esize, esize);
+                const v8 *restrict qh = q + (h0 + r) * nc;
+                v8 acc[TILE];
                 for (int64_t j = 0; j < TILE; j++) {
                     v8 a = qh[0] * kt[j * nc];
                     for (int64_t c = 1; c < nc; c++) a += qh[c] * kt[j * nc + c];
                     acc[j] = a;
                 }
                 for (int half = 0; half < 2; half++)
-                    scores[half] = select8(valid[half], sum_lanes(acc + 8 * half) * scale, floor);
-                const float top = max8(scores[1], max8(scores[0], m[h]));
-                const float shrink = exp_neg(m[h] - top);
+                    sc[r][half] = select8(valid[half], sum_lanes(acc + 8 * half) * scale, floor);
+            }
+            for (int64_t r = 0; r < rep; r++) { /* online softmax updates */
+                const int64_t h = h0 + r;
+                const float top = max8(sc[r][1], max8(sc[r][0], m[h]));
+                shrinks[r] = exp_neg(m[h] - top);
                 for (int half = 0; half < 2; half++)
-                    p[half] = select8(valid[half], exp_neg8(scores[half] - top), zero);
-                const v8 both = p[0] + p[1];
+                    p[r][half] = select8(valid[half], exp_neg8(sc[r][half] - top), zero);
+                const v8 both = p[r][0] + p[r][1];
                 const float sum =
                     ((both[0] + both[1]) + (both[2] + both[3])) + ((both[4] + both[5]) + (both[6] + both[7]));
-                l[h] = l[h] * shrink + sum;
+                l[h] = l[h] * shrinks[r] + sum;
                 m[h] = top;
-                v8 *restrict o = out + h * nc, x[MAX_DIM / 8];
-                for (int64_t c = 0; c < nc; c++) x[c] = o[c] * shrink;
-                for (int64_t j = 0; j < TILE; j++) /* nc independent sums a key: no chain */
-                    for (int64_t c = 0; c < nc; c++) x[c] += p[j / 8][j % 8] * vt[j * nc + c];
-                for (int64_t c = 0; c < nc; c++) o[c] = x[c];
             }
+            int64_t r = 0; /* value sums */
+            if (nc <= 8) /* two heads' sums fit the registers */
+                for (; r + 1 < rep; r += 2)
+                    add_values2(vt, p[r], p[r + 1], shrinks[r], shrinks[r + 1],
+                                out + (h0 + r) * nc, out + (h0 + r + 1) * nc, nc);
+            for (; r < rep; r++) add_values(vt, p[r], shrinks[r], out + (h0 + r) * nc, nc);
         }
     }
     for (int64_t h = 0; h < heads; h++) {
