@@ -5,6 +5,7 @@ Imported only after ``pytest.importorskip("ray")`` (it imports Ray).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,12 @@ MODEL = "tiny"
 EMBEDDER = "tiny-embed"  # the same checkpoint as an embedding model (last-token vectors)
 EMBEDDER_ALIAS = "tiny-embed-alias"  # the registry entry's alias
 ADMIN_KEY = "ray-test-admin"
+
+# Serve's proxies and direct-ingress replicas wait out a minimum draining period (30 s) when
+# stopped, for load balancers to notice, even with no request left: each test module's
+# ``serve.shutdown()`` took 31 s. Read by the processes ``ray.init`` starts after this.
+for _kind in ("PROXY", "DIRECT_INGRESS"):
+    os.environ.setdefault(f"RAY_SERVE_{_kind}_MIN_DRAINING_PERIOD_S", "1")
 
 
 @dataclass
