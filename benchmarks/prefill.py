@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from floor import sync
-from runner import checkpoint, fill, tables_for
+from runner import fill, load, model_args, tables_for
 
 __all__ = ["Result", "main", "parse_args"]
 
@@ -62,10 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="checkpoint dir (default: the --size test checkpoint)")
-    p.add_argument("--size", choices=["medium", "tiny"], default="medium")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    model_args(p)
     p.add_argument("--batch", type=int, default=1, help="rows prefilled together")
     p.add_argument("--context", type=int, default=2048, help="new tokens in each row")
     p.add_argument("--prefix", type=int, default=0, help="cached tokens before them")
@@ -129,15 +126,9 @@ def best_of(repeat: int, device: torch.device, work: Any) -> float:
 
 
 def run(ns: argparse.Namespace) -> Result:
-    from transformers import AutoModelForImageTextToText
-
     from vlmserve.engine.models.runner import Qwen2VLRunner
 
-    if ns.threads:
-        torch.set_num_threads(ns.threads)
-    device, dtype = torch.device(ns.device), getattr(torch, ns.dtype)
-    ckpt = checkpoint(ns)
-    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).to(device).eval()
+    ckpt, model, device, dtype = load(ns)
     positions = model.config.get_text_config().max_position_embeddings
     if ns.prefix + ns.context > positions:
         raise SystemExit(

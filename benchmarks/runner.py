@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from floor import copy_bandwidth, decode_weight_bytes, kv_bytes_per_token, sync
 
-__all__ = ["Result", "main", "parse_args", "tables_for"]
+__all__ = ["Result", "fill", "load", "main", "model_args", "parse_args", "tables_for"]
 
 
 @dataclass(slots=True)
@@ -61,10 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="checkpoint dir (default: the --size test checkpoint)")
-    p.add_argument("--size", choices=["medium", "tiny"], default="medium")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    model_args(p)
     p.add_argument("--batch", type=int, default=8, help="rows decoded per step")
     p.add_argument("--context", type=int, default=4096, help="tokens in each row's cache")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
@@ -88,6 +85,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if ns.warmup < 0:
         p.error("--warmup must be at least 0")
     return ns
+
+
+def model_args(p: argparse.ArgumentParser) -> None:
+    """The flags that pick the checkpoint, its dtype and device (``load``)."""
+    p.add_argument("--model", help="checkpoint dir (default: the --size test checkpoint)")
+    p.add_argument("--size", choices=["medium", "tiny"], default="medium")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 
 
 def tables_for(batch: int, context: int, block_size: int) -> list[list[int]]:
@@ -122,16 +127,22 @@ def fill(runner: Any, tables: list[list[int]], context: int) -> None:
             )
 
 
-def run(ns: argparse.Namespace) -> Result:
+def load(ns: argparse.Namespace) -> tuple[Path, Any, torch.device, torch.dtype]:
+    """``--threads`` applied; the checkpoint, its model loaded on ``--device`` in ``--dtype``."""
     from transformers import AutoModelForImageTextToText
-
-    from vlmserve.engine.models.runner import Qwen2VLRunner
 
     if ns.threads:
         torch.set_num_threads(ns.threads)
     device, dtype = torch.device(ns.device), getattr(torch, ns.dtype)
     ckpt = checkpoint(ns)
     model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).to(device).eval()
+    return ckpt, model, device, dtype
+
+
+def run(ns: argparse.Namespace) -> Result:
+    from vlmserve.engine.models.runner import Qwen2VLRunner
+
+    ckpt, model, device, dtype = load(ns)
     positions = model.config.get_text_config().max_position_embeddings
     if ns.context + 1 > positions:
         raise SystemExit(f"--context {ns.context}: the checkpoint has {positions} positions")

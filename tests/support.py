@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import shutil
 import socket
@@ -10,7 +12,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -124,3 +128,18 @@ class ServerProcess:
         out = self.output()
         self.log.close()
         return out
+
+
+@contextlib.contextmanager
+def benchmark_module(script: str) -> Iterator[ModuleType]:
+    """``benchmarks/<script>`` imported as a module (``benchmark_<stem>``) for the duration."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,18 +13,15 @@ from types import ModuleType
 import pytest
 import torch
 
+from support import benchmark_module
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
 
 
 @pytest.fixture(scope="module")
 def gpu() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("benchmark_gpu", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with benchmark_module("gpu.py") as module:
+        yield module
 
 
 def test_tiny_quick_run_exits_0_and_writes_every_metric(tmp_path: Path) -> None:

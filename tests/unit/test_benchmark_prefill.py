@@ -3,9 +3,7 @@ cached prefix, timed at a tiny size against the same rows through the linears al
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -13,18 +11,13 @@ from types import ModuleType
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill.py"
+from support import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def prefill() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("benchmark_prefill", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with benchmark_module("prefill.py") as module:
+        yield module
 
 
 def _argv(tiny_dir: Path, *extra: str) -> list[str]:

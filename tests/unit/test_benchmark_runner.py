@@ -3,27 +3,20 @@ timed at a tiny size, against the floor from the bytes it must read."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "runner.py"
+from support import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def runner() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("benchmark_runner", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with benchmark_module("runner.py") as module:
+        yield module
 
 
 def test_tables_give_each_row_its_own_blocks_with_room_for_the_new_token(
