@@ -6,6 +6,7 @@ time to the first token, not to a role chunk sent before the prompt was prefille
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -18,9 +19,11 @@ LONG = "The sea is wide and the ships are many. " * 120  # ~1,200 tokens: a meas
 
 
 def _body(**extra: Any) -> dict[str, Any]:
+    # a prompt of its own: the loaded model is shared between tests, and a cached prefix
+    # would leave the prefill too short to tell the headers from the first chunk
     return {
         "model": MODEL,
-        "messages": [{"role": "user", "content": LONG}],
+        "messages": [{"role": "user", "content": f"{uuid.uuid4().hex} {LONG}"}],
         "max_tokens": 6,
         "ignore_eos": True,
         "stream": True,
@@ -72,6 +75,8 @@ def test_first_chunk_carries_the_first_token_and_comes_after_it(
     to_token = sum(metrics[k] for k in ("media_ms", "queue_time_ms", "time_to_first_token_ms"))
     assert at_first * 1000 >= to_token
     assert metrics["prefill_ms"] > 0
+    usage = chunks[-1]["usage"]  # the prompt was prefilled, not found in the prefix cache
+    assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"] / 10
     assert (at_first - at_headers) * 1000 >= metrics["prefill_ms"] / 2
     if resumable:
         assert [e.index for e in events] == list(range(len(events)))
