@@ -130,16 +130,32 @@ class ServerProcess:
         return out
 
 
-@contextlib.contextmanager
-def benchmark_module(script: str) -> Iterator[ModuleType]:
-    """``benchmarks/<script>`` imported as a module (``benchmark_<stem>``) for the duration."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def import_benchmark(script: str) -> ModuleType:
+    """``benchmarks/<script>`` (a path under it, e.g. ``peers/ttft.py``) imported as module
+    ``benchmark_<stem>``, with ``benchmarks/`` importable (its scripts import ``peers``)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    path = BENCHMARKS / script
     spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     try:
         spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+    return module
+
+
+@contextlib.contextmanager
+def benchmark_module(script: str) -> Iterator[ModuleType]:
+    """``import_benchmark(script)`` for the duration."""
+    module = import_benchmark(script)
+    try:
         yield module
     finally:
-        del sys.modules[spec.name]
+        del sys.modules[module.__name__]

