@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,6 +38,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers.drive import drive
+from peers.rounds import config_json, fmt, medians, ratio, rotated
 from peers.servers import SERVED_NAME, Server, free_ports, venv_python, vlmserve_spec
 from peers.settle import wait_idle
 from peers.vllm_client import BenchRun, run_bench, write_prompts
@@ -141,8 +141,7 @@ def requests_for(cfg: Config, concurrency: int) -> int:
 
 def client_order(rnd: int) -> list[str]:
     """Both clients, the first one rotating with the round."""
-    k = rnd % len(CLIENTS)
-    return [*CLIENTS[k:], *CLIENTS[:k]]
+    return rotated(CLIENTS, rnd)
 
 
 def bodies_for(cfg: Config, model: str, key: tuple[object, ...], n: int) -> list[dict]:
@@ -230,21 +229,7 @@ def run_rounds(cfg: Config, url: str, vllm_python: str, console: Console) -> Out
 
 def summarize(samples: list[Sample]) -> dict[tuple[str, int], dict[str, float]]:
     """Per (client, level): the median over rounds of each of ``METRICS``, and failures."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for s in samples:
-        groups.setdefault((s.client, s.concurrency), []).append(s.figures)
-    return {
-        key: {
-            **{m: float(statistics.median(f[m] for f in figs)) for m in METRICS},
-            "rounds": len(figs),
-            "failed": sum(int(f["failed"]) for f in figs),
-        }
-        for key, figs in groups.items()
-    }
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b and a == a and b == b else None
+    return medians((((s.client, s.concurrency), s.figures) for s in samples), METRICS)
 
 
 def ratio_rows(summary: dict[tuple[str, int], dict[str, float]]) -> list[dict[str, Any]]:
@@ -255,8 +240,8 @@ def ratio_rows(summary: dict[tuple[str, int], dict[str, float]]) -> list[dict[st
         ours, theirs = summary.get((OURS, c)), summary.get((VLLM, c))
         if ours is None or theirs is None:
             continue
-        p50 = _ratio(theirs["ttft_p50_ms"], ours["ttft_p50_ms"])
-        mean = _ratio(theirs["ttft_mean_ms"], ours["ttft_mean_ms"])
+        p50 = ratio(theirs["ttft_p50_ms"], ours["ttft_p50_ms"])
+        mean = ratio(theirs["ttft_mean_ms"], ours["ttft_mean_ms"])
         within = all(r is not None and BAND[0] <= r <= BAND[1] for r in (p50, mean))
         rows.append(
             {
@@ -269,10 +254,6 @@ def ratio_rows(summary: dict[tuple[str, int], dict[str, float]]) -> list[dict[st
             }
         )
     return rows
-
-
-def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None or value != value else format(value, spec)
 
 
 def ratio_table(rows: list[dict[str, Any]]) -> Table:
@@ -290,12 +271,12 @@ def ratio_table(rows: list[dict[str, Any]]) -> Table:
         ours, theirs = r[OURS], r[VLLM]
         table.add_row(
             str(r["concurrency"]),
-            *(_fmt(x[m]) for x in (ours, theirs) for m in ("ttft_p50_ms", "ttft_mean_ms")),
-            _fmt(r["ttft_p50_ratio"], ".3f"),
-            _fmt(r["ttft_mean_ratio"], ".3f"),
+            *(fmt(x[m]) for x in (ours, theirs) for m in ("ttft_p50_ms", "ttft_mean_ms")),
+            fmt(r["ttft_p50_ratio"], ".3f"),
+            fmt(r["ttft_mean_ratio"], ".3f"),
             "yes" if r["within_10pct"] else "[red]no",
-            *(f"{_fmt(x['tpot_p50_ms'])} / {_fmt(x['itl_p50_ms'])}" for x in (ours, theirs)),
-            f"{_fmt(ours['input_tokens'], '.1f')} / {_fmt(theirs['input_tokens'], '.1f')}",
+            *(f"{fmt(x['tpot_p50_ms'])} / {fmt(x['itl_p50_ms'])}" for x in (ours, theirs)),
+            f"{fmt(ours['input_tokens'], '.1f')} / {fmt(theirs['input_tokens'], '.1f')}",
         )
     return table
 
@@ -312,9 +293,8 @@ def start_server(cfg: Config, console: Console) -> Server:
 
 
 def to_json(cfg: Config, out: Outcome, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     return {
-        "config": config,
+        "config": config_json(cfg),
         "samples": [asdict(s) for s in out.samples],
         "ratios": rows,
         "errors": out.errors,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from peers.rounds import config_json, fmt, medians, ratio, rotated
 from peers.servers import (
     SERVED_NAME,
     VLMSERVE,
@@ -144,8 +144,7 @@ def requests_for(cfg: Config, concurrency: int) -> int:
 
 def server_order(rnd: int) -> list[str]:
     """Both servers, the first one rotating with the round."""
-    k = rnd % len(SERVERS)
-    return [*SERVERS[k:], *SERVERS[:k]]
+    return rotated(SERVERS, rnd)
 
 
 def level_seed(cfg: Config, concurrency: int, rnd: int) -> int:
@@ -243,21 +242,7 @@ def run_rounds(cfg: Config, vllm_python: str, console: Console) -> Outcome:
 
 def summarize(samples: list[Sample]) -> dict[tuple[str, int], dict[str, float]]:
     """Per (server, level): the median over rounds of each of ``METRICS``, and failures."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for s in samples:
-        groups.setdefault((s.server, s.concurrency), []).append(s.figures)
-    return {
-        key: {
-            **{m: float(statistics.median(f[m] for f in figs)) for m in METRICS},
-            "rounds": len(figs),
-            "failed": sum(int(f["failed"]) for f in figs),
-        }
-        for key, figs in groups.items()
-    }
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b and a == a and b == b else None
+    return medians((((s.server, s.concurrency), s.figures) for s in samples), METRICS)
 
 
 def ratio_rows(summary: dict[tuple[str, int], dict[str, float]]) -> list[dict[str, Any]]:
@@ -268,7 +253,7 @@ def ratio_rows(summary: dict[tuple[str, int], dict[str, float]]) -> list[dict[st
         ours, theirs = summary.get((VLMSERVE, c)), summary.get((VLLM, c))
         if ours is None or theirs is None:
             continue
-        ratios = {m: _ratio(ours[m], theirs[m]) for m in METRICS if m != "input_tokens"}
+        ratios = {m: ratio(ours[m], theirs[m]) for m in METRICS if m != "input_tokens"}
         meets = {
             m: ratios[m] is not None and ratios[m] <= limit  # type: ignore[operator]
             for m, limit in TARGETS.items()
@@ -277,10 +262,6 @@ def ratio_rows(summary: dict[tuple[str, int], dict[str, float]]) -> list[dict[st
             {"concurrency": c, VLMSERVE: ours, VLLM: theirs, "ratios": ratios, "meets": meets}
         )
     return rows
-
-
-def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None or value != value else format(value, spec)
 
 
 COLUMNS = {
@@ -309,18 +290,17 @@ def ratio_table(rows: list[dict[str, Any]], cfg: Config) -> Table:
         cells = [str(r["concurrency"])]
         for m in COLUMNS:
             spec = ".1f" if m in ("ttft_p50_ms", "output_tps") else ".2f"
-            cells.append(f"{_fmt(ours[m], spec)} / {_fmt(theirs[m], spec)}")
+            cells.append(f"{fmt(ours[m], spec)} / {fmt(theirs[m], spec)}")
             mark = "" if m not in TARGETS else (" ok" if r["meets"][m] else " [red]over")
-            cells.append(f"{_fmt(ratios[m], '.2f')}{mark}")
+            cells.append(f"{fmt(ratios[m], '.2f')}{mark}")
         cells.append(f"{ours['input_tokens']:.0f} / {theirs['input_tokens']:.0f}")
         table.add_row(*cells)
     return table
 
 
 def to_json(cfg: Config, out: Outcome, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     return {
-        "config": config,
+        "config": config_json(cfg),
         "samples": [asdict(s) for s in out.samples],
         "ratios": rows,
         "errors": out.errors,

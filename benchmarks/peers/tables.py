@@ -14,6 +14,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from peers.rounds import fmt, ratio
+
 __all__ = ["Row", "ratio_rows", "render", "summarize"]
 
 
@@ -88,10 +90,6 @@ def _median_of(reports: list[dict[str, Any]], metric: str, stat: str = "median")
     return float(statistics.median(values)) if values else float("nan")
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b and b == b and a == a else None  # None when b is 0 or either is NaN
-
-
 def ratio_rows(rows: list[Row], base: str, others: list[str]) -> list[dict[str, Any]]:
     """``base``/other per workload and level: output tok/s (>1: base faster); TTFT, TPOT and
     ITL p50/p99 (<1: base quicker)."""
@@ -109,18 +107,14 @@ def ratio_rows(rows: list[Row], base: str, others: list[str]) -> list[dict[str, 
                     "concurrency": concurrency,
                     "base": base,
                     "other": other,
-                    "output_tps_ratio": _ratio(mine.output_tps, theirs.output_tps),
-                    "ttft_p50_ratio": _ratio(mine.ttft_p50_ms, theirs.ttft_p50_ms),
-                    "tpot_p50_ratio": _ratio(mine.tpot_p50_ms, theirs.tpot_p50_ms),
-                    "itl_p50_ratio": _ratio(mine.itl_p50_ms, theirs.itl_p50_ms),
-                    "itl_p99_ratio": _ratio(mine.itl_p99_ms, theirs.itl_p99_ms),
+                    "output_tps_ratio": ratio(mine.output_tps, theirs.output_tps),
+                    "ttft_p50_ratio": ratio(mine.ttft_p50_ms, theirs.ttft_p50_ms),
+                    "tpot_p50_ratio": ratio(mine.tpot_p50_ms, theirs.tpot_p50_ms),
+                    "itl_p50_ratio": ratio(mine.itl_p50_ms, theirs.itl_p50_ms),
+                    "itl_p99_ratio": ratio(mine.itl_p99_ms, theirs.itl_p99_ms),
                 }
             )
     return out
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None or value != value else format(value, spec)
 
 
 def results_table(rows: list[Row]) -> Table:
@@ -137,14 +131,14 @@ def results_table(rows: list[Row]) -> Table:
             r.workload,
             str(r.concurrency),
             r.server,
-            _fmt(r.input_tokens, ",.0f"),
-            _fmt(r.output_tps, ",.1f"),
-            f"{_fmt(r.output_tps_min, ',.0f')}-{_fmt(r.output_tps_max, ',.0f')}",
-            _fmt(r.ttft_p50_ms, ",.1f"),
-            _fmt(r.tpot_p50_ms, ",.2f"),
-            _fmt(r.itl_p50_ms, ",.2f"),
-            _fmt(r.itl_p99_ms, ",.1f"),
-            _fmt(r.e2e_p50_ms, ",.0f"),
+            fmt(r.input_tokens, ",.0f"),
+            fmt(r.output_tps, ",.1f"),
+            f"{fmt(r.output_tps_min, ',.0f')}-{fmt(r.output_tps_max, ',.0f')}",
+            fmt(r.ttft_p50_ms, ",.1f"),
+            fmt(r.tpot_p50_ms, ",.2f"),
+            fmt(r.itl_p50_ms, ",.2f"),
+            fmt(r.itl_p99_ms, ",.1f"),
+            fmt(r.e2e_p50_ms, ",.0f"),
             f"{r.failed}/{r.requests}" if r.failed else "0",
         )
     return table
@@ -162,7 +156,7 @@ def ratios_table(ratios: list[dict[str, Any]], sequential: str) -> Table:
         if r["other"] == sequential:
             label += " (batched vs one-at-a-time)"
         keys = ("output_tps", "ttft_p50", "tpot_p50", "itl_p50", "itl_p99")
-        cells = [_fmt(r.get(f"{k}_ratio"), ".2f") for k in keys]
+        cells = [fmt(r.get(f"{k}_ratio"), ".2f") for k in keys]
         table.add_row(r.get("workload", "short"), str(r["concurrency"]), label, *cells)
     return table
 
