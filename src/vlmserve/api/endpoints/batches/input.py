@@ -1,6 +1,8 @@
 """A batch's input file, read as a stream: checked line by line (in a worker thread) keeping
 each request's byte offset, and each request read again, alone, when its line runs. Nothing
-of the file stays in memory for the batch's life but three integers a line.
+of the file stays in memory for the batch's life but three machine integers a line, in
+arrays: a 50,000-line batch holds 1.2 MB and no object that a full garbage collection walks
+(it would pause the event loop for each batch's index while requests wait).
 
 Lines end at ``\\n`` (a ``\\r`` before it is dropped): JSON text may hold any other line
 separator (U+2028, U+0085, a form feed) raw inside a string. A UTF-8 byte order mark before
@@ -15,6 +17,8 @@ the line numbers (OpenAI's ``{"code", "message", "param", "line"}``).
 from __future__ import annotations
 
 import json
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ import orjson
 
 from vlmserve.api.routing import strict_loads
 
-__all__ = ["MAX_LINES", "BatchLine", "LineRequest", "read_request", "scan_input"]
+__all__ = ["MAX_LINES", "BatchLine", "LineIndex", "LineRequest", "read_request", "scan_input"]
 
 MAX_LINES = 50_000  # OpenAI's limit per batch
 _MAX_ERRORS = 20  # line errors listed when a file is refused
@@ -37,6 +41,30 @@ class BatchLine:
     line: int  # 1-based line number
     offset: int  # its first byte
     length: int  # its bytes, without the line end
+
+
+class LineIndex:
+    """The request lines of a file in order, kept as three arrays of 64-bit integers."""
+
+    __slots__ = ("_length", "_line", "_offset")
+
+    def __init__(self) -> None:
+        self._line, self._offset, self._length = array("q"), array("q"), array("q")
+
+    def append(self, line: int, offset: int, length: int) -> None:
+        self._line.append(line)
+        self._offset.append(offset)
+        self._length.append(length)
+
+    def __len__(self) -> int:
+        return len(self._line)
+
+    def __getitem__(self, i: int) -> BatchLine:
+        return BatchLine(self._line[i], self._offset[i], self._length[i])
+
+    def __iter__(self) -> Iterator[BatchLine]:
+        for line, offset, length in zip(self._line, self._offset, self._length, strict=True):
+            yield BatchLine(line, offset, length)
 
 
 @dataclass(slots=True)
@@ -90,10 +118,10 @@ def _text(raw: bytes) -> str:
     return raw.rstrip(b"\n").removesuffix(b"\r").decode("utf-8", "replace")
 
 
-def scan_input(path: Path, endpoint: str) -> tuple[list[BatchLine], list[dict[str, Any]]]:
+def scan_input(path: Path, endpoint: str) -> tuple[LineIndex, list[dict[str, Any]]]:
     """The request lines of an input file, or (when any is malformed) the errors. Blocking:
     run it in a worker thread."""
-    lines: list[BatchLine] = []
+    lines = LineIndex()
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
     offset = 0
@@ -111,7 +139,7 @@ def scan_input(path: Path, endpoint: str) -> tuple[list[BatchLine], list[dict[st
                 problem = "duplicate_custom_id", message
             elif item is not None:
                 seen.add(item["custom_id"])
-                lines.append(BatchLine(number, start, len(raw.rstrip(b"\n"))))
+                lines.append(number, start, len(raw.rstrip(b"\n")))
             if problem is not None and len(errors) < _MAX_ERRORS:
                 errors.append(
                     {"code": problem[0], "message": problem[1], "param": None, "line": number}

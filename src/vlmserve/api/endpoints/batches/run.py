@@ -30,6 +30,7 @@ from typing import Any
 
 from vlmserve.api.endpoints.batches.input import (
     BatchLine,
+    LineIndex,
     LineRequest,
     read_request,
     scan_input,
@@ -149,14 +150,14 @@ class BatchRun:
             return pinned
         return self.files.path(self.owner, batch["input_file_id"])
 
-    async def _validate(self, batch: dict[str, Any]) -> list[BatchLine] | None:
+    async def _validate(self, batch: dict[str, Any]) -> LineIndex | None:
         try:
             self.path = self._input(batch)
             lines, errors = await asyncio.to_thread(scan_input, self.path, batch["endpoint"])
         except (VlmserveError, OSError) as exc:
             message = exc.message if isinstance(exc, VlmserveError) else "the input file is gone"
             lines, errors = (
-                [],
+                LineIndex(),
                 [
                     {
                         "code": "input_file_unavailable",
@@ -195,7 +196,7 @@ class BatchRun:
             return False
         return True
 
-    async def _run_lines(self, endpoint: str, lines: list[BatchLine], deadline: float) -> bool:
+    async def _run_lines(self, endpoint: str, lines: LineIndex, deadline: float) -> bool:
         """Run the lines without a stored result; True when ``deadline`` came first."""
         done = self.store.done_lines(self.batch_id)
         running: set[asyncio.Task[None]] = set()
@@ -259,7 +260,7 @@ class BatchRun:
                 return error_result(request, request_id, failure)
         raise AssertionError("unreachable: the last attempt returns")
 
-    async def _expire(self, lines: list[BatchLine]) -> None:
+    async def _expire(self, lines: LineIndex) -> None:
         """Every line without a result becomes a ``batch_expired`` error line."""
         done = self.store.done_lines(self.batch_id)
         for line in lines:
