@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import os
 import signal
@@ -16,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from vlmserve import heap
 from vlmserve.api.auth import AuthMiddleware
 from vlmserve.api.common.warmup import warm_request_path
 from vlmserve.api.docs import install_offline_docs
@@ -171,18 +171,14 @@ def _lifespan(app: FastAPI, services: Services, owns_models: bool) -> Any:
 
     async def load() -> None:
         try:
+            # Before the models load, so that they stay collectable once unloaded (heap.py).
+            heap.settle()
             failures = await models.load_all()
             if settings.warmup:
                 key = settings.api_keys[0] if settings.api_keys else None
                 await warm_request_path(app, models, services.chat.converter, key)
         finally:
             models.starting = False
-        if owns_models:
-            # Start-up's objects (modules, the models' Python objects: hundreds of thousands)
-            # leave the collector's reach, so a full collection scans only what requests made
-            # (before, each of the many full collections while a large answer was built held
-            # the event loop for ~0.1 s).
-            gc.freeze()
         if failures and settings.exit_on_load_failure:
             app.state.fatal_error = failures[0]
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down; the CLI exits non-zero

@@ -237,6 +237,9 @@ def fail(exc: Exception) -> NoReturn:
 def run(settings: Settings, models: ModelManager | None = None) -> None:
     """Serve until stopped; exit 1 with the reason when a model fails to load at start-up.
     ``models``: the manager to serve (default: the one ``settings`` describe)."""
+    from vlmserve import heap
+
+    heap.pause()  # until the app is built and imported: heap.py
     import uvicorn
 
     from vlmserve.api.app import build_app

@@ -3,7 +3,11 @@
 import sys
 from multiprocessing.connection import Connection
 
-from vlmserve.engine.proc.core import run
+from vlmserve import heap
+
+heap.pause()  # before the engine's imports: settled once the model is loaded (heap.py)
+
+from vlmserve.engine.proc.core import run  # noqa: E402
 
 if __name__ == "__main__":
     run(Connection(int(sys.argv[1])))

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from vlmserve import heap
 from vlmserve.engine.proc.pixels import has_media, receive
 from vlmserve.engine.proc.wire import Ready, encode_error, read_forever
 from vlmserve.engine.protocol import Backend
@@ -73,6 +74,7 @@ class EngineCore:
             self.conn.send([("load_failed", encode_error(exc))])
             return
         self.backend = backend
+        heap.settle()  # the model too: it lives as long as this process (heap.py)
         nice = getattr(getattr(backend, "config", None), "media_nice", 0)
         self.receiver = low_priority_executor(2, nice, "vlmserve-media-receive")
         backend.watch_failures(lambda _: self.loop.call_soon_threadsafe(self._failed))
