@@ -4,6 +4,7 @@ and before the request under test."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -64,6 +65,7 @@ def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             "8192",
         ],
         env=env,
+        engine_process=True,
     )
     try:
         proc.wait_ready()
@@ -110,7 +112,11 @@ def test_forty_references_to_one_48_mib_file_are_refused_before_any_is_read(
 
 
 class HealthProbe:
-    """Polls ``/health`` from a thread every 20 ms; ``worst`` is the slowest answer (s)."""
+    """Polls ``/health`` from a thread every 20 ms; ``worst`` is the slowest answer (s).
+
+    The test process's own collector is off meanwhile: its heap (torch, transformers, every
+    test module) takes a full collection ~0.25 s on a slow 2-core machine, which would be
+    counted as the server's stall."""
 
     def __init__(self, url: str):
         self.url, self.worst, self.count = url, 0.0, 0
@@ -127,12 +133,15 @@ class HealthProbe:
                 self._stop.wait(0.02)
 
     def __enter__(self) -> HealthProbe:
+        gc.collect()
+        gc.disable()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=60)
+        gc.enable()
 
 
 def test_health_stays_fast_while_a_44_mib_logprobs_answer_is_built_and_sent(
