@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+SPAWN_TRIES = 4  # starts of the idle command refused by the kernel (ENOMEM, EAGAIN)
+SPAWN_BACKOFF = 2.0  # seconds before the first retry, then 4, 6
 
 
 def validate_argv(value: object, setting: str) -> list[str]:
@@ -283,11 +286,21 @@ class IdleWatchdog:
 
     async def _run_command(self, argv: list[str]) -> None:
         log.warning("running idle command %s", argv)
-        try:
-            self.exit_code = await _run_argv(argv, self.command_timeout, kill_on_cancel=False)
-        except Exception as exc:
-            log.error("idle command %s failed: %s: %s", argv, type(exc).__name__, exc)
-            return
+        for attempt in range(1, SPAWN_TRIES + 1):
+            try:
+                self.exit_code = await _run_argv(argv, self.command_timeout, kill_on_cancel=False)
+                break
+            except OSError as exc:
+                # The kernel could not start it for now (no memory, too many processes): a
+                # box left running idle costs more than a retry; anything else is final.
+                if exc.errno not in (errno.ENOMEM, errno.EAGAIN) or attempt == SPAWN_TRIES:
+                    log.error("idle command %s failed: %s: %s", argv, type(exc).__name__, exc)
+                    return
+                log.warning("idle command %s could not start (%s); retrying", argv, exc)
+                await asyncio.sleep(SPAWN_BACKOFF * attempt)
+            except Exception as exc:
+                log.error("idle command %s failed: %s: %s", argv, type(exc).__name__, exc)
+                return
         log.warning("idle command %s exited with status %s", argv, self.exit_code)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import sys
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from vlmserve import watchdog
 from vlmserve.errors import ConfigError
 from vlmserve.watchdog import (
     ActivityClock,
@@ -194,3 +196,39 @@ def test_idle_for_and_in_flight_are_thread_safe() -> None:
         t.join()
     assert clock.in_flight == 0
     assert clock.idle_for() < 1.0
+
+
+async def test_an_idle_command_the_kernel_cannot_start_yet_is_retried(
+    tmp_path: Path, recorder, started, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = asyncio.create_subprocess_exec
+    refusals = [OSError(errno.ENOMEM, "Cannot allocate memory")] * 2
+
+    async def spawn(*args, **kw):
+        if refusals:
+            raise refusals.pop()
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(watchdog, "SPAWN_BACKOFF", 0.01)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawn)
+    dog = make(ActivityClock(), started, idle_command=recorder("command"))
+    await wait_until(lambda: dog.exit_code == 0)
+    assert lines(tmp_path) == ["command"] and refusals == []
+
+
+async def test_an_idle_command_that_does_not_exist_is_not_retried(
+    tmp_path: Path, started, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    real = asyncio.create_subprocess_exec
+
+    async def spawn(*args, **kw):
+        calls.append(args)
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(watchdog, "SPAWN_BACKOFF", 0.01)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawn)
+    dog = make(ActivityClock(), started, idle_command=[str(tmp_path / "no-such-command")])
+    await wait_until(lambda: dog.fired)
+    await asyncio.sleep(0.3)
+    assert len(calls) == 1 and dog.exit_code is None
