@@ -3,9 +3,10 @@
 Start-up makes close to a million objects, most of which live as long as the process: the
 modules, classes and functions of torch, transformers, FastAPI and ours. CPython walks every
 object in a full collection, and starts one whenever the heap has grown by a quarter since
-the last; start-up thus paid for several walks of its growing heap (2.5 s of a 13.5 s start
-on a 2-core AVX2 machine), and once serving, each full collection that requests' objects set
-off walked it all again, holding the event loop or a decode step meanwhile (~0.1-0.7 s).
+the last; start-up thus paid for several walks of its growing heap (2.0 s of a 13 s start
+on a 2-core AVX2 machine, 1.7 s in an engine process), and once serving, each full
+collection that requests' objects set off walked it all again, holding the event loop or a
+decode step meanwhile (~0.1-0.7 s).
 
 So a serving process pauses the collector from its start (``pause``); once its code is
 imported it collects once (start-up's cyclic garbage: about a third of what was made) and

@@ -290,17 +290,15 @@ class IdleWatchdog:
             try:
                 self.exit_code = await _run_argv(argv, self.command_timeout, kill_on_cancel=False)
                 break
-            except OSError as exc:
+            except Exception as exc:
                 # The kernel could not start it for now (no memory, too many processes): a
                 # box left running idle costs more than a retry; anything else is final.
-                if exc.errno not in (errno.ENOMEM, errno.EAGAIN) or attempt == SPAWN_TRIES:
+                transient = isinstance(exc, OSError) and exc.errno in (errno.ENOMEM, errno.EAGAIN)
+                if not transient or attempt == SPAWN_TRIES:
                     log.error("idle command %s failed: %s: %s", argv, type(exc).__name__, exc)
                     return
                 log.warning("idle command %s could not start (%s); retrying", argv, exc)
                 await asyncio.sleep(SPAWN_BACKOFF * attempt)
-            except Exception as exc:
-                log.error("idle command %s failed: %s: %s", argv, type(exc).__name__, exc)
-                return
         log.warning("idle command %s exited with status %s", argv, self.exit_code)
 
 

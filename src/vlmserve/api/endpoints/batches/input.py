@@ -59,9 +59,6 @@ class LineIndex:
     def __len__(self) -> int:
         return len(self._line)
 
-    def __getitem__(self, i: int) -> BatchLine:
-        return BatchLine(self._line[i], self._offset[i], self._length[i])
-
     def __iter__(self) -> Iterator[BatchLine]:
         for line, offset, length in zip(self._line, self._offset, self._length, strict=True):
             yield BatchLine(line, offset, length)
