@@ -12,7 +12,7 @@ registry, leaves callers addressing a stopped host. Here the order is fixed:
    stops. A hook that fails or times out is logged and does NOT block the command: a host that
    cannot deregister still shuts down (the callers' fallback then applies, as before).
 
-Commands are argv lists run with ``asyncio.create_subprocess_exec``: never through a shell.
+Commands are argv lists run with ``subprocess.Popen``: never through a shell.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -47,6 +48,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 SPAWN_TRIES = 4  # starts of the idle command refused by the kernel (ENOMEM, EAGAIN)
 SPAWN_BACKOFF = 2.0  # seconds before the first retry, then 4, 6
+WAIT_POLL = 0.05  # seconds between checks whether a command has exited
 
 
 def validate_argv(value: object, setting: str) -> list[str]:
@@ -194,15 +196,25 @@ async def _run_argv(argv: Sequence[str], timeout: float | None, *, kill_on_cance
 
     On cancellation the process is killed only if ``kill_on_cancel``: an idle command such as
     a shutdown must not be killed because the server it is stopping is going down.
+
+    Started with ``subprocess.Popen`` (vfork), not the event loop's spawn: uvloop's forks
+    this whole process, and a fork must account for every writable mapping it holds (a
+    model's KV cache). A server whose mappings outgrow RAM could then not start its idle
+    command at all (ENOMEM).
     """
-    process = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL)
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        return await asyncio.wait_for(process.wait(), timeout)
+        while (code := process.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise asyncio.TimeoutError
+            await asyncio.sleep(WAIT_POLL)
+        return code
     except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
         if kill_on_cancel or not isinstance(exc, asyncio.CancelledError):
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
-            await process.wait()
+            await asyncio.to_thread(process.wait)
         raise
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -201,16 +202,16 @@ def test_idle_for_and_in_flight_are_thread_safe() -> None:
 async def test_an_idle_command_the_kernel_cannot_start_yet_is_retried(
     tmp_path: Path, recorder, started, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = asyncio.create_subprocess_exec
+    real = subprocess.Popen
     refusals = [OSError(errno.ENOMEM, "Cannot allocate memory")] * 2
 
-    async def spawn(*args, **kw):
+    def spawn(*args, **kw):
         if refusals:
             raise refusals.pop()
-        return await real(*args, **kw)
+        return real(*args, **kw)
 
     monkeypatch.setattr(watchdog, "SPAWN_BACKOFF", 0.01)
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawn)
+    monkeypatch.setattr(subprocess, "Popen", spawn)
     dog = make(ActivityClock(), started, idle_command=recorder("command"))
     await wait_until(lambda: dog.exit_code == 0)
     assert lines(tmp_path) == ["command"] and refusals == []
@@ -220,15 +221,61 @@ async def test_an_idle_command_that_does_not_exist_is_not_retried(
     tmp_path: Path, started, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = []
-    real = asyncio.create_subprocess_exec
+    real = subprocess.Popen
 
-    async def spawn(*args, **kw):
+    def spawn(*args, **kw):
         calls.append(args)
-        return await real(*args, **kw)
+        return real(*args, **kw)
 
     monkeypatch.setattr(watchdog, "SPAWN_BACKOFF", 0.01)
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawn)
+    monkeypatch.setattr(subprocess, "Popen", spawn)
     dog = make(ActivityClock(), started, idle_command=[str(tmp_path / "no-such-command")])
     await wait_until(lambda: dog.fired)
     await asyncio.sleep(0.3)
     assert len(calls) == 1 and dog.exit_code is None
+
+
+# A process holding one writable mapping larger than RAM + swap (as a server whose KV caches
+# outgrow RAM does): the kernel cannot account for it in a fork's copy, so fork() fails, and
+# uvloop's spawn forks. Built as adjacent chunks, each accounted alone, that merge into one.
+BIG_MAPPING = """
+import asyncio, ctypes, errno, json, mmap, os, sys
+import uvloop
+from vlmserve.watchdog import _run_argv
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+meminfo = dict(line.split(":") for line in open("/proc/meminfo"))
+total = sum(int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
+chunk = (total // 4) // mmap.PAGESIZE * mmap.PAGESIZE
+flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+base = libc.mmap(None, 6 * chunk, 0, flags, -1, 0)  # PROT_NONE: not accounted yet
+for i in range(6):
+    if libc.mprotect(base + i * chunk, chunk, mmap.PROT_READ | mmap.PROT_WRITE):
+        print(json.dumps({"setup": os.strerror(ctypes.get_errno())}))
+        sys.exit()
+try:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    fork = "ok"
+except OSError as exc:
+    fork = errno.errorcode[exc.errno]
+code = uvloop.run(_run_argv([sys.executable, "-c", "pass"], 30, kill_on_cancel=True))
+print(json.dumps({"fork": fork, "exit_code": code}))
+"""
+
+
+def test_the_idle_command_starts_where_this_process_cannot_be_forked() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", BIG_MAPPING], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    if result.get("fork") != "ENOMEM":
+        pytest.skip(f"this kernel's overcommit policy lets such a process fork: {result}")
+    assert result["exit_code"] == 0
