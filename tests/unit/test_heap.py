@@ -101,3 +101,32 @@ def test_a_model_unloaded_from_a_server_process_is_freed(tiny_dir: Path) -> None
         """
     )
     assert found == {"enabled": True, "frozen": True, "model_freed": True}
+
+
+def test_an_unloaded_models_weights_and_kv_cache_are_freed_without_waiting_for_the_collector(
+    tiny_dir: Path,
+) -> None:
+    # Automatic collection off: a full pass may come minutes later on a long-lived heap. The
+    # unload returns the memory (RAM, or VRAM on a GPU) before it answers, so that the model
+    # loaded next in its place finds it free.
+    found = run_python(
+        f"""
+        import asyncio, gc, json, weakref
+        from pathlib import Path
+        from support import make_settings
+        from vlmserve.registry.manager import ModelManager
+
+        async def main():
+            models = ModelManager.from_settings(make_settings(Path({str(tiny_dir)!r})))
+            await models.load_all()
+            gc.disable()
+            backend = models.handles[0].backend
+            refs = {{"model": weakref.ref(backend._loaded.model),
+                     "kv_cache": weakref.ref(backend.engine.runner.cache.k)}}
+            await models.deactivate(models.handles[0].name)  # returns once it is freed
+            return {{name: r() is None for name, r in refs.items()}}
+
+        print(json.dumps(asyncio.run(main())))
+        """
+    )
+    assert found == {"model": True, "kv_cache": True}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,6 +19,10 @@ from vlmserve.engine.types import ModelState
 from vlmserve.errors import ServiceUnavailable
 
 __all__ = ["HFModel", "ModelState"]
+
+log = logging.getLogger(__name__)
+
+RELEASE_WAIT = 10.0  # seconds an unload waits for the model's last step and the collection
 
 
 class HFModel(Backend):
@@ -32,6 +39,7 @@ class HFModel(Backend):
         self.load_seconds: float | None = None
         self._loaded: Loaded | None = None
         self._executor = self._new_executor()
+        self._releasing: threading.Thread | None = None  # returning the memory after close()
 
     def _new_executor(self) -> ThreadPoolExecutor:
         return model_executor(f"{self.thread_prefix}-{self.model_id}")
@@ -62,19 +70,37 @@ class HFModel(Backend):
         await asyncio.get_running_loop().run_in_executor(self._executor, self.load)
 
     async def aclose(self) -> None:
+        """Unload and wait (at most ``RELEASE_WAIT``) until the memory is returned, so that a
+        model loaded next (the LRU swap of ``VLMSERVE_MAX_LOADED_MODELS``) finds it free."""
         await asyncio.to_thread(self.close)
+        releasing = self._releasing
+        if releasing is not None:
+            await asyncio.to_thread(releasing.join, RELEASE_WAIT)
+            if releasing.is_alive():
+                log.warning(
+                    "model %s: its thread is still in a step after %.0f s; its memory is "
+                    "returned when that step ends",
+                    self.model_id,
+                    RELEASE_WAIT,
+                )
 
     def check_ready(self) -> None:
         self._require()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Unload: no new work; the memory is returned once the model's thread has finished
+        its last step (``release``)."""
+        executor = self._executor
+        executor.shutdown(wait=False, cancel_futures=True)
         self._executor = self._new_executor()  # threads start lazily: load() may follow
         device = self._loaded.device if self._loaded else None
         self._loaded = None
         self.state = ModelState.UNLOADED
-        if device is not None and device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._releasing = None
+        if device is not None:
+            args = (executor, device)
+            self._releasing = threading.Thread(target=release, args=args, daemon=True)
+            self._releasing.start()
 
     @property
     def memory_bytes(self) -> int:
@@ -91,3 +117,15 @@ class HFModel(Backend):
                 msg += f": {self.error}"
             raise ServiceUnavailable(msg + "; retry shortly", retry_after=5)
         return self._loaded
+
+
+def release(executor: ThreadPoolExecutor, device: torch.device) -> None:
+    """Return an unloaded model's memory: after its thread's last step, one full collection,
+    then (CUDA) the allocator's cache. The weights and the KV cache sit in reference cycles
+    (modules, the engine's callbacks), which only a full collection frees; on a long-lived
+    heap the collector's own full passes are rare, so without this an unloaded model's RAM or
+    VRAM stays taken until some later pass, or for good."""
+    executor.shutdown(wait=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
