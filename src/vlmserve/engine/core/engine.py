@@ -41,7 +41,7 @@ from vlmserve.engine.core.faults import (
 from vlmserve.engine.core.gauges import EngineGauges, StepTimer
 from vlmserve.engine.core.handoff import Handoff
 from vlmserve.engine.core.kv_cache import DEFAULT_BLOCK_SIZE
-from vlmserve.engine.core.lifecycle import EngineLifecycle
+from vlmserve.engine.core.lifecycle import EngineLifecycle, weakly
 from vlmserve.engine.core.outbox import END
 from vlmserve.engine.core.pacing import Pacing
 from vlmserve.engine.core.paging import build_paging
@@ -103,20 +103,20 @@ class BatchEngine:
         self.kv, self.blocks = self.paging.budget, self.paging.blocks
         self.scheduler = Scheduler(c.max_num_seqs, budget, self.blocks)
         self.pacing = Pacing(c.decode_share)  # prefill steps spaced for the streams' decode
-        self.scheduler.prefix_hasher = self._block_hashes
+        self.scheduler.prefix_hasher = weakly(self._block_hashes)
         self.model_id = model_id  # in messages
         self.handoff = Handoff(  # rows made, given their tokens, retired; their outputs
-            self.scheduler, self.tokenizer, tokenizer, vocab, eos_ids, lambda: self.steps
+            self.scheduler, self.tokenizer, tokenizer, vocab, eos_ids, weakly(self._step_count)
         )
         self.lifecycle = EngineLifecycle(  # the engine thread: submit, close, the fatal path
             model_id,
             self.scheduler,
             self.handoff.outbox,
             submit=submit,
-            run=self._run,
+            run=weakly(self._run),
             fail=self.handoff.fail,
-            flush=self._flush,
-            release=self._release_cache,
+            flush=weakly(self._flush),
+            release=weakly(self._release_cache),
             on_fatal=on_fatal,
         )
         self._forked: list[tuple[Sequence, int]] = []  # choices forked this step, first tokens
@@ -385,6 +385,9 @@ class BatchEngine:
     def _flush(self) -> None:
         """Deliver this step's outputs: one wake-up per event loop, not one per token."""
         self.lifecycle.delivered(self.handoff.outbox.flush())
+
+    def _step_count(self) -> int:
+        return self.steps
 
     def _release_cache(self) -> None:
         if self.runner.cache is not None:

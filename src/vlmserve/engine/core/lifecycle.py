@@ -14,6 +14,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -25,9 +26,28 @@ from vlmserve.engine.core.scheduler import Scheduler
 from vlmserve.engine.core.sequence import SeqStatus, Sequence
 from vlmserve.errors import ServiceUnavailable
 
-__all__ = ["EngineLifecycle"]
+__all__ = ["EngineLifecycle", "weakly"]
 
 log = logging.getLogger("vlmserve.engine.core.engine")
+
+
+def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a bound method) called through a weak reference to its object.
+
+    The engine's parts call back into it (its step loop, the prefix hasher, the step count);
+    held strongly, those callbacks close a reference cycle around the engine, and with it the
+    model and the KV cache, which only a full collection of the heap frees: seconds on a large
+    heap, and maybe long after an unload. Held weakly, an unloaded engine is freed as soon as
+    its last step ends."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError("the engine was freed")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 class EngineLifecycle:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import threading
 import time
@@ -120,12 +119,8 @@ class HFModel(Backend):
 
 
 def release(executor: ThreadPoolExecutor, device: torch.device) -> None:
-    """Return an unloaded model's memory: after its thread's last step, one full collection,
-    then (CUDA) the allocator's cache. The weights and the KV cache sit in reference cycles
-    (modules, the engine's callbacks), which only a full collection frees; on a long-lived
-    heap the collector's own full passes are rare, so without this an unloaded model's RAM or
-    VRAM stays taken until some later pass, or for good."""
+    """Return an unloaded model's memory: once its thread's last step has ended (the engine,
+    held by nothing else, goes with it), the allocator's cached blocks on CUDA."""
     executor.shutdown(wait=True)
-    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
