@@ -13,10 +13,10 @@ imported it collects once (start-up's cyclic garbage: about a third of what was 
 freezes what is left out of the collector's reach (``settle``), then collects as usual.
 
 Where the models are unloaded while the process goes on (the API process: deactivate, idle
-unload, a reload after a failure) they are loaded after ``settle`` and stay within reach: an
-unloaded model's modules hold reference cycles, and a frozen one would stay in memory (and on
-the GPU) for the process's life. An engine process serves one model until it exits, so it
-settles after loading, freezing the model too.
+unload, a reload after a failure) they are loaded after ``settle`` and stay within reach: the
+engine frees a model by reference counting, but whatever of it sits in a reference cycle (a
+kernel library's ctypes objects, say) only a collection frees, and frozen, never. An engine
+process serves one model until it exits, so it settles after loading, freezing the model too.
 
 In a process that did not ``pause`` (tests that build the app in-process, a Ray replica's
 host) ``settle`` does nothing: the collector there is whoever owns the process's.

@@ -72,8 +72,8 @@ def test_settle_does_nothing_in_a_process_that_did_not_pause() -> None:
 
 def test_a_model_unloaded_from_a_server_process_is_freed(tiny_dir: Path) -> None:
     # The server's order (cli/serve.py pauses, the app's start-up settles, then loads): a model
-    # frozen with start-up's objects would stay in memory after it is unloaded, since its
-    # modules hold reference cycles.
+    # frozen with start-up's objects would keep whatever of it sits in a reference cycle
+    # after it is unloaded.
     found = run_python(
         f"""
         import asyncio, gc, json, weakref
