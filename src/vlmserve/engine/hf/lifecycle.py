@@ -21,7 +21,7 @@ __all__ = ["HFModel", "ModelState"]
 
 log = logging.getLogger(__name__)
 
-RELEASE_WAIT = 10.0  # seconds an unload waits for the model's last step and the collection
+RELEASE_WAIT = 10.0  # seconds an unload waits for the model's last step to end
 
 
 class HFModel(Backend):
