@@ -23,7 +23,7 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 python3 -c 'import torch, transformers, pytest; print("torch", torch.__version__,
     "transformers", transformers.__version__, "pytest", pytest.__version__)' | tee -a "$out/device.txt"
-timeout "${GPU_TESTS_S:-240}" python3 -m pytest tests/gpu --confcutdir tests/gpu \
+timeout "${GPU_TESTS_S:-240}" python3 -m pytest tests/gpu --confcutdir tests/gpu -o addopts="" \
     -p no:cacheprovider -W default -q -rA 2>&1 | tee "$out/pytest.log"
 tests=$?
 echo "tests took ${SECONDS}s"

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from alone import AloneLastScheduling, check_entries
 from support import MODEL, LiveServer, free_port, make_settings  # noqa: F401
 from vlmserve.api.app import build_app
 from vlmserve.registry.manager import ModelManager
@@ -137,3 +138,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "robustness: hostile-input, fault and load suite")
+    check_entries(config.rootpath)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="a release check, heavier than CI allows: runs with --long")
+    for item in items:
+        if item.get_closest_marker("long"):
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Load balancing by file with the timing tests alone at the end (tests/alone.py)."""
+    if config.getvalue("dist") in ("load", "loadfile"):
+        return AloneLastScheduling(config, log)
+    return None
