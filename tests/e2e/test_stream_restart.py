@@ -60,12 +60,12 @@ def persisted(db: Path, session_id: str) -> int:
 CASES = {"greedy": {}, "seeded temperature 1": {"temperature": 1.0, "seed": 20261125}}
 
 
-@pytest.mark.timeout(1200)  # 10 (20) server restarts, each loading the model
+@pytest.mark.timeout(1200)  # 4 (20) server restarts, each loading the model
 def test_kill_9_mid_stream_then_restart_continues_the_generation(
     tiny_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     long = request.config.getoption("--long")
-    trials = 20 if long else 10  # release checks: 20 kills
+    trials = 20 if long else 4  # release checks: 20 kills
     db = tmp_path / "streams.db"
     env = {
         "VLMSERVE_PERSIST_SESSIONS": "1",
@@ -104,7 +104,8 @@ def test_kill_9_mid_stream_then_restart_continues_the_generation(
             )
     finally:
         server.stop()
-    assert mid_generation >= 0.8 * trials, "the kills should land while the engine generates"
+    landed = 16 if long else 3  # of 20 (4)
+    assert mid_generation >= landed, "the kills should land while the engine generates"
     with sqlite3.connect(db) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 

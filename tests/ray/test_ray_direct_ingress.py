@@ -27,7 +27,8 @@ from vlmserve.ray_serve.app import build_application, ingress_urls
 from vlmserve.ray_serve.config import DIRECT_INGRESS_ENV, load_ray_setup
 from vlmserve.ray_serve.ingress import REPLICA_HEADER
 
-pytestmark = pytest.mark.slow
+# A second cluster of its own, over 2 minutes on a 2-core machine: a release check (--long).
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")
