@@ -73,6 +73,24 @@ def test_openai_client_json_and_stream_agree(served: ServerProcess, tiny_dir: Pa
     )
 
 
+def test_the_api_process_never_loads_torch_when_the_engine_has_its_own(
+    served: ServerProcess,
+) -> None:
+    """With the engine in its own process (the default), the API process renders, decodes
+    media and streams without torch: it starts in a few seconds and holds about 100 MiB
+    instead of the model code's 800."""
+    client = OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(
+        model="tiny", messages=image_request(gradient_image(32, 32)), max_tokens=4
+    )
+    assert answer.choices[0].message.content is not None
+    api = psutil.Process(served.proc.pid)
+    engines = [p for p in api.children() if "vlmserve.engine.proc" in " ".join(p.cmdline())]
+    assert engines, "no engine process under the server"
+    assert "libtorch" in Path(f"/proc/{engines[0].pid}/maps").read_text()
+    assert "libtorch" not in Path(f"/proc/{api.pid}/maps").read_text()
+
+
 def _prompt_tokens(tiny_dir: Path, image: Image.Image) -> int:
     """What the model's own processor counts for the same conversation."""
     from transformers import AutoProcessor

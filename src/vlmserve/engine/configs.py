@@ -12,9 +12,24 @@ from typing import Any, ClassVar, TypeVar
 
 from vlmserve.config import Settings
 
-__all__ = ["ChatEngineConfig", "EmbedConfig", "RerankConfig", "batched_tokens"]
+__all__ = ["ChatEngineConfig", "EmbedConfig", "LoadOptions", "RerankConfig", "batched_tokens"]
 
 _C = TypeVar("_C")
+
+
+@dataclass(slots=True)
+class LoadOptions:
+    """Where a checkpoint is and how to load it; here, apart from the loader, so that a
+    process that only names a model (an engine process's parent) never imports torch."""
+
+    source: str
+    device: str = "auto"
+    dtype: str = "auto"
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    chat_template: str | None = None  # Jinja text replacing the checkpoint's (--chat-template)
 
 
 def _defaults(cls: type[_C], mapping: dict[str, str], changes: dict[str, Any]) -> _C:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from vlmserve.engine.configs import LoadOptions
 from vlmserve.engine.hf.templates import install_chat_template
 from vlmserve.errors import ConfigError
 
@@ -28,18 +29,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass(slots=True)
-class LoadOptions:
-    source: str
-    device: str = "auto"
-    dtype: str = "auto"
-    attn_implementation: str | None = None
-    trust_remote_code: bool = False
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    chat_template: str | None = None  # Jinja text replacing the checkpoint's (--chat-template)
 
 
 @dataclass(slots=True)
