@@ -136,12 +136,9 @@ class AloneLastScheduling(LoadFileScheduling):
             self._assign(chosen, scope)
 
     def _assign(self, node: WorkerController, scope: str) -> None:
-        work_unit = self.workqueue.pop(scope)
-        self.assigned_work[node][scope] = work_unit
-        collection = self.registered_collections[node]
-        node.send_runtest_some(
-            [collection.index(nodeid) for nodeid, done in work_unit.items() if not done]
-        )
+        """pytest-xdist's assignment of the first file in the queue, for this one."""
+        self.workqueue.move_to_end(scope, last=False)
+        self._assign_work_unit(node)
 
 
 def alone_entry(nodeid: str) -> str | None:
