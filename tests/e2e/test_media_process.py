@@ -107,33 +107,32 @@ def _server(
     return ServerProcess([*args, *flags], env, engine_process=engine_process)
 
 
-@pytest.fixture(scope="module")
-def flood_server(tiny_dir: Path, flood_size: int) -> Iterator[ServerProcess]:
-    """The engine in its own process (the default). In CI a shorter queue keeps the flood small
-    enough to finish in seconds and still overflow the budget; ``--long`` floods it with 64."""
+def _flooded(tiny_dir: Path, flood_size: int, engine_process: bool) -> Iterator[ServerProcess]:
+    """A server with a 256 MiB media budget and one media worker. In CI a shorter queue keeps
+    the flood of 16 small enough to finish in seconds and still overflow the budget;
+    ``--long`` floods it with 64."""
     env = {"VLMSERVE_MEDIA_QUEUE": "4"} if flood_size < 64 else None
-    proc = _server(tiny_dir, "--media-memory", "256MiB", "--media-workers", "1", env=env)
+    flags = ("--media-memory", "256MiB", "--media-workers", "1")
+    proc = _server(tiny_dir, *flags, engine_process=engine_process, env=env)
     try:
         proc.wait_ready()
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def flood_server(tiny_dir: Path, flood_size: int) -> Iterator[ServerProcess]:
+    """The engine in its own process (the default)."""
+    yield from _flooded(tiny_dir, flood_size, engine_process=True)
 
 
 @pytest.fixture(scope="module")
 def in_process_server(tiny_dir: Path, flood_size: int) -> Iterator[ServerProcess]:
     """The engine in the API process (``--no-engine-process``): the engine's media and the
-    processor's tensors live beside the API's own. In CI a shorter queue keeps the flood
-    small (the cycle that once held every answered request's media is pinned by
-    tests/unit/engine/hf/test_media_release.py); ``--long`` floods it with 64 requests."""
-    flags = ("--media-memory", "256MiB", "--media-workers", "1")
-    env = {"VLMSERVE_MEDIA_QUEUE": "4"} if flood_size < 64 else None
-    proc = _server(tiny_dir, *flags, engine_process=False, env=env)
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    processor's tensors live beside the API's own (the cycle that once held every answered
+    request's media is pinned by tests/unit/engine/hf/test_media_release.py)."""
+    yield from _flooded(tiny_dir, flood_size, engine_process=False)
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
 
     The backends (torch, transformers) are imported where one is built: the API process of
     a server whose chat models run in engine processes never imports them (about 10 s of
-    CPU and 600 MiB less at start-up), nor does a Ray ingress replica."""
+    CPU and 700 MiB less at start-up), nor does a Ray ingress replica."""
     options = load_options(cfg, settings)
     roles = set(cfg.roles)
     rerank = Serves.RERANK.value in roles and Serves.EMBEDDING.value not in roles
