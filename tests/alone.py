@@ -64,7 +64,8 @@ class AloneLastScheduling(LoadFileScheduling):
     (it must know the next test to tear fixtures down right). So the alone phase starts like
     this: once only alone tests are left, the first worker that asks for more is chosen and
     waits at its last test; every other worker is told to stop as it asks, and runs what it
-    has; when none of them has a test left, the chosen one is sent every alone test.
+    has; when all of them have ended (their session fixtures torn down too), the chosen one is
+    sent every alone test.
     """
 
     def __init__(self, config: pytest.Config, log: object | None = None) -> None:
@@ -129,9 +130,10 @@ class AloneLastScheduling(LoadFileScheduling):
             return
         if any(scope not in ALONE for scope in self.workqueue):
             return
-        for node, work in self.assigned_work.items():
-            if node is not chosen and self._pending_of(work):
-                return
+        # every other worker gone (pytest-xdist removes one once its session fixtures are torn
+        # down, which can take seconds of CPU: a server's drain), not just out of tests
+        if any(node is not chosen for node in self.assigned_work):
+            return
         for scope in list(self.workqueue):
             self._assign(chosen, scope)
 
