@@ -21,6 +21,7 @@ import torch
 from vlmserve.engine.core import engine as engine_module
 from vlmserve.engine.core.sampler import Sampler
 from vlmserve.engine.hf.chat import HFChatBackend
+from vlmserve.engine.hf.inputs import Prepared
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.types import (
     ChatMessage,
@@ -85,8 +86,14 @@ def request(
 async def run(
     backend: HFChatBackend, req: GenerateRequest, on_chunk: Callable[[Outcome], None] | None = None
 ) -> Outcome:
+    return await drain(backend, await backend.prepare(req), on_chunk)
+
+
+async def drain(
+    backend: HFChatBackend, prepared: Prepared, on_chunk: Callable[[Outcome], None] | None = None
+) -> Outcome:
+    """Generate an already prepared request to its end."""
     out = Outcome()
-    prepared = await backend.prepare(req)
     async for chunk in backend.generate(prepared):
         out.tokens += chunk.token_ids
         out.text += chunk.text
@@ -139,7 +146,9 @@ async def test_greedy_output_is_identical_alone_and_joining_a_busy_batch(
 ) -> None:
     others = mixed_batch()
     alone = [await run(backend, r) for r in [*others, probe]]
-    tasks = [asyncio.create_task(run(backend, r)) for r in others]
+    # Prepared first, so a slow processor cannot let the short ones end before all are in.
+    prepared = [await backend.prepare(r) for r in others]
+    tasks = [asyncio.create_task(drain(backend, p)) for p in prepared]
     await wait_for(lambda: backend.engine.gauges.running == 7)  # type: ignore[union-attr]
     started = backend.engine.steps  # type: ignore[union-attr]
     await wait_for(lambda: backend.engine.steps >= started + 3)  # type: ignore[union-attr]
@@ -185,7 +194,7 @@ async def test_closing_a_stream_removes_its_row_within_a_step_and_others_continu
     doomed = backend.generate(prepared)
     await anext(doomed)
     row = next(s for s in engine.scheduler.running if s.prepared is prepared)
-    tasks = [asyncio.create_task(run(backend, r)) for r in keep]
+    tasks = [asyncio.create_task(drain(backend, await backend.prepare(r))) for r in keep]
     await wait_for(lambda: engine.gauges.running == 3)
     await doomed.aclose()
     closed_at = engine.steps
@@ -217,7 +226,7 @@ async def test_seeded_sampling_is_the_same_whatever_shares_the_batch(
     again = await run(backend, seeded)
     companions = [request(f"Noise {i}", temperature=1.0, max_tokens=40) for i in range(4)]
     companions.append(request("Other seed", temperature=0.8, seed=7, top_k=20, max_tokens=40))
-    tasks = [asyncio.create_task(run(backend, r)) for r in companions]
+    tasks = [asyncio.create_task(drain(backend, await backend.prepare(r))) for r in companions]
     await wait_for(lambda: backend.engine.gauges.running == 5)  # type: ignore[union-attr]
     busy = await run(backend, seeded)
     await asyncio.gather(*tasks)

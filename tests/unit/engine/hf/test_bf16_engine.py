@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.unit.engine.core.test_batching import mixed_batch, request, run, wait_for
+from tests.unit.engine.core.test_batching import drain, mixed_batch, request, run, wait_for
 from tests.unit.engine.models.families.test_families_batched import backend_for, mixed
 from tests.unit.engine.models.families.test_families_batched import request as request_for
 from tests.unit.engine.models.test_attention_kernels import prefilled, prompts
@@ -136,7 +136,8 @@ async def test_other_families_in_bf16_answer_the_same_alone_and_in_a_busy_batch(
             "Probe with two pictures", images=[(80, 80, 9), (50, 70, 3)], max_tokens=20
         )
         alone = [await run(backend, r) for r in [*others, probe]]
-        tasks = [asyncio.create_task(run(backend, r)) for r in others]
+        prepared = [await backend.prepare(r) for r in others]  # all in before any ends
+        tasks = [asyncio.create_task(drain(backend, p)) for p in prepared]
         await wait_for(lambda: engine.gauges.running == len(others))
         joined = await run(backend, probe)
         together = [*await asyncio.gather(*tasks), joined]
