@@ -105,6 +105,13 @@ async def drain(
     return out
 
 
+async def concurrently(backend: HFChatBackend, reqs: list[GenerateRequest]) -> list[Outcome]:
+    """Run requests side by side, each prepared before any generates: a slow processor on a
+    busy machine cannot let the short ones end before the last one is in the batch."""
+    prepared = [await backend.prepare(r) for r in reqs]
+    return list(await asyncio.gather(*(drain(backend, p) for p in prepared)))
+
+
 async def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -112,7 +112,8 @@ async def test_bf16_greedy_output_is_the_same_alone_and_in_a_busy_batch(
     others = mixed_batch()
     probe = request("Probe with a picture", image=(64, 48), max_tokens=24)
     alone = [await run(bf16, r) for r in [*others, probe]]
-    tasks = [asyncio.create_task(run(bf16, r)) for r in others]
+    prepared = [await bf16.prepare(r) for r in others]  # all in before any ends
+    tasks = [asyncio.create_task(drain(bf16, p)) for p in prepared]
     await wait_for(lambda: engine.gauges.running == len(others))
     started = engine.steps
     await wait_for(lambda: engine.steps >= started + 3)

@@ -5,7 +5,6 @@ install."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import shutil
@@ -21,7 +20,7 @@ from vlmserve.errors import ConfigError
 
 pytest.importorskip("torchao", reason="torchao is in the dev extra")
 
-from tests.unit.engine.core.test_batching import make_backend, request, run
+from tests.unit.engine.core.test_batching import concurrently, make_backend, request
 
 from vlmserve.testing.quantized import build_int8_qwen2_vl
 
@@ -42,7 +41,7 @@ async def test_int8_checkpoint_is_batched_and_equals_its_own_generate(int8_dir: 
             request("Plain text", max_tokens=12),
             request("Another one", image=(48, 64), max_tokens=12, image_seed=3),
         ]
-        together = await asyncio.gather(*(run(backend, r) for r in reqs))
+        together = await concurrently(backend, reqs)
         assert engine.peak_running == len(reqs)
         model: Any = backend._require().model
         for req, ours in zip(reqs, together, strict=True):

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.unit.engine.core.test_batching import Outcome, drain, run, wait_for
+from tests.unit.engine.core.test_batching import Outcome, concurrently, drain, run, wait_for
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions
@@ -160,7 +160,7 @@ async def test_eight_concurrent_requests_decode_together(
         for i in range(8)
     ]
     engine.peak_running = 0
-    outs = await asyncio.gather(*(run(backend, r) for r in reqs))
+    outs = await concurrently(backend, reqs)
     assert engine.peak_running == 8
     assert all(len(o.tokens) == 24 for o in outs)
 
