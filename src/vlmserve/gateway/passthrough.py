@@ -191,16 +191,18 @@ class PassthroughMiddleware:
         name, session_id = data.get("model"), data.get("session_id")
         if session_id is not None and self.settings.api_keys:
             return None  # the workers see one key, the gateway's: its own session keeps it apart
-        if has_uuids(data):
-            return None  # media by uuid: scoped to the key and routed on the full path
         if not isinstance(name, str) or (session_id is not None and not self._free(session_id)):
             return None
         try:
             backend = as_proxied(self.models.resolve(name).backend)
         except VlmserveError:
             return None
+        if backend is None:
+            return None  # served here: the messages need no walk of ours
+        if has_uuids(data):
+            return None  # media by uuid: scoped to the key and routed on the full path
         media = _media_kinds(data)
-        if backend is None or not self._within_limits(data, len(media)):
+        if not self._within_limits(data, len(media)):
             return None
         upstream = backend.upstream_name
         if backend.state is ModelState.READY and not backend.passes_streams():

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vlmserve.api.common.fields import CHAT_FIELDS, unknown_in_messages
 from vlmserve.api.common.guards import AllowedTokenIds, RepetitionDetectionIn, ThinkingTokenBudget
+from vlmserve.api.common.lists import MAX_MESSAGES, counted_first
 from vlmserve.api.common.text import UnicodeText, valid_unicode
 
 __all__ = [
@@ -191,7 +192,9 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, max_length=512)
-    messages: list[ChatMessageIn] = Field(min_length=1, max_length=4096)
+    messages: Annotated[list[ChatMessageIn], counted_first(MAX_MESSAGES)] = Field(
+        min_length=1, max_length=MAX_MESSAGES
+    )
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

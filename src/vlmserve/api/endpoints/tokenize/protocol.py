@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vlmserve.api.common.lists import MAX_MESSAGES, counted_first
 from vlmserve.api.common.text import UnicodeText
 from vlmserve.api.endpoints.chat.protocol import ChatMessageIn
 
@@ -20,7 +21,9 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = Field(default=None, min_length=1, max_length=512)
     prompt: UnicodeText | None = None
-    messages: list[ChatMessageIn] | None = Field(default=None, min_length=1, max_length=4096)
+    messages: Annotated[list[ChatMessageIn] | None, counted_first(MAX_MESSAGES)] = Field(
+        default=None, min_length=1, max_length=MAX_MESSAGES
+    )
     # vLLM's default: true for a prompt, false for messages (the chat template adds its own)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
