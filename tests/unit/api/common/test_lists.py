@@ -9,9 +9,12 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, Validati
 
 from vlmserve.api.common.lists import MAX_MESSAGES, counted_first
 from vlmserve.api.endpoints.chat.protocol import ChatCompletionRequest
+from vlmserve.api.endpoints.embeddings.protocol import EmbeddingsRequest
+from vlmserve.api.endpoints.responses.protocol import ResponsesRequest
 from vlmserve.api.endpoints.tokenize.protocol import TokenizeRequest
+from vlmserve.api.endpoints.worker.protocol import GenerateRequestIn
 
-MODELS = [ChatCompletionRequest, TokenizeRequest]
+MODELS = [ChatCompletionRequest, TokenizeRequest, EmbeddingsRequest, GenerateRequestIn]
 
 
 def _counting_model(limit: int) -> tuple[type[BaseModel], list[str]]:
@@ -63,3 +66,14 @@ def test_at_the_limit_the_messages_are_validated_as_before(model: type[BaseModel
 
 def test_tokenize_without_messages_still_takes_a_prompt() -> None:
     assert TokenizeRequest.model_validate({"model": "m", "prompt": "x"}).messages is None
+
+
+def test_a_responses_input_list_is_counted_first_and_a_string_is_not_a_list() -> None:
+    assert any(
+        isinstance(m, BeforeValidator) for m in ResponsesRequest.model_fields["input"].metadata
+    )
+    with pytest.raises(ValidationError) as raised:
+        ResponsesRequest.model_validate({"model": "m", "input": [7] * (MAX_MESSAGES + 1)})
+    assert [e["type"] for e in raised.value.errors()] == ["too_long"]
+    long_text = "x" * (MAX_MESSAGES + 1)
+    assert ResponsesRequest.model_validate({"model": "m", "input": long_text}).input == long_text

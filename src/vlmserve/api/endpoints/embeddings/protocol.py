@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vlmserve.api.common.lists import MAX_MESSAGES, counted_first
 from vlmserve.api.common.text import UnicodeText
 from vlmserve.api.endpoints.chat.protocol import ChatMessageIn
 
@@ -21,7 +22,9 @@ class EmbeddingsRequest(BaseModel):
 
     model: str = Field(min_length=1, max_length=512)
     input: UnicodeText | list[UnicodeText] | TokenIds | list[TokenIds] | None = None
-    messages: list[ChatMessageIn] | None = Field(default=None, min_length=1)
+    messages: Annotated[list[ChatMessageIn] | None, counted_first(MAX_MESSAGES)] = Field(
+        default=None, min_length=1, max_length=MAX_MESSAGES
+    )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vlmserve.api.common.fields import ITEM_FIELDS, RESPONSES_FIELDS, unknown_in_messages
+from vlmserve.api.common.lists import MAX_MESSAGES, counted_first
 from vlmserve.api.common.text import UnicodeText, valid_unicode
 from vlmserve.api.endpoints.chat.protocol import (
     InputVideoPart,
@@ -141,7 +142,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, max_length=512)
-    input: UnicodeText | list[InputItem]
+    input: Annotated[UnicodeText | list[InputItem], counted_first(MAX_MESSAGES)]
     instructions: UnicodeText | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
+from vlmserve.api.common.lists import MAX_MESSAGES, counted_first
 from vlmserve.api.common.text import UnicodeText
 from vlmserve.api.endpoints.chat.protocol import ChatMessageIn
 
@@ -48,7 +51,9 @@ class CaptionResponse(BaseModel):
 
 
 class GenerateRequestIn(_In):
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: Annotated[list[ChatMessageIn], counted_first(MAX_MESSAGES)] = Field(
+        min_length=1, max_length=MAX_MESSAGES
+    )
     max_new_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
 
