@@ -201,7 +201,8 @@ async def test_closing_a_stream_removes_its_row_within_a_step_and_others_continu
     doomed = backend.generate(prepared)
     await anext(doomed)
     row = next(s for s in engine.scheduler.running if s.prepared is prepared)
-    tasks = [asyncio.create_task(drain(backend, await backend.prepare(r))) for r in keep]
+    kept = [await backend.prepare(r) for r in keep]  # all in before any starts
+    tasks = [asyncio.create_task(drain(backend, p)) for p in kept]
     await wait_for(lambda: engine.gauges.running == 3)
     await doomed.aclose()
     closed_at = engine.steps
@@ -233,7 +234,8 @@ async def test_seeded_sampling_is_the_same_whatever_shares_the_batch(
     again = await run(backend, seeded)
     companions = [request(f"Noise {i}", temperature=1.0, max_tokens=40) for i in range(4)]
     companions.append(request("Other seed", temperature=0.8, seed=7, top_k=20, max_tokens=40))
-    tasks = [asyncio.create_task(drain(backend, await backend.prepare(r))) for r in companions]
+    prepared = [await backend.prepare(r) for r in companions]  # all in before any starts
+    tasks = [asyncio.create_task(drain(backend, p)) for p in prepared]
     await wait_for(lambda: backend.engine.gauges.running == 5)  # type: ignore[union-attr]
     busy = await run(backend, seeded)
     await asyncio.gather(*tasks)
