@@ -105,11 +105,18 @@ async def drain(
     return out
 
 
-async def concurrently(backend: HFChatBackend, reqs: list[GenerateRequest]) -> list[Outcome]:
-    """Run requests side by side, each prepared before any generates: a slow processor on a
-    busy machine cannot let the short ones end before the last one is in the batch."""
+async def start_all(
+    backend: HFChatBackend, reqs: list[GenerateRequest]
+) -> list[asyncio.Task[Outcome]]:
+    """The requests generating side by side, each prepared before any starts: a slow
+    processor on a busy machine cannot let the short ones end before the last is in."""
     prepared = [await backend.prepare(r) for r in reqs]
-    return list(await asyncio.gather(*(drain(backend, p) for p in prepared)))
+    return [asyncio.create_task(drain(backend, p)) for p in prepared]
+
+
+async def concurrently(backend: HFChatBackend, reqs: list[GenerateRequest]) -> list[Outcome]:
+    """Run requests side by side (``start_all``) to their ends."""
+    return list(await asyncio.gather(*await start_all(backend, reqs)))
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -153,9 +160,7 @@ async def test_greedy_output_is_identical_alone_and_joining_a_busy_batch(
 ) -> None:
     others = mixed_batch()
     alone = [await run(backend, r) for r in [*others, probe]]
-    # Prepared first, so a slow processor cannot let the short ones end before all are in.
-    prepared = [await backend.prepare(r) for r in others]
-    tasks = [asyncio.create_task(drain(backend, p)) for p in prepared]
+    tasks = await start_all(backend, others)
     await wait_for(lambda: backend.engine.gauges.running == 7)  # type: ignore[union-attr]
     started = backend.engine.steps  # type: ignore[union-attr]
     await wait_for(lambda: backend.engine.steps >= started + 3)  # type: ignore[union-attr]
@@ -201,8 +206,7 @@ async def test_closing_a_stream_removes_its_row_within_a_step_and_others_continu
     doomed = backend.generate(prepared)
     await anext(doomed)
     row = next(s for s in engine.scheduler.running if s.prepared is prepared)
-    kept = [await backend.prepare(r) for r in keep]  # all in before any starts
-    tasks = [asyncio.create_task(drain(backend, p)) for p in kept]
+    tasks = await start_all(backend, keep)
     await wait_for(lambda: engine.gauges.running == 3)
     await doomed.aclose()
     closed_at = engine.steps
@@ -234,8 +238,7 @@ async def test_seeded_sampling_is_the_same_whatever_shares_the_batch(
     again = await run(backend, seeded)
     companions = [request(f"Noise {i}", temperature=1.0, max_tokens=40) for i in range(4)]
     companions.append(request("Other seed", temperature=0.8, seed=7, top_k=20, max_tokens=40))
-    prepared = [await backend.prepare(r) for r in companions]  # all in before any starts
-    tasks = [asyncio.create_task(drain(backend, p)) for p in prepared]
+    tasks = await start_all(backend, companions)
     await wait_for(lambda: backend.engine.gauges.running == 5)  # type: ignore[union-attr]
     busy = await run(backend, seeded)
     await asyncio.gather(*tasks)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.unit.engine.core.test_batching import drain, mixed_batch, request, run, wait_for
+from tests.unit.engine.core.test_batching import mixed_batch, request, run, start_all, wait_for
 from tests.unit.engine.models.families.test_families_batched import backend_for, mixed
 from tests.unit.engine.models.families.test_families_batched import request as request_for
 from tests.unit.engine.models.test_attention_kernels import prefilled, prompts
@@ -112,8 +112,7 @@ async def test_bf16_greedy_output_is_the_same_alone_and_in_a_busy_batch(
     others = mixed_batch()
     probe = request("Probe with a picture", image=(64, 48), max_tokens=24)
     alone = [await run(bf16, r) for r in [*others, probe]]
-    prepared = [await bf16.prepare(r) for r in others]  # all in before any ends
-    tasks = [asyncio.create_task(drain(bf16, p)) for p in prepared]
+    tasks = await start_all(bf16, others)
     await wait_for(lambda: engine.gauges.running == len(others))
     started = engine.steps
     await wait_for(lambda: engine.steps >= started + 3)
@@ -137,8 +136,7 @@ async def test_other_families_in_bf16_answer_the_same_alone_and_in_a_busy_batch(
             "Probe with two pictures", images=[(80, 80, 9), (50, 70, 3)], max_tokens=20
         )
         alone = [await run(backend, r) for r in [*others, probe]]
-        prepared = [await backend.prepare(r) for r in others]  # all in before any ends
-        tasks = [asyncio.create_task(drain(backend, p)) for p in prepared]
+        tasks = await start_all(backend, others)
         await wait_for(lambda: engine.gauges.running == len(others))
         joined = await run(backend, probe)
         together = [*await asyncio.gather(*tasks), joined]

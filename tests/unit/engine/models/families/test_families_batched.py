@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.unit.engine.core.test_batching import Outcome, concurrently, drain, run, wait_for
+from tests.unit.engine.core.test_batching import Outcome, concurrently, run, start_all, wait_for
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.loading import LoadOptions
@@ -136,10 +136,7 @@ async def test_greedy_output_is_identical_alone_and_joining_a_busy_batch(
     others = mixed(name)
     probe = request("Probe with two pictures", images=[(80, 80, 9), (50, 70, 3)], max_tokens=20)
     alone = [await run(backend, r) for r in [*others, probe]]
-    # Prepared first: a slow processor (a video's frames on a busy machine) must not let
-    # the short ones finish before the last is admitted.
-    prepared = [await backend.prepare(r) for r in others]
-    tasks = [asyncio.create_task(drain(backend, p)) for p in prepared]
+    tasks = await start_all(backend, others)
     await wait_for(lambda: engine.gauges.running == len(others))
     started = engine.steps
     await wait_for(lambda: engine.steps >= started + 2)
