@@ -12,6 +12,12 @@ count, paced to the image flood's request rate, with the probes again. Peak RSS 
 of VmHWM over the server's process group, reset before each flood. Results: a table and
 ``--out`` JSON. ``--pool-only`` decodes data-URL JPEGs in ``MediaPool(n)`` (no model, no
 HTTP): images/s for each worker count (0 = a thread of this process).
+
+``--phases`` (vlmserve only) asks each probe for its timings (``include_metrics``) and prints
+where its time to first token went, p50 ms per phase: ``media`` (arrival until the engine
+may start: body, template, tokenizer), ``queue``, ``vision``, ``prefill``, and ``other``
+(the client's TTFT less those four: HTTP both ways and the hops between the server's
+processes).
 """
 
 from __future__ import annotations
@@ -68,21 +74,49 @@ def text_body(model: str, words: int, stream: bool = False) -> dict[str, Any]:
     return {**body, "messages": [{"role": "user", "content": text}]}
 
 
-async def probe(client: httpx.AsyncClient, model: str, n: int) -> list[float]:
+PHASES = ("media", "queue", "vision", "prefill")
+METRICS = {"media": "media_ms", "queue": "queue_time_ms", "vision": "vision_ms"}
+
+
+class Probes(list[float]):
+    """Probe TTFTs (ms), and with ``--phases`` each probe's server timings (``metrics``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[float, dict[str, Any]]] = []
+
+
+async def probe(client: httpx.AsyncClient, model: str, n: int, phases: bool = False) -> Probes:
     """TTFT (ms) of ``n`` streamed text requests, one at a time."""
-    times = []
+    times = Probes()
     for _ in range(n):
-        began, first = time.perf_counter(), None
-        async with client.stream(
-            "POST", "/v1/chat/completions", json=text_body(model, 8, True)
-        ) as r:
+        body = text_body(model, 8, True)
+        if phases:
+            body |= {"include_metrics": True, "stream_options": {"include_usage": True}}
+        began, first, metrics = time.perf_counter(), None, None
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             async for line in r.aiter_lines():
                 if first is None and '"content":"' in line and '"content":""' not in line:
                     first = (time.perf_counter() - began) * 1000
+                if phases and '"metrics"' in line and line.startswith("data: "):
+                    metrics = json.loads(line[6:]).get("metrics")
         if first is not None:
             times.append(first)
+            if metrics:
+                times.metrics.append((first, metrics))
         await asyncio.sleep(0.02)
     return times
+
+
+def phase_p50(probes: list[tuple[float, dict[str, Any]]]) -> dict[str, float]:
+    """p50 ms of each phase of the probes' TTFT (``PHASES``, then ``other``: the rest)."""
+    if not probes:
+        return {}
+    rows = []
+    for ttft, metrics in probes:
+        row = {name: float(metrics.get(METRICS.get(name, f"{name}_ms")) or 0.0) for name in PHASES}
+        rows.append({**row, "other": ttft - sum(row.values())})
+    return {name: statistics.median(r[name] for r in rows) for name in (*PHASES, "other")}
 
 
 async def flood(
@@ -128,13 +162,13 @@ def reset_peaks(pids: list[int]) -> None:
 
 async def under_flood(
     client: httpx.AsyncClient, model: str, bodies: Any, args: argparse.Namespace, rate: float
-) -> tuple[list[float], float]:
+) -> tuple[Probes, float]:
     """Probe TTFTs while ``bodies`` flood the server; -> (TTFTs, flood requests/s)."""
     stop = asyncio.Event()
     began = time.perf_counter()
     flooding = asyncio.create_task(flood(client, bodies, args.clients, stop, rate))
     await asyncio.sleep(1.0)  # the flood is on
-    ttfts = await probe(client, model, args.probes)
+    ttfts = await probe(client, model, args.probes, args.phases)
     await asyncio.sleep(max(0.0, args.seconds - (time.perf_counter() - began)))
     stop.set()
     done = await flooding
@@ -147,14 +181,19 @@ async def measure(spec: ServerSpec, pid: int, args: argparse.Namespace) -> dict[
         r = await client.post("/v1/chat/completions", json=next(images))
         r.raise_for_status()
         tokens = r.json()["usage"]["prompt_tokens"]
-        idle = await probe(client, spec.model, args.probes)
+        phases = args.phases and spec.name.startswith("vlmserve")
+        idle = await probe(client, spec.model, args.probes, phases)
         _, pids = group_hwm_mib(pid)
         reset_peaks(pids)
-        flooded, image_rate = await under_flood(client, spec.model, images, args, 0)
+        flood_args = argparse.Namespace(**{**vars(args), "phases": phases})
+        flooded, image_rate = await under_flood(client, spec.model, images, flood_args, 0)
         peak, _ = group_hwm_mib(pid)
         texts = iter(lambda: text_body(spec.model, tokens), None)
         wait_idle(args.settle)
-        text_flooded, text_rate = await under_flood(client, spec.model, texts, args, image_rate)
+        text_flooded, text_rate = await under_flood(
+            client, spec.model, texts, flood_args, image_rate
+        )
+    conditions = {"idle": idle, "image_flood": flooded, "text_flood": text_flooded}
     return {
         "server": spec.name,
         "prompt_tokens": tokens,
@@ -164,6 +203,7 @@ async def measure(spec: ServerSpec, pid: int, args: argparse.Namespace) -> dict[
         "image_rps": image_rate,
         "text_rps": text_rate,
         "peak_rss_mib": peak,
+        "phases": {k: phase_p50(v.metrics) for k, v in conditions.items()} if phases else {},
     }
 
 
@@ -259,6 +299,10 @@ def report(results: list[dict[str, Any]]) -> None:
             f"{r['server']:<16}  {cells[0]:>14}  {cells[1]:>20}  {cells[2]:>18}"
             f"  {r['image_rps']:6.1f} {r['text_rps']:6.1f}  {r['peak_rss_mib']:8.0f}"
         )
+    for r in results:
+        for condition, phases in (r.get("phases") or {}).items():
+            cells = "  ".join(f"{name} {ms:5.1f}" for name, ms in phases.items())
+            print(f"{r['server']:<16}  {condition:<12} TTFT p50 by phase, ms: {cells}")
 
 
 def main() -> None:
@@ -274,6 +318,9 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=40, help="text TTFT probes per phase")
     ap.add_argument("--images", type=int, default=600, help="distinct JPEGs made up front")
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument(
+        "--phases", action="store_true", help="vlmserve: where each probe's TTFT went (p50 ms)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settle", type=float, default=10.0, help="max seconds to wait for idle CPUs")
     ap.add_argument("--startup-timeout", type=float, default=300.0)

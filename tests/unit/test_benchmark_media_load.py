@@ -31,3 +31,38 @@ def test_pool_only_reports_images_per_second_for_each_worker_count() -> None:
     results = bench.pool_only(args)
     assert [r["server"] for r in results] == ["pool-w0", "pool-w1"]
     assert all(r["images"] == 4 and r["images_per_s"] > 0 for r in results)
+
+
+def test_phases_split_each_probes_ttft_and_the_rest_is_other() -> None:
+    bench = load()
+    probes = [
+        (20.0, {"media_ms": 5.0, "queue_time_ms": 1.0, "vision_ms": 0.0, "prefill_ms": 4.0}),
+        (40.0, {"media_ms": 9.0, "queue_time_ms": 3.0, "vision_ms": 0.0, "prefill_ms": 8.0}),
+        (30.0, {"media_ms": 7.0, "queue_time_ms": 2.0, "vision_ms": None, "prefill_ms": 6.0}),
+    ]
+    phases = bench.phase_p50(probes)
+    assert phases == {
+        "media": 7.0,
+        "queue": 2.0,
+        "vision": 0.0,
+        "prefill": 6.0,
+        "other": 15.0,  # 10, 20, 15: each probe's TTFT less its four phases
+    }
+    assert bench.phase_p50([]) == {}
+
+
+async def test_probes_with_phases_carry_the_servers_timings(live_server) -> None:
+    import httpx
+
+    from support import MODEL
+
+    server = live_server()
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        plain = await load().probe(client, MODEL, 2)
+        timed = await load().probe(client, MODEL, 2, phases=True)
+    assert len(plain) == len(timed) == 2 and not plain.metrics
+    assert [ttft for ttft, _ in timed.metrics] == list(timed)
+    for _, metrics in timed.metrics:
+        assert {"media_ms", "queue_time_ms", "vision_ms", "prefill_ms"} <= metrics.keys()
+    phases = load().phase_p50(timed.metrics)
+    assert phases["prefill"] > 0 and phases["media"] > 0
