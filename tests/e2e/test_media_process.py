@@ -201,11 +201,19 @@ def _flood_holds_to_the_budget(flood_server: ServerProcess, photo: bytes, n: int
     assert api_rise <= 256 * MiB + 256 * MiB, f"the API's peak RSS rose {api_rise / MiB:.0f} MiB"
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            out.extend(int(c) for c in children.read_text().split())
+    return out
+
+
 def _media_workers(server: int) -> list[int]:
-    """The server's spawned multiprocessing children (not the resource tracker, not the
-    engine process)."""
+    """The API process's spawned multiprocessing children (not the resource tracker, not the
+    engine process, nor the engine process's own image preprocessing workers)."""
     found = []
-    for pid in _tree(server):
+    for pid in _children(server):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()

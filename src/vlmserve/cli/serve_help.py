@@ -154,7 +154,8 @@ HELP = {
     "media_workers": (
         REQUESTS,
         "Processes that read and decode media; 0 = a thread of the API process "
-        "(default: half the cores, 1-4).",
+        "(default: half the cores, 1-4). With the engine in its own process, as many "
+        "again preprocess its Qwen-VL images there (about 300 MiB each).",
     ),
     "media_timeout": (REQUESTS, "Seconds to read and decode one request's media (408)."),
     "allowed_local_media_path": (

@@ -61,6 +61,7 @@ class ChatEngineConfig:
     reasoning_parser: str | None  # qwen3 | deepseek_r1; None: detected from the template
     tool_call_parser: str | None  # hermes; None: hermes when a request has tools
     logprobs_mode: str  # raw | processed
+    preprocess_workers: int = 0  # media_workers, in an engine process: ``hf/preprocess.py``
 
     _SETTINGS: ClassVar[dict[str, str]] = {
         "max_model_len": "max_model_len",

@@ -5,6 +5,7 @@ subprocesses). Everything else talks to them through ``engine.protocol.Backend``
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from vlmserve.gateway.pool import PoolPolicy
 from vlmserve.gateway.supervisor import Supervisor, SupervisorConfig
 from vlmserve.gateway.upstream import UpstreamBackend, UpstreamConfig
 from vlmserve.gateway.vllm import VllmBackend
+from vlmserve.media.workers.pool import default_workers
 from vlmserve.registry.entries import ModelEntry, VllmConfig
 from vlmserve.registry.handles import ModelHandle
 
@@ -87,6 +89,9 @@ def hf_backend(cfg: ModelConfig, settings: Settings) -> Backend:
     check_parser_names(config.reasoning_parser, config.tool_call_parser)
     scores = RerankConfig.from_settings(settings) if rerank else None
     if settings.engine_process:
+        workers = settings.media_workers
+        workers = default_workers() if workers is None else workers
+        config = replace(config, preprocess_workers=workers)  # images off the engine's GIL
         return EngineProcClient(
             cfg.served_name,
             partial(chat_backend, cfg.served_name, options, config, scores=scores),

@@ -29,6 +29,7 @@ from vlmserve.engine.hf.inputs import Prepared, build_inputs, render_prompt
 from vlmserve.engine.hf.lifecycle import HFModel, ModelState
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.hf.media_options import family_media, processor_kwargs
+from vlmserve.engine.hf.preprocess import PreprocessPool
 from vlmserve.engine.hf.processor_cache import CachedImageProcessor
 from vlmserve.engine.hf.processor_cache import install as install_processor_cache
 from vlmserve.engine.hf.score.backend import HFRerankBackend
@@ -77,6 +78,7 @@ class HFChatBackend(HFModel):
         self.scorer: HFRerankBackend | None = None  # scores on this model, when it does
         self.config = replace(config or ChatEngineConfig.defaults(), **changes)
         self._processor_cache: CachedImageProcessor | None = None
+        self._preprocess: PreprocessPool | None = None  # images preprocessed elsewhere
         self._caps: Capabilities | None = None  # what the loaded model takes (image, video)
         self._media: tuple[MediaRules, VideoSampling] | None = None  # family media rules
         self._reasoning: str | None = None  # the reasoning parser (configured or detected)
@@ -112,7 +114,18 @@ class HFChatBackend(HFModel):
         self._processor_cache = install_processor_cache(
             loaded.processor, self.config.processor_cache_bytes
         )
+        self._start_preprocessing()
         self._attach_scorer(loaded)
+
+    def _start_preprocessing(self) -> None:
+        """In an engine process (``preprocess_workers``), its images' preprocessing in worker
+        processes (``preprocess.py``)."""
+        cache, workers = self._processor_cache, self.config.preprocess_workers
+        if cache is None or workers <= 0:
+            return
+        self._preprocess = PreprocessPool(cache.inner, workers, self.config.media_nice)
+        self._preprocess.start()
+        cache.remote = self._preprocess
 
     def _attach_scorer(self, loaded: Any) -> None:
         if self._score_config is not None:
@@ -188,6 +201,9 @@ class HFChatBackend(HFModel):
 
     def close(self) -> None:
         self._processor_cache = None  # dropped with the processor
+        if self._preprocess is not None:
+            self._preprocess.close()
+            self._preprocess = None
         if self.scorer is not None:
             self.scorer.close()
             self.scorer = None

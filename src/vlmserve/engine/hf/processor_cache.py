@@ -8,19 +8,28 @@ Only for processors whose output is per-image patch rows plus a grid (Qwen2-VL's
 there each image is preprocessed on its own and the outputs are concatenated, so processing
 images one by one, some from the cache, gives exactly what one call over all of them gives.
 Any other output shape is passed through uncached.
+
+An image is keyed by a hash of its pixels (``pixel_digest``): a ``LentImage`` (the engine
+process's view of a shared block) brings the one its writer made, so the engine process
+never reads it to key it; and with ``remote`` (``preprocess.py``: worker processes) a miss
+on such an image is preprocessed there from the block, so its pixels never enter this
+process at all. That keeps the image work from holding this process's GIL, which the
+request path shares (a thread's lower OS priority does not carry over to the GIL).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from PIL import Image
 
 from vlmserve.engine.byte_lru import ByteLRU
+from vlmserve.media.workers.shared import LentImage, SharedImage, pixel_digest
 
-__all__ = ["CachedImageProcessor", "install"]
+__all__ = ["CachedImageProcessor", "Remote", "image_key", "install"]
 
 _KEYS = ("pixel_values", "image_grid_thw")
 
@@ -37,13 +46,24 @@ class _Entry:
 
 def image_key(image: Any, options: str) -> bytes | None:
     """A 128-bit hash of a decoded image's pixels, size and mode plus the call's options."""
-    tobytes = getattr(image, "tobytes", None)
-    if tobytes is None:  # arrays or tensors: not cached
+    if isinstance(image, LentImage) and image.pixel_digest:
+        pixels = image.pixel_digest
+    elif isinstance(image, Image.Image):
+        pixels = pixel_digest(image.tobytes())
+    else:  # arrays or tensors: not cached
         return None
     digest = hashlib.blake2b(b"image", digest_size=16)
     digest.update(f"{image.mode}|{image.size}|{options}".encode())
-    digest.update(tobytes())
+    digest.update(pixels)
     return digest.digest()
+
+
+class Remote(Protocol):
+    """Preprocesses one image from its shared block elsewhere (``preprocess.py``)."""
+
+    def __call__(
+        self, shared: SharedImage, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
 class CachedImageProcessor:
@@ -52,6 +72,7 @@ class CachedImageProcessor:
     def __init__(self, inner: Any, max_bytes: int):
         self.inner = inner
         self.max_bytes = max_bytes
+        self.remote: Remote | None = None  # set by ``preprocess.PreprocessPool.attach``
         self._entries: ByteLRU[bytes, _Entry] = ByteLRU(max_bytes, _Entry.size)
         self._lock = threading.Lock()  # request threads share the entries
         self._local = threading.local()  # keys of this thread's last call (see ``take_keys``)
@@ -92,10 +113,15 @@ class CachedImageProcessor:
         return keys
 
     def _process(self, image: Any, key: bytes, kwargs: dict[str, Any]) -> _Entry | None:
-        out = self.inner([image], **kwargs)
-        if set(out.keys()) != set(_KEYS):
-            return None
-        entry = _Entry(out["pixel_values"], out["image_grid_thw"], key)
+        done = None
+        if self.remote is not None and isinstance(image, LentImage):
+            done = self.remote(image.shared, kwargs)  # None: do it here after all
+        if done is None:
+            out = self.inner([image], **kwargs)
+            if set(out.keys()) != set(_KEYS):
+                return None
+            done = out["pixel_values"], out["image_grid_thw"]
+        entry = _Entry(done[0], done[1], key)
         self._put(key, entry)
         return entry
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+from _posixshmem import shm_open  # type: ignore[import-not-found]
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -31,8 +33,8 @@ from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, Video
 from vlmserve.errors import ServiceUnavailable
 from vlmserve.media.workers.shared import (
     BlockImage,
+    LentImage,
     SharedImage,
-    read_block,
     release_block,
     write_block,
 )
@@ -130,7 +132,8 @@ def release(blocks: Blocks) -> None:
 
 
 def receive(request: GenerateRequest) -> GenerateRequest:
-    """``request`` with its images read out of their blocks (runs in the engine process)."""
+    """``request`` with its images as ``LentImage``s of their blocks, each block checked to
+    be there (runs in the engine process)."""
     missing: list[str] = []
 
     def take(shared: SharedImage) -> Image.Image | None:
@@ -156,9 +159,11 @@ def _put(image: Image.Image) -> SharedImage:
 
 
 def _take(shared: SharedImage) -> Image.Image:
-    """The image read out of its block (``pread``, without the GIL); the block stays, the
-    API process unlinks it."""
-    return Image.frombytes(shared.mode, shared.size, read_block(shared))
+    """The image of a block that is there (read when its pixels are first touched); the
+    block stays, the API process unlinks it."""
+    fd = shm_open(f"/{shared.name.lstrip('/')}", os.O_RDONLY, 0o600)
+    os.close(fd)
+    return LentImage(shared)
 
 
 def _message(message: ChatMessage, convert: Any) -> ChatMessage:

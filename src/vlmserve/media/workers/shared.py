@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import os
 import secrets
 import threading
@@ -41,8 +42,10 @@ from vlmserve.errors import ServiceUnavailable
 
 __all__ = [
     "BlockImage",
+    "LentImage",
     "SharedImage",
     "held",
+    "pixel_digest",
     "read_block",
     "release",
     "release_block",
@@ -60,6 +63,7 @@ class SharedImage:
     mode: str
     size: tuple[int, int]
     nbytes: int
+    digest: bytes = b""  # ``pixel_digest`` of the pixels, made where they were written
 
     @classmethod
     def put(cls, image: Image.Image) -> SharedImage:
@@ -89,7 +93,14 @@ def write_block(image: Image.Image) -> SharedImage:
         raise
     finally:
         os.close(fd)
-    return SharedImage(path.lstrip("/"), image.mode, image.size, len(data))
+    return SharedImage(path.lstrip("/"), image.mode, image.size, len(data), pixel_digest(data))
+
+
+def pixel_digest(data: bytes) -> bytes:
+    """A 128-bit hash of an image's raw pixels (``tobytes``). Made once, by the process that
+    writes the block (a media worker, or a media thread), so that a reader can key the image
+    by content without reading it; ``hashlib`` hashes a buffer this size without the GIL."""
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _shm_full(nbytes: int) -> ServiceUnavailable:
@@ -188,6 +199,51 @@ class BlockImage(Image.Image):
     def held(self) -> bool:
         """The block is still there."""
         return self._release.alive
+
+    def __reduce__(self) -> Any:  # pickled, it is a plain image
+        return _plain, (self.mode, self.size, self.tobytes())
+
+
+class LentImage(Image.Image):
+    """A PIL image whose pixels are in another process's block, read on first access (the
+    engine process's view of a request's image). It never unlinks the block: the lender
+    answers for it, and keeps it until the engine has prepared the request. A reader that
+    only needs the image's content key (``pixel_digest``) or its block's name never reads the
+    pixels."""
+
+    def __init__(self, shared: SharedImage):
+        super().__init__()
+        self._mode, self._size = shared.mode, shared.size
+        self.shared = shared
+        self._lock = threading.Lock()
+
+    @property
+    def pixel_digest(self) -> bytes:
+        return self.shared.digest
+
+    @property
+    def im(self) -> Any:
+        if self._im is None:
+            self.load()
+        return self._im
+
+    @im.setter
+    def im(self, value: Any) -> None:
+        self._im = value
+
+    def load(self) -> Any:
+        with self._lock:
+            if self._im is None:
+                try:
+                    pixels = read_block(self.shared)
+                except FileNotFoundError as exc:  # unlinked: cancelled, or the server stops
+                    raise ServiceUnavailable(
+                        "the request's image was gone before the engine read it (the request "
+                        "was cancelled or the server is stopping); retry",
+                        code="media_gone",
+                    ) from exc
+                self._im = Image.frombytes(self.mode, self.size, pixels).im
+        return super().load()
 
     def __reduce__(self) -> Any:  # pickled, it is a plain image
         return _plain, (self.mode, self.size, self.tobytes())

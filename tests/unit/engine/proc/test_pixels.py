@@ -30,8 +30,10 @@ from vlmserve.errors import ServiceUnavailable
 from vlmserve.media.workers.priority import low_priority_executor, thread_nice
 from vlmserve.media.workers.shared import (
     BlockImage,
+    LentImage,
     SharedImage,
     held,
+    pixel_digest,
     to_shared,
 )
 from vlmserve.testing.media import gradient_image
@@ -68,17 +70,31 @@ def test_a_photo_crosses_as_block_names_and_arrives_with_the_same_pixels() -> No
         assert isinstance(request.messages[0].content[0], ImagePart)  # the original is intact
         assert request.messages[0].content[0].image is photo
         taken = pixels.receive(pickle.loads(pickle.dumps(shipped)))
+        image, video, text = taken.messages[0].content
+        assert isinstance(image, ImagePart) and isinstance(image.image, LentImage)
+        assert image.image.size == photo.size and image.image.mode == photo.mode
+        # keyed by content without a read: the digest its writer made of the same pixels
+        assert image.image.pixel_digest == pixel_digest(photo.tobytes())
+        assert image.image.tobytes() == photo.tobytes()  # read while the API holds the block
+        assert isinstance(video, VideoPart) and video.fps == 2.0
+        assert video.frame_indices == [0, 5, 9]
+        assert [f.tobytes() for f in video.frames] == [f.tobytes() for f in frames]
         assert all(_exists(n) for n in names)  # the engine only reads
     finally:
         pixels.release(blocks)
-    image, video, text = taken.messages[0].content
-    assert isinstance(image, ImagePart) and image.image.tobytes() == photo.tobytes()
-    assert image.image.size == photo.size and image.image.mode == photo.mode
-    assert isinstance(video, VideoPart) and video.fps == 2.0 and video.frame_indices == [0, 5, 9]
-    assert [f.tobytes() for f in video.frames] == [f.tobytes() for f in frames]
     assert text == TextPart("what is this?")
     assert taken.sampling == request.sampling and taken.request_id == "r1"
     assert not any(_exists(n) for n in names)  # the API process unlinked them
+
+
+def test_an_image_read_after_its_block_is_gone_is_a_503_not_a_crash() -> None:
+    shipped, blocks = pixels.ship(_request(ImagePart(gradient_image(64, 48, seed=1))))
+    taken = pixels.receive(shipped)
+    pixels.release(blocks)  # the request was cancelled before the engine read the pixels
+    image = taken.messages[0].content[0].image
+    with pytest.raises(ServiceUnavailable) as err:
+        image.tobytes()
+    assert err.value.code == "media_gone"
 
 
 def test_a_request_without_media_is_not_shipped() -> None:
@@ -198,7 +214,9 @@ async def test_a_media_workers_block_is_lent_to_the_engine_as_it_is(
     assert [s.name for s in _blocks(shipped)] == names
     taken = pixels.receive(pickle.loads(pickle.dumps(shipped)))
     got_image, got_video, _ = taken.messages[0].content
-    assert isinstance(got_image, ImagePart) and type(got_image.image) is Image.Image
+    assert isinstance(got_image, ImagePart) and isinstance(got_image.image, LentImage)
+    assert got_image.image.shared.name == image.shared.name  # the worker's block, named
+    assert got_image.image.pixel_digest == pixel_digest(photo.tobytes())
     assert got_image.image.tobytes() == photo.tobytes()
     assert isinstance(got_video, VideoPart)
     assert [f.tobytes() for f in got_video.frames] == [f.tobytes() for f in frames]

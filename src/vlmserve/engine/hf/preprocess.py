@@ -1,0 +1,183 @@
+"""Images preprocessed in worker processes of the engine process, read from their blocks.
+
+In an engine process, a request's image is a ``LentImage``: the API process's shared block,
+named but not read (``engine/proc/pixels.py``). The image processor's work on a photo
+(reading it, resizing, normalising, patchifying) is mostly Python and numpy/torch calls that
+hold the GIL, and the engine process's request path (the loop, the model thread, a text
+request's template) needs that GIL too. A lower OS priority on the threads that do it does
+not help there: a low-priority thread that holds the GIL while a busy CPU keeps it waiting
+makes every other thread of the process wait with it. Measured on 2 cores, two low-priority
+threads burning CPU in the engine process put a text request's time to first token at 16x
+when they held the GIL, and changed it by nothing measurable when they did not.
+
+So, with ``--media-workers N`` (N > 0) and the engine in its own process, a miss of the
+processor cache (``processor_cache.py``) on such an image goes to one of N spawned worker
+processes at the media workers' lower priority: it reads the block, runs a copy of the
+model's image processor on it and returns the patch rows and grid. The output is the same
+bytes the engine process would have made (the same processor, one torch thread each). The
+workers start with the model and take images once they are up; until then, and after a
+worker dies (its image is then preprocessed in the engine process, the pool restarted),
+images are preprocessed in the engine process as before. Only processors whose output is
+per-image patch rows plus a grid (the processor cache's layout: Qwen2-VL's family) go there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vlmserve.errors import ServiceUnavailable
+from vlmserve.media.workers.shared import SharedImage, read_block
+
+__all__ = ["PreprocessPool"]
+
+log = logging.getLogger("vlmserve.engine")
+
+_KEYS = {"pixel_values", "image_grid_thw"}
+_GONE = "gone"
+_inner: Any = None  # the worker's copy of the image processor
+
+
+class PreprocessPool:
+    """``workers`` processes at ``nice`` below the engine process, each with ``inner`` (the
+    model's image processor, pickled); called as ``CachedImageProcessor.remote``."""
+
+    def __init__(self, inner: Any, workers: int, nice: int):
+        self._blob = pickle.dumps(inner)
+        self.workers, self.nice = workers, nice
+        self._executor: ProcessPoolExecutor | None = None
+        self._ready = False
+        self._lock = threading.Lock()
+        self._closed = False
+        self.done = 0  # images preprocessed in the workers
+        self.restarts = 0  # pools replaced after a worker died
+
+    def start(self) -> None:
+        """Spawn the workers; they take images once each has loaded (in the background)."""
+        with self._lock:
+            if self._closed:
+                return
+            executor = ProcessPoolExecutor(
+                self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init,
+                initargs=(self._blob, self.nice, os.getpid()),
+            )
+            self._executor, self._ready = executor, False
+        threading.Thread(
+            target=self._warm, args=(executor,), name="vlmserve-preprocess-start", daemon=True
+        ).start()
+
+    def _warm(self, executor: ProcessPoolExecutor) -> None:
+        began = time.perf_counter()
+        try:
+            pids = [executor.submit(os.getpid).result() for _ in range(self.workers)]
+        except Exception as exc:  # a worker that cannot start: images stay in this process
+            log.warning(
+                "image preprocessing workers failed to start (%s); images are "
+                "preprocessed in the engine process",
+                exc,
+            )
+            return
+        with self._lock:
+            if self._executor is executor:
+                self._ready = True
+        log.info(
+            "image preprocessing workers ready in %.1f s: %s",
+            time.perf_counter() - began,
+            ", ".join(map(str, sorted(set(pids)))),
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def __call__(
+        self, shared: SharedImage, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The image's ``pixel_values`` and ``image_grid_thw``; None: preprocess it here."""
+        with self._lock:
+            executor = self._executor if self._ready else None
+        if executor is None:
+            return None
+        try:
+            result = executor.submit(_preprocess, shared, kwargs).result()
+        except BrokenProcessPool:
+            log.warning(
+                "an image preprocessing worker died; restarting the pool (this "
+                "image is preprocessed in the engine process)"
+            )
+            self._restart(executor)
+            return None
+        if result == _GONE:
+            raise ServiceUnavailable(
+                "the request's image was gone before the engine read it (the request was "
+                "cancelled or the server is stopping); retry",
+                code="media_gone",
+            )
+        if result is None:  # not the patch-rows-plus-grid layout
+            return None
+        self.done += 1
+        pixels, grid = result
+        return torch.from_numpy(pixels), torch.from_numpy(grid)
+
+    def _restart(self, broken: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._executor is not broken or self._closed:
+                return  # another thread restarted it already
+            self._executor, self._ready = None, False
+            self.restarts += 1
+        broken.shutdown(wait=False, cancel_futures=True)
+        self.start()
+
+    def close(self) -> None:
+        with self._lock:
+            executor, self._executor, self._ready, self._closed = self._executor, None, False, True
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _init(blob: bytes, nice: int, parent: int) -> None:
+    """A worker: one torch thread (as the engine's media threads), ``nice`` lower, the
+    image processor loaded; it exits when the engine process does."""
+    global _inner
+    gc.enable()  # spawned from an engine process, whose ``__main__`` pauses it (heap.py)
+    torch.set_num_threads(1)
+    if nice > 0:
+        with contextlib.suppress(OSError):  # not permitted here: the same priority
+            os.nice(nice)
+    _inner = pickle.loads(blob)
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _preprocess(
+    shared: SharedImage, kwargs: dict[str, Any]
+) -> tuple[np.ndarray, np.ndarray] | str | None:
+    try:
+        pixels = read_block(shared)
+    except FileNotFoundError:
+        return _GONE
+    image = Image.frombytes(shared.mode, shared.size, pixels)
+    out = _inner([image], **kwargs)
+    if set(out.keys()) != _KEYS:
+        return None
+    return out["pixel_values"].numpy(), out["image_grid_thw"].numpy()
