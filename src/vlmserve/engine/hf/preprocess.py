@@ -111,7 +111,7 @@ class PreprocessPool:
         """The image's ``pixel_values`` and ``image_grid_thw``; None: preprocess it here."""
         with self._lock:
             executor = self._executor if self._ready else None
-        if executor is None:
+        if executor is None or not _travels(kwargs):
             return None
         try:
             result = executor.submit(_preprocess, shared, kwargs).result()
@@ -148,6 +148,17 @@ class PreprocessPool:
             executor, self._executor, self._ready, self._closed = self._executor, None, False, True
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _travels(kwargs: dict[str, Any]) -> bool:
+    """The processor's options can go to a worker (a few small values: pickled twice is
+    nothing); one that cannot is preprocessed in the engine process."""
+    try:
+        pickle.dumps(kwargs)
+    except Exception as exc:  # pickling raises PicklingError, AttributeError, TypeError...
+        log.warning("an image's preprocessing options cannot go to a worker (%s)", exc)
+        return False
+    return True
 
 
 def _init(blob: bytes, nice: int, parent: int) -> None:

@@ -35,15 +35,6 @@ def inner(tiny_dir: Path) -> object:
     return AutoProcessor.from_pretrained(tiny_dir).image_processor
 
 
-@pytest.fixture(scope="module")
-def pool(inner: object) -> Iterator[PreprocessPool]:
-    pool = PreprocessPool(inner, workers=1, nice=0)
-    pool.start()
-    _ready(pool)
-    yield pool
-    pool.close()
-
-
 @pytest.fixture
 def lent() -> Iterator[tuple[LentImage, object]]:
     """A photo in a block, as the engine process sees it, and the photo itself."""
@@ -51,24 +42,6 @@ def lent() -> Iterator[tuple[LentImage, object]]:
     shared = write_block(photo)
     yield LentImage(shared), photo
     release_block(shared.name)
-
-
-def test_a_workers_preprocessing_is_bit_identical_and_never_reads_the_block_here(
-    inner: object, pool: PreprocessPool, lent: tuple[LentImage, object]
-) -> None:
-    image, photo = lent
-    cached = CachedImageProcessor(inner, 1 << 30)
-    cached.remote = pool
-    done = pool.done
-    out = cached([image], **KWARGS)
-    assert pool.done == done + 1  # a worker did it
-    assert image._im is None  # and this process never read the pixels
-    local = inner([photo], **KWARGS)
-    assert torch.equal(out["pixel_values"], local["pixel_values"])
-    assert torch.equal(out["image_grid_thw"], local["image_grid_thw"])
-    again = cached([image], **KWARGS)  # a hit: no worker, no read
-    assert pool.done == done + 1 and image._im is None
-    assert torch.equal(again["pixel_values"], local["pixel_values"])
 
 
 def test_a_lent_image_is_keyed_as_the_same_pixels_read_here(
@@ -83,39 +56,53 @@ def test_a_lent_image_is_keyed_as_the_same_pixels_read_here(
     assert image_key(photo, "other options") != image_key(photo, options)
 
 
-def test_an_image_gone_before_the_worker_read_it_is_a_503(
-    pool: PreprocessPool, lent: tuple[LentImage, object]
-) -> None:
-    image, _ = lent
-    release_block(image.shared.name)  # the request was cancelled meanwhile
-    with pytest.raises(ServiceUnavailable) as err:
-        pool(image.shared, KWARGS)
-    assert err.value.code == "media_gone"
-
-
-def test_a_killed_worker_costs_one_image_done_here_and_a_restart(
+def test_workers_preprocess_bit_identically_and_outlive_a_killed_one(
     inner: object, lent: tuple[LentImage, object]
 ) -> None:
+    """One pool through its life (each start is a process with torch: seconds)."""
     image, photo = lent
+    local = inner([photo], **KWARGS)
     pool = PreprocessPool(inner, workers=1, nice=0)
+    assert pool(image.shared, KWARGS) is None  # not started: the engine process does it
     pool.start()
     try:
         _ready(pool)
-        cached = CachedImageProcessor(inner, 0)  # no cache: every call preprocesses
+        cached = CachedImageProcessor(inner, 1 << 30)
         cached.remote = pool
-        cached([image], **KWARGS)
-        assert pool.done == 1
+        out = cached([image], **KWARGS)
+        assert pool.done == 1  # a worker did it
+        assert image._im is None  # and this process never read the pixels
+        assert torch.equal(out["pixel_values"], local["pixel_values"])
+        assert torch.equal(out["image_grid_thw"], local["image_grid_thw"])
+        again = cached([image], **KWARGS)  # a cache hit: no worker, no read
+        assert pool.done == 1 and image._im is None
+        assert torch.equal(again["pixel_values"], local["pixel_values"])
+
+        # an option that cannot be pickled stays here; the pool is unharmed
+        assert pool(image.shared, {**KWARGS, "unpicklable": lambda: None}) is None
+        assert pool.ready
+
+        # a worker killed with SIGKILL (as the OOM killer would): that image is done here,
+        # with the same bytes, and the pool is restarted
         executor = pool._executor
         assert executor is not None
-        for pid in list(executor._processes):  # kill -9, as the OOM killer would
+        for pid in list(executor._processes):
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)
-        out = cached([image], **KWARGS)  # done in this process: the same answer
-        assert torch.equal(out["pixel_values"], inner([photo], **KWARGS)["pixel_values"])
+        uncached = CachedImageProcessor(inner, 0)  # every call preprocesses
+        uncached.remote = pool
+        out = uncached([image], **KWARGS)
+        assert torch.equal(out["pixel_values"], local["pixel_values"])
         assert pool.restarts == 1 and pool.done == 1
         _ready(pool)
-        cached([image], **KWARGS)
+        uncached([image], **KWARGS)
         assert pool.done == 2  # the new pool takes images again
+
+        # a block gone before the worker read it (the request was cancelled): a 503
+        release_block(image.shared.name)
+        with pytest.raises(ServiceUnavailable) as err:
+            pool(image.shared, KWARGS)
+        assert err.value.code == "media_gone"
     finally:
         pool.close()
-    assert pool(image.shared, KWARGS) is None  # closed: this process does it
+    assert pool(image.shared, KWARGS) is None  # closed: the engine process does it
