@@ -176,6 +176,7 @@ def _flood_holds_to_the_budget(flood_server: ServerProcess, photo: bytes, n: int
     warm = asyncio.run(_flood(flood_server.url, body, 4))  # the threads' first allocations
     assert {a.status_code for a in warm} == {200}
     server = flood_server.proc.pid
+    _settle(server)  # the engine's image preprocessing workers, started by the first image
     pids = _tree(server)
     before, api_before = sum(_kib(p, "VmRSS") for p in pids), _kib(server, "VmRSS")
     _reset_peaks(pids)
@@ -207,6 +208,20 @@ def _children(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             out.extend(int(c) for c in children.read_text().split())
     return out
+
+
+def _settle(server: int, timeout: float = 90.0) -> None:
+    """Until the summed RSS of the server's processes has held within 8 MiB for 2 s: the
+    processes the first image started (a process with torch loaded) have loaded."""
+    deadline, last, steady = time.monotonic() + timeout, -1, 0
+    while time.monotonic() < deadline:
+        total = sum(_kib(p, "VmRSS") for p in _tree(server))
+        steady = steady + 1 if abs(total - last) < 8 * 1024 else 0
+        if steady >= 4:
+            return
+        last = total
+        time.sleep(0.5)
+    raise AssertionError(f"the server's processes did not settle in {timeout:.0f} s")
 
 
 def _media_workers(server: int) -> list[int]:

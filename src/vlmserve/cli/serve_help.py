@@ -155,7 +155,7 @@ HELP = {
         REQUESTS,
         "Processes that read and decode media; 0 = a thread of the API process "
         "(default: half the cores, 1-4). With the engine in its own process, as many "
-        "again preprocess its Qwen-VL images there (about 300 MiB each).",
+        "again preprocess its Qwen-VL images there, from the first image on.",
     ),
     "media_timeout": (REQUESTS, "Seconds to read and decode one request's media (408)."),
     "allowed_local_media_path": (

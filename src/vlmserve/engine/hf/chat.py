@@ -119,13 +119,12 @@ class HFChatBackend(HFModel):
 
     def _start_preprocessing(self) -> None:
         """In an engine process (``preprocess_workers``), its images' preprocessing in worker
-        processes (``preprocess.py``)."""
+        processes (``preprocess.py``), from the first image on."""
         cache, workers = self._processor_cache, self.config.preprocess_workers
         if cache is None or workers <= 0:
             return
         self._preprocess = PreprocessPool(cache.inner, workers, self.config.media_nice)
-        self._preprocess.start()
-        cache.remote = self._preprocess
+        cache.remote = self._preprocess  # started by the first image
 
     def _attach_scorer(self, loaded: Any) -> None:
         if self._score_config is not None:

@@ -15,10 +15,12 @@ processor cache (``processor_cache.py``) on such an image goes to one of N spawn
 processes at the media workers' lower priority: it reads the block, runs a copy of the
 model's image processor on it and returns the patch rows and grid. The output is the same
 bytes the engine process would have made (the same processor, one torch thread each). The
-workers start with the model and take images once they are up; until then, and after a
-worker dies (its image is then preprocessed in the engine process, the pool restarted),
-images are preprocessed in the engine process as before. Only processors whose output is
-per-image patch rows plus a grid (the processor cache's layout: Qwen2-VL's family) go there.
+workers start at the model's first image (each is a process with torch loaded: seconds, and
+hundreds of MiB, that a server without images never pays) and take images once they are
+up; until then, and after a worker dies (its image is then preprocessed in the engine
+process, the pool restarted), images are preprocessed in the engine process as before.
+Only processors whose output is per-image patch rows plus a grid (the processor cache's
+layout: Qwen2-VL's family) go there.
 """
 
 from __future__ import annotations
@@ -66,9 +68,10 @@ class PreprocessPool:
         self.restarts = 0  # pools replaced after a worker died
 
     def start(self) -> None:
-        """Spawn the workers; they take images once each has loaded (in the background)."""
+        """Spawn the workers; they take images once each has loaded (in the background).
+        Called by the first image: a server that never sees one never starts them."""
         with self._lock:
-            if self._closed:
+            if self._closed or self._executor is not None:
                 return
             executor = ProcessPoolExecutor(
                 self.workers,
@@ -111,6 +114,9 @@ class PreprocessPool:
         """The image's ``pixel_values`` and ``image_grid_thw``; None: preprocess it here."""
         with self._lock:
             executor = self._executor if self._ready else None
+            starting = self._executor is not None or self._closed
+        if not starting:
+            self.start()
         if executor is None or not _travels(kwargs):
             return None
         try:
