@@ -72,7 +72,7 @@ class CachedImageProcessor:
     def __init__(self, inner: Any, max_bytes: int):
         self.inner = inner
         self.max_bytes = max_bytes
-        self.remote: Remote | None = None  # set by ``preprocess.PreprocessPool.attach``
+        self.remote: Remote | None = None  # a ``preprocess.PreprocessPool`` in an engine process
         self._entries: ByteLRU[bytes, _Entry] = ByteLRU(max_bytes, _Entry.size)
         self._lock = threading.Lock()  # request threads share the entries
         self._local = threading.local()  # keys of this thread's last call (see ``take_keys``)
