@@ -12,7 +12,7 @@ when they held the GIL, and changed it by nothing measurable when they did not.
 
 So, with ``--media-workers N`` (N > 0) and the engine in its own process, a miss of the
 processor cache (``processor_cache.py``) on such an image goes to one of N spawned worker
-processes at the media workers' lower priority: it reads the block, runs a copy of the
+processes below the media threads' priority: it reads the block, runs a copy of the
 model's image processor on it and returns the patch rows and grid. The output is the same
 bytes the engine process would have made (the same processor, one torch thread each). The
 workers start at the model's first image (each is a process with torch loaded: seconds, and
@@ -54,8 +54,9 @@ _inner: Any = None  # the worker's copy of the image processor
 
 
 class PreprocessPool:
-    """``workers`` processes at ``nice`` below the engine process, each with ``inner`` (the
-    model's image processor, pickled); called as ``CachedImageProcessor.remote``."""
+    """``workers`` processes ``nice`` below the thread that starts them (the first image's
+    media thread, itself ``nice`` below the engine: at the default 10, nice 19), each with
+    ``inner`` (the model's image processor, pickled); ``CachedImageProcessor.remote``."""
 
     def __init__(self, inner: Any, workers: int, nice: int):
         self._blob = pickle.dumps(inner)
