@@ -140,21 +140,16 @@ def release_block(name: str) -> None:
         resource_tracker.unregister(path, "shared_memory")
 
 
-class BlockImage(Image.Image):
-    """A PIL image whose pixels are in a media worker's block until something reads them.
-
-    Size, mode and bands need no read; any pixel access (``load``, ``tobytes``, ``convert``,
-    ``numpy.asarray``, ...) reads the block once. ``lend`` names the block to a reader in
-    another process while it is still there; ``give_back`` ends that loan.
-    """
+class _InBlock(Image.Image):
+    """A PIL image whose pixels are in a shared block until something reads them: size, mode
+    and bands need no read; any pixel access (``load``, ``tobytes``, ``convert``,
+    ``numpy.asarray``, ...) reads the block once (``_read``)."""
 
     def __init__(self, shared: SharedImage):
         super().__init__()
         self._mode, self._size = shared.mode, shared.size
         self.shared = shared
         self._lock = threading.RLock()
-        self._lent = 0
-        self._release = weakref.finalize(self, release_block, shared.name)
 
     @property
     def im(self) -> Any:
@@ -171,13 +166,35 @@ class BlockImage(Image.Image):
     def load(self) -> Any:
         with self._lock:
             if self._im is None:
-                if not self._release.alive:
-                    raise FileNotFoundError(f"shared memory block {self.shared.name} is gone")
-                pixels = read_block(self.shared)
-                self._im = Image.frombytes(self.mode, self.size, pixels).im
-                if not self._lent:  # read here; nobody else needs the block
-                    self._release()
+                self._im = Image.frombytes(self.mode, self.size, self._read()).im
         return super().load()
+
+    def _read(self) -> bytes:
+        raise NotImplementedError
+
+    def __reduce__(self) -> Any:  # pickled, it is a plain image
+        return _plain, (self.mode, self.size, self.tobytes())
+
+
+class BlockImage(_InBlock):
+    """A media worker's block, owned by the API process until something reads it.
+
+    ``lend`` names the block to a reader in another process while it is still there;
+    ``give_back`` ends that loan.
+    """
+
+    def __init__(self, shared: SharedImage):
+        super().__init__(shared)
+        self._lent = 0
+        self._release = weakref.finalize(self, release_block, shared.name)
+
+    def _read(self) -> bytes:
+        if not self._release.alive:
+            raise FileNotFoundError(f"shared memory block {self.shared.name} is gone")
+        pixels = read_block(self.shared)
+        if not self._lent:  # read here; nobody else needs the block
+            self._release()
+        return pixels
 
     def lend(self) -> SharedImage | None:
         """The block's name for a reader in another process, or None when it is gone (the
@@ -200,53 +217,26 @@ class BlockImage(Image.Image):
         """The block is still there."""
         return self._release.alive
 
-    def __reduce__(self) -> Any:  # pickled, it is a plain image
-        return _plain, (self.mode, self.size, self.tobytes())
 
-
-class LentImage(Image.Image):
-    """A PIL image whose pixels are in another process's block, read on first access (the
-    engine process's view of a request's image). It never unlinks the block: the lender
-    answers for it, and keeps it until the engine has prepared the request. A reader that
-    only needs the image's content key (``pixel_digest``) or its block's name never reads the
-    pixels."""
-
-    def __init__(self, shared: SharedImage):
-        super().__init__()
-        self._mode, self._size = shared.mode, shared.size
-        self.shared = shared
-        self._lock = threading.Lock()
+class LentImage(_InBlock):
+    """Another process's block, read on first access (the engine process's view of a
+    request's image). It never unlinks the block: the lender answers for it, and keeps it
+    until the engine has prepared the request. A reader that only needs the image's content
+    key (``pixel_digest``) or its block's name never reads the pixels."""
 
     @property
     def pixel_digest(self) -> bytes:
         return self.shared.digest
 
-    @property
-    def im(self) -> Any:
-        if self._im is None:
-            self.load()
-        return self._im
-
-    @im.setter
-    def im(self, value: Any) -> None:
-        self._im = value
-
-    def load(self) -> Any:
-        with self._lock:
-            if self._im is None:
-                try:
-                    pixels = read_block(self.shared)
-                except FileNotFoundError as exc:  # unlinked: cancelled, or the server stops
-                    raise ServiceUnavailable(
-                        "the request's image was gone before the engine read it (the request "
-                        "was cancelled or the server is stopping); retry",
-                        code="media_gone",
-                    ) from exc
-                self._im = Image.frombytes(self.mode, self.size, pixels).im
-        return super().load()
-
-    def __reduce__(self) -> Any:  # pickled, it is a plain image
-        return _plain, (self.mode, self.size, self.tobytes())
+    def _read(self) -> bytes:
+        try:
+            return read_block(self.shared)
+        except FileNotFoundError as exc:  # unlinked: cancelled, or the server stops
+            raise ServiceUnavailable(
+                "the request's image was gone before the engine read it (the request "
+                "was cancelled or the server is stopping); retry",
+                code="media_gone",
+            ) from exc
 
 
 def _plain(mode: str, size: tuple[int, int], data: bytes) -> Image.Image:
