@@ -85,6 +85,23 @@ async def test_a_worker_killed_mid_call_is_replaced_and_the_call_retried(pool: M
     assert image.size == (64, 64)
 
 
+async def test_a_replaced_pool_has_all_its_workers_again_under_one_call_at_a_time() -> None:
+    pool = MediaPool(2, nice=0)
+    try:
+        assert len(await pool.start()) == 2 and len(pool.pids()) == 2
+        os.kill(pool.pids()[0], signal.SIGKILL)
+        for _ in range(4):  # the first call finds the pool broken and retries on a new one
+            assert await pool.run(sum, [1, 2]) == 3
+            await asyncio.sleep(0.1)  # each call's worker idle again before the next
+        assert pool.replaced == 1
+        deadline = time.monotonic() + 60
+        while len(pool.pids()) < 2:  # both spawned, not one doing every call
+            assert time.monotonic() < deadline, pool.pids()
+            await asyncio.sleep(0.1)
+    finally:
+        pool.close()
+
+
 async def test_a_call_whose_worker_dies_twice_is_a_503_and_the_next_call_succeeds(
     pool: MediaPool,
 ) -> None:

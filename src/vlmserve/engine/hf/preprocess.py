@@ -88,7 +88,11 @@ class PreprocessPool:
     def _warm(self, executor: ProcessPoolExecutor) -> None:
         began = time.perf_counter()
         try:
-            pids = [executor.submit(os.getpid).result() for _ in range(self.workers)]
+            # All submitted before any is done: a spawn-context pool starts a process only
+            # for a task that finds none idle, and counts each finished task as an idle
+            # process, so tasks awaited one by one would leave it at one process for good.
+            calls = [executor.submit(os.getpid) for _ in range(self.workers)]
+            pids = [call.result() for call in calls]
         except Exception as exc:  # a worker that cannot start: images stay in this process
             log.warning(
                 "image preprocessing workers failed to start (%s); images are "
@@ -100,7 +104,8 @@ class PreprocessPool:
             if self._executor is executor:
                 self._ready = True
         log.info(
-            "image preprocessing workers ready in %.1f s: %s",
+            "%d image preprocessing workers ready in %.1f s (first tasks on %s)",
+            self.workers,
             time.perf_counter() - began,
             ", ".join(map(str, sorted(set(pids)))),
         )

@@ -65,6 +65,11 @@ class Remote(Protocol):
         self, shared: SharedImage, kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
+    @property
+    def ready(self) -> bool:
+        """Takes images now (until then, and after a failure, they are processed here)."""
+        ...
+
 
 class CachedImageProcessor:
     """Wraps a processor's ``image_processor``; everything but ``__call__`` is delegated."""
@@ -106,6 +111,11 @@ class CachedImageProcessor:
                 "image_grid_thw": _joined([e.grid for e in entries]),
             }
         )
+
+    def preprocessed_elsewhere(self) -> bool:
+        """Images shared by block are preprocessed by ``remote`` now: it is up, and this
+        processor's output has the layout it returns (no bypass)."""
+        return self.remote is not None and self.remote.ready and not self._bypass
 
     def take_keys(self) -> list[bytes] | None:
         """Vision-cache keys of the images of this thread's last call, in order (once)."""

@@ -101,6 +101,11 @@ class MediaPool:
                     initializer=_start_worker,
                     initargs=(self.nice,),
                 )
+                # Every worker now: a spawn-context pool starts a process only for a task
+                # that finds none idle and counts each finished task as an idle process, so
+                # a replaced pool under one call at a time would stay at one process.
+                for _ in range(self.workers):
+                    self._executor.submit(_ready)
             return self._executor, self._generation
 
     def _replace(self, generation: int) -> None:

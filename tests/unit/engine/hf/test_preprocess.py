@@ -63,14 +63,17 @@ def test_workers_preprocess_bit_identically_and_outlive_a_killed_one(
     """One pool through its life (each start is a process with torch: seconds)."""
     image, photo = lent
     local = inner([photo], **KWARGS)
-    pool = PreprocessPool(inner, workers=1, nice=0)
+    pool = PreprocessPool(inner, workers=2, nice=0)
+    cached = CachedImageProcessor(inner, 1 << 30)
+    cached.remote = pool
     assert pool._executor is None  # nothing spawned before an image comes
     assert pool(image.shared, KWARGS) is None  # the first one starts them; it is done here
     assert pool._executor is not None
     try:
+        assert not cached.preprocessed_elsewhere()  # not up yet
         _ready(pool)
-        cached = CachedImageProcessor(inner, 1 << 30)
-        cached.remote = pool
+        assert len(pool._executor._processes) == 2  # every worker, not one doing it all
+        assert cached.preprocessed_elsewhere()
         out = cached([image], **KWARGS)
         assert pool.done == 1  # a worker did it
         assert image._im is None  # and this process never read the pixels
