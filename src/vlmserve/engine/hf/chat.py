@@ -163,14 +163,21 @@ class HFChatBackend(HFModel):
         return self._media[1] if self._media is not None else None
 
     def _build(self, loaded: Any, request: GenerateRequest) -> Any:
-        """``build_inputs`` (off the loop) with the request's media options; with images or
-        video on the media threads, below the request path's priority (``threads.py``)."""
+        """``build_inputs`` (off the loop) with the request's media options. With images or
+        video, on the media threads below the request path's priority (``threads.py``),
+        unless the image processor runs in the preprocessing workers (``preprocess.py``):
+        what is left here then (the template, the tokenizer, the wait for the workers) is
+        short work under the GIL, which a low-priority thread would hold while it waits for
+        a busy CPU, making the request path's threads wait with it."""
         rules = self._media[0] if self._media is not None else MediaRules()
         kwargs = processor_kwargs(rules, loaded.processor, request.media)
-        media = any(
-            isinstance(p, ImagePart | VideoPart) for m in request.messages for p in m.content
-        )
-        executor = media_executor(self.config.media_nice) if media else None
+        parts = [p for m in request.messages for p in m.content]
+        video = any(isinstance(p, VideoPart) for p in parts)
+        images = any(isinstance(p, ImagePart) for p in parts)
+        cache = self._processor_cache
+        elsewhere = not video and cache is not None and cache.preprocessed_elsewhere()
+        low = video or (images and not elsewhere)
+        executor = media_executor(self.config.media_nice) if low else None
         return off_loop(build_inputs, loaded.processor, request, None, kwargs, executor=executor)
 
     def watch_failures(self, callback: Callable[[Any], None]) -> None:

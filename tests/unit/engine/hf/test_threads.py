@@ -162,6 +162,40 @@ async def test_a_text_request_is_prepared_at_the_request_paths_priority(
     assert nice == thread_nice()
 
 
+class _WorkersUp:
+    """A ``processor_cache.Remote`` that is up and hands every image back (done here)."""
+
+    ready = True
+
+    def __call__(self, shared: Any, kwargs: Any) -> None:
+        return None
+
+
+async def test_an_image_request_is_prepared_at_request_priority_once_the_workers_preprocess(
+    client: httpx.AsyncClient, chat_models: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the image processor in the preprocessing workers, what is left of an image
+    request's preparation (template, tokenizer, the wait) is short work under the GIL: below
+    the request path's priority it would stall the request path's threads whenever a busy
+    CPU kept it waiting while holding the GIL. A processor whose output the workers cannot
+    return (bypassed) keeps it on the media threads."""
+    cache = chat_models.handles[0].backend._processor_cache
+    monkeypatch.setattr(cache, "remote", _WorkersUp())
+    seen = _recording_build(monkeypatch)
+    image = {"type": "image_url", "image_url": {"url": data_url(image_bytes(), "image/png")}}
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [image]}]}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    name, _, nice = seen[-1]
+    assert name.startswith("vlmserve-prep") and nice == thread_nice()
+
+    monkeypatch.setattr(cache, "_bypass", True)
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    name, _, nice = seen[-1]
+    assert name.startswith("vlmserve-media-prep") and nice > thread_nice()
+
+
 def test_media_prep_threads_run_lower_by_the_setting_and_single_threaded() -> None:
     assert threads.media_executor(3).submit(thread_nice).result() == min(19, thread_nice() + 3)
     assert threads.media_executor(3).submit(_parallel_work).result() == 1
