@@ -13,12 +13,13 @@ when they held the GIL, and changed it by nothing measurable when they did not.
 So, with ``--media-workers N`` (N > 0) and the engine in its own process, a miss of the
 processor cache (``processor_cache.py``) on such an image goes to one of N spawned worker
 processes below the media threads' priority: it reads the block, runs a copy of the
-model's image processor on it and returns the patch rows and grid. The output is the same
-bytes the engine process would have made (the same processor, one torch thread each). The
-workers start at the model's first image (each is a process with torch loaded: seconds, and
-hundreds of MiB, that a server without images never pays) and take images once they are
-up; until then, and after a worker dies (its image is then preprocessed in the engine
-process, the pool restarted), images are preprocessed in the engine process as before.
+model's image processor on it and returns the patch rows (in a block of shared memory that
+the engine process maps: no copy) and the grid. The output is the same bytes the engine
+process would have made (the same processor, one torch thread each). The workers start at
+the model's first image (each is a process with torch loaded: seconds, and hundreds of MiB,
+that a server without images never pays) and take images once they are up; until then, and
+after a worker dies (its image is then preprocessed in the engine process, the pool
+restarted), images are preprocessed in the engine process as before.
 Only processors whose output is per-image patch rows plus a grid (the processor cache's
 layout: Qwen2-VL's family) go there.
 """
@@ -42,7 +43,7 @@ import torch
 from PIL import Image
 
 from vlmserve.errors import ServiceUnavailable
-from vlmserve.media.workers.shared import SharedImage, read_block
+from vlmserve.media.workers.shared import SharedImage, read_block, take_block, write_bytes
 
 __all__ = ["PreprocessPool"]
 
@@ -143,8 +144,11 @@ class PreprocessPool:
         if result is None:  # not the patch-rows-plus-grid layout
             return None
         self.done += 1
-        pixels, grid = result
-        return torch.from_numpy(pixels), torch.from_numpy(grid)
+        name, shape, dtype, grid = result
+        count = int(np.prod(shape))
+        block = take_block(name, count * np.dtype(dtype).itemsize)  # mapped: no copy here
+        rows = np.frombuffer(block, dtype=dtype, count=count).reshape(shape)
+        return torch.from_numpy(rows), torch.from_numpy(grid)
 
     def _restart(self, broken: ProcessPoolExecutor) -> None:
         with self._lock:
@@ -194,7 +198,10 @@ def _exit_with(parent: int) -> None:
 
 def _preprocess(
     shared: SharedImage, kwargs: dict[str, Any]
-) -> tuple[np.ndarray, np.ndarray] | str | None:
+) -> tuple[str, tuple[int, ...], str, np.ndarray] | str | None:
+    """-> the patch rows in a block of their own (name, shape, dtype: tens of MB for a photo
+    at Qwen2-VL's bounds, which through the pipe would be read in 64 KiB pieces and copied
+    under the engine process's GIL) and the grid; ``_GONE``; None: not that layout."""
     try:
         pixels = read_block(shared)
     except FileNotFoundError:
@@ -203,4 +210,5 @@ def _preprocess(
     out = _inner([image], **kwargs)
     if set(out.keys()) != _KEYS:
         return None
-    return out["pixel_values"].numpy(), out["image_grid_thw"].numpy()
+    rows = np.ascontiguousarray(out["pixel_values"].numpy())
+    return write_bytes(rows), rows.shape, rows.dtype.str, out["image_grid_thw"].numpy()

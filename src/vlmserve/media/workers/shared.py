@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import errno
 import hashlib
+import mmap
 import os
 import secrets
 import threading
@@ -49,8 +50,10 @@ __all__ = [
     "read_block",
     "release",
     "release_block",
+    "take_block",
     "to_shared",
     "write_block",
+    "write_bytes",
 ]
 
 
@@ -71,29 +74,49 @@ class SharedImage:
 
 
 def write_block(image: Image.Image) -> SharedImage:
-    """The image's pixels in a new block, written with ``pwrite``: the copy runs without the
-    GIL and without a page fault per page (a copy into a mapping took about twice as long
-    for a 1280x960 photo), and a full ``/dev/shm`` is an error, not a SIGBUS. The block is
-    registered with the resource tracker (the API process's; media workers share it), which
-    unlinks it should the server die before it is released."""
+    """The image's pixels in a new block (``write_bytes``), hashed (``pixel_digest``)."""
     data = image.tobytes()
+    name = write_bytes(data)
+    return SharedImage(name, image.mode, image.size, len(data), pixel_digest(data))
+
+
+def write_bytes(data: bytes | memoryview) -> str:
+    """``data`` in a new block, written with ``pwrite``: the copy runs without the GIL and
+    without a page fault per page (a copy into a mapping took about twice as long for a
+    1280x960 photo), and a full ``/dev/shm`` is an error, not a SIGBUS. The block is
+    registered with the resource tracker (the API process's; every worker process shares
+    it), which unlinks it should the server die before it is released. -> its name."""
     path = f"{PREFIX}{secrets.token_hex(8)}"
     fd = shm_open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    view = memoryview(data).cast("B")
     try:
         resource_tracker.register(path, "shared_memory")
-        os.ftruncate(fd, max(1, len(data)))
-        with memoryview(data) as view:
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, view[done:], done)
+        os.ftruncate(fd, max(1, len(view)))
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], done)
     except BaseException as exc:
         release_block(path)
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise _shm_full(len(data)) from exc
+            raise _shm_full(len(view)) from exc
         raise
     finally:
+        view.release()
         os.close(fd)
-    return SharedImage(path.lstrip("/"), image.mode, image.size, len(data), pixel_digest(data))
+    return path.lstrip("/")
+
+
+def take_block(name: str, nbytes: int) -> mmap.mmap:
+    """A block another process wrote for this one, mapped here and unlinked at once: its
+    pages live as long as the mapping (an array made on it with ``numpy.frombuffer`` keeps
+    it), no copy is made, and nothing is left in ``/dev/shm``."""
+    path = f"/{name.lstrip('/')}"
+    fd = shm_open(path, os.O_RDWR, 0o600)
+    try:
+        return mmap.mmap(fd, max(1, nbytes))
+    finally:
+        os.close(fd)
+        release_block(name)
 
 
 def pixel_digest(data: bytes) -> bytes:

@@ -31,6 +31,10 @@ def _ready(pool: PreprocessPool, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _blocks() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("vlmserve_px_")}
+
+
 @pytest.fixture(scope="module")
 def inner(tiny_dir: Path) -> object:
     return AutoProcessor.from_pretrained(tiny_dir).image_processor
@@ -74,8 +78,10 @@ def test_workers_preprocess_bit_identically_and_outlive_a_killed_one(
         _ready(pool)
         assert len(pool._executor._processes) == 2  # every worker, not one doing it all
         assert cached.preprocessed_elsewhere()
+        blocks = _blocks()
         out = cached([image], **KWARGS)
         assert pool.done == 1  # a worker did it
+        assert _blocks() == blocks  # its patch rows' block mapped here and unlinked
         assert image._im is None  # and this process never read the pixels
         assert torch.equal(out["pixel_values"], local["pixel_values"])
         assert torch.equal(out["image_grid_thw"], local["image_grid_thw"])
