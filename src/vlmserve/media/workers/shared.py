@@ -11,8 +11,11 @@ the engine (``engine/proc/pixels.py``), which reads it once; consumers in the AP
 (embeddings, rerank, an engine in this process) read it when they touch the pixels, as PIL
 does with a file.
 
-The API process owns every block: the engine only reads. A block is unlinked exactly once,
-when its ``BlockImage`` is garbage (a finished, cancelled or refused request; an entry
+``write_bytes`` and ``take_block`` carry any other buffer one way, from the process that
+writes it to the one that maps it (the engine's preprocessing workers' patch rows).
+
+The API process owns every image block: the engine only reads. A block is unlinked exactly
+once, when its ``BlockImage`` is garbage (a finished, cancelled or refused request; an entry
 dropped from the media-by-reference cache) or as soon as the API process has read its pixels
 and no engine is reading it; the resource tracker unlinks what a killed server leaves.
 """
