@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
+from vlmserve.engine.hf.processor_cache import block_call
 from vlmserve.errors import ServiceUnavailable
-from vlmserve.media.workers.shared import SharedImage, read_block, take_block, write_bytes
+from vlmserve.media.workers.shared import SharedImage, take_block, write_bytes
 
 __all__ = ["PreprocessPool"]
 
@@ -203,11 +203,10 @@ def _preprocess(
     at Qwen2-VL's bounds, which through the pipe would be read in 64 KiB pieces and copied
     under the engine process's GIL) and the grid; ``_GONE``; None: not that layout."""
     try:
-        pixels = read_block(shared)
+        images, call = block_call(shared, _inner, kwargs)
     except FileNotFoundError:
         return _GONE
-    image = Image.frombytes(shared.mode, shared.size, pixels)
-    out = _inner([image], **kwargs)
+    out = _inner(images, **call)
     if set(out.keys()) != _KEYS:
         return None
     rows = np.ascontiguousarray(out["pixel_values"].numpy())

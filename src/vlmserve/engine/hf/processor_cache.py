@@ -27,9 +27,15 @@ import torch
 from PIL import Image
 
 from vlmserve.engine.byte_lru import ByteLRU
-from vlmserve.media.workers.shared import LentImage, SharedImage, pixel_digest
+from vlmserve.media.workers.shared import (
+    LentImage,
+    SharedImage,
+    map_rgb,
+    pixel_digest,
+    read_block,
+)
 
-__all__ = ["CachedImageProcessor", "Remote", "image_key", "install"]
+__all__ = ["CachedImageProcessor", "Remote", "block_call", "image_key", "install"]
 
 _KEYS = ("pixel_values", "image_grid_thw")
 
@@ -56,6 +62,36 @@ def image_key(image: Any, options: str) -> bytes | None:
     digest.update(f"{image.mode}|{image.size}|{options}".encode())
     digest.update(pixels)
     return digest.digest()
+
+
+def block_call(image: Any, inner: Any, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments of ``inner`` (an image processor) for one image, which may be in a
+    shared block (a ``LentImage``, or a worker's ``SharedImage``).
+
+    An RGB block goes to a processor of transformers' torchvision backend as an
+    [height, width, 3] uint8 view of the block (``map_rgb``): ``process_image`` makes exactly
+    that array of a PIL image (``np.array`` of its RGB conversion) before anything else, so
+    the output is the same bytes, without reading the block into a PIL image, converting it
+    to RGB and packing it back into an array (four copies of a photo's pixels). Other
+    processors get a PIL image."""
+    shared = image.shared if isinstance(image, LentImage) else image
+    if (
+        isinstance(shared, SharedImage)
+        and shared.mode == "RGB"
+        and "input_data_format" not in kwargs
+        and _takes_arrays(inner)
+    ):
+        pixels = image.rgb() if isinstance(image, LentImage) else map_rgb(shared)
+        return [pixels], {**kwargs, "input_data_format": "channels_last"}
+    if isinstance(image, SharedImage):
+        image = Image.frombytes(image.mode, image.size, read_block(image))
+    return [image], kwargs
+
+
+def _takes_arrays(inner: Any) -> bool:
+    from transformers.image_processing_backends import TorchvisionBackend
+
+    return isinstance(inner, TorchvisionBackend)
 
 
 class Remote(Protocol):
@@ -127,7 +163,8 @@ class CachedImageProcessor:
         if self.remote is not None and isinstance(image, LentImage):
             done = self.remote(image.shared, kwargs)  # None: do it here after all
         if done is None:
-            out = self.inner([image], **kwargs)
+            images, call = block_call(image, self.inner, kwargs)
+            out = self.inner(images, **call)
             if set(out.keys()) != set(_KEYS):
                 return None
             done = out["pixel_values"], out["image_grid_thw"]

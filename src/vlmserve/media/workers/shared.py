@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import mmap
 import os
 import secrets
@@ -39,6 +38,8 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Any
 
+import numpy as np
+from blake3 import blake3
 from PIL import Image
 from PIL._util import DeferredError
 
@@ -49,6 +50,7 @@ __all__ = [
     "LentImage",
     "SharedImage",
     "held",
+    "map_rgb",
     "pixel_digest",
     "read_block",
     "release",
@@ -122,11 +124,13 @@ def take_block(name: str, nbytes: int) -> mmap.mmap:
         release_block(name)
 
 
-def pixel_digest(data: bytes) -> bytes:
-    """A 128-bit hash of an image's raw pixels (``tobytes``). Made once, by the process that
-    writes the block (a media worker, or a media thread), so that a reader can key the image
-    by content without reading it; ``hashlib`` hashes a buffer this size without the GIL."""
-    return hashlib.blake2b(data, digest_size=16).digest()
+def pixel_digest(data: bytes | memoryview) -> bytes:
+    """A 128-bit BLAKE3 hash of an image's raw pixels (``tobytes``). Made once, by the process
+    that writes the block (a media worker, or a media thread), so that a reader can key the
+    image by content without reading it. BLAKE3 hashes a 1280x960 photo's 3.7 MB in about 1
+    ms on one core without the GIL (BLAKE2b: 5-6 ms); a cryptographic hash, because the key
+    decides whose cached pixels a request is answered with."""
+    return blake3(data).digest(16)
 
 
 def _shm_full(nbytes: int) -> ServiceUnavailable:
@@ -154,6 +158,22 @@ def read_block(shared: SharedImage) -> bytes:
     finally:
         os.close(fd)
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def map_rgb(shared: SharedImage) -> np.ndarray:
+    """An RGB block's pixels as a [height, width, 3] uint8 array on a private mapping of the
+    block: nothing is read or copied until used (the pages are the block's own until
+    written), and the block is left as it is (a lender's block is not unlinked; the mapping
+    outlives an unlink). FileNotFoundError when it is gone."""
+    width, height = shared.size
+    if shared.mode != "RGB" or shared.nbytes != width * height * 3:
+        raise ValueError(f"not an RGB block: {shared.mode} {shared.size}, {shared.nbytes} bytes")
+    fd = shm_open(f"/{shared.name.lstrip('/')}", os.O_RDONLY, 0o600)
+    try:
+        mapped = mmap.mmap(fd, shared.nbytes, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapped, dtype=np.uint8).reshape(height, width, 3)
 
 
 def release_block(name: str) -> None:
@@ -257,12 +277,23 @@ class LentImage(_InBlock):
     def _read(self) -> bytes:
         try:
             return read_block(self.shared)
-        except FileNotFoundError as exc:  # unlinked: cancelled, or the server stops
-            raise ServiceUnavailable(
-                "the request's image was gone before the engine read it (the request "
-                "was cancelled or the server is stopping); retry",
-                code="media_gone",
-            ) from exc
+        except FileNotFoundError as exc:
+            raise _gone() from exc
+
+    def rgb(self) -> np.ndarray:
+        """``map_rgb`` of the block (RGB blocks only): the pixels without reading them."""
+        try:
+            return map_rgb(self.shared)
+        except FileNotFoundError as exc:
+            raise _gone() from exc
+
+
+def _gone() -> ServiceUnavailable:  # unlinked: cancelled, or the server stops
+    return ServiceUnavailable(
+        "the request's image was gone before the engine read it (the request was cancelled "
+        "or the server is stopping); retry",
+        code="media_gone",
+    )
 
 
 def _plain(mode: str, size: tuple[int, int], data: bytes) -> Image.Image:

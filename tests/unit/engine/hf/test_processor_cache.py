@@ -5,15 +5,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoProcessor
+from transformers.image_processing_backends import TorchvisionBackend
 
 from vlmserve.engine.hf.chat import HFChatBackend
 from vlmserve.engine.hf.inputs import run_processor
 from vlmserve.engine.hf.loading import LoadOptions, load_processor
-from vlmserve.engine.hf.processor_cache import CachedImageProcessor, install
+from vlmserve.engine.hf.processor_cache import CachedImageProcessor, block_call, install
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, SamplingParams, TextPart
+from vlmserve.media.workers.shared import LentImage, release_block, write_block
+from vlmserve.testing.families import FAMILIES, build_family
 from vlmserve.testing.media import gradient_image
 
 ONE = "<|vision_start|><|image_pad|><|vision_end|>"  # one image's placeholder
@@ -136,3 +140,20 @@ def test_a_processor_without_per_image_rows_passes_through_uncached() -> None:
         assert torch.equal(out["pixel_values"], inner(images, return_tensors="pt")["pixel_values"])
         assert cached.take_keys() is None
     assert cached.stats()["entries"] == 0 and cached.stats()["hits"] == 0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_block_image_is_preprocessed_to_the_same_bytes_as_its_pil_image(family: str) -> None:
+    """An image in a shared block goes to a torchvision-backed processor as a view of the
+    block (no PIL image made of it), and the output is byte for byte the PIL image's."""
+    inner = AutoProcessor.from_pretrained(str(build_family(family))).image_processor
+    arrays = isinstance(inner, TorchvisionBackend)
+    for width, height in [(120, 90), (41, 3), (333, 177)]:  # 41x3: channels first or last?
+        photo = gradient_image(width, height, seed=width)
+        shared = write_block(photo)
+        try:
+            images, kwargs = block_call(LentImage(shared), inner, {"return_tensors": "pt"})
+            assert isinstance(images[0], np.ndarray) == arrays
+            assert_same(inner([photo], return_tensors="pt"), inner(images, **kwargs))
+        finally:
+            release_block(shared.name)
