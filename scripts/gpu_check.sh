@@ -7,7 +7,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #     -d .whl pydantic pydantic_core pydantic-settings annotated-types typing-inspection \
-#     python-dotenv av typing_extensions pytest-asyncio      # the versions pip list shows
+#     python-dotenv av typing_extensions pytest-asyncio blake3   # the versions pip list shows
 # Then run `bash scripts/gpu_check.sh` there. Logs and gpu.json go to $OUT (else gpu-out/).
 # Arguments go to benchmarks/gpu.py; none: --quick (contexts short and 4k, levels 1, 8, 64),
 # so the whole check fits in 5 minutes, compilation included. Each stage prints its time.
