@@ -85,6 +85,20 @@ async def test_a_worker_killed_mid_call_is_replaced_and_the_call_retried(pool: M
     assert image.size == (64, 64)
 
 
+async def test_ctrl_c_on_the_terminal_leaves_the_workers_to_the_server(pool: MediaPool) -> None:
+    """SIGINT reaches every process of the group; the server stops its workers itself, so a
+    worker mid-decode finishes its call and stays."""
+    (pid,) = pool.pids()
+    call = asyncio.create_task(pool.run(time.sleep, 0.5))
+    await asyncio.sleep(0.2)  # the worker is inside the call
+    os.kill(pid, signal.SIGINT)
+    try:
+        assert await asyncio.wait_for(call, 30) is None
+    except KeyboardInterrupt:  # the worker's, sent back as the call's error
+        pytest.fail("the worker took the terminal's Ctrl-C mid-call")
+    assert pool.pids() == [pid] and pool.replaced == 0
+
+
 async def test_a_replaced_pool_has_all_its_workers_again_under_one_call_at_a_time() -> None:
     pool = MediaPool(2, nice=0)
     try:

@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -181,6 +182,7 @@ def _init(blob: bytes, nice: int, parent: int) -> None:
     """A worker: one torch thread (as the engine's media threads), ``nice`` lower, the
     image processor loaded; it exits when the engine process does."""
     global _inner
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the engine stops its workers
     gc.enable()  # spawned from an engine process, whose ``__main__`` pauses it (heap.py)
     torch.set_num_threads(1)
     if nice > 0:

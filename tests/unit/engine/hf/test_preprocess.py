@@ -93,6 +93,18 @@ def test_workers_preprocess_bit_identically_and_outlive_a_killed_one(
         assert pool(image.shared, {**KWARGS, "unpicklable": lambda: None}) is None
         assert pool.ready
 
+        # Ctrl-C on the terminal reaches the workers too: the engine stops them itself
+        uncached = CachedImageProcessor(inner, 0)  # every call preprocesses
+        uncached.remote = pool
+        executor = pool._executor
+        assert executor is not None
+        for pid in list(executor._processes):
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        out = uncached([image], **KWARGS)
+        assert torch.equal(out["pixel_values"], local["pixel_values"])
+        assert pool.restarts == 0 and pool.done == 2
+
         # a worker killed with SIGKILL (as the OOM killer would): that image is done here,
         # with the same bytes, and the pool is restarted
         executor = pool._executor
@@ -100,14 +112,12 @@ def test_workers_preprocess_bit_identically_and_outlive_a_killed_one(
         for pid in list(executor._processes):
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)
-        uncached = CachedImageProcessor(inner, 0)  # every call preprocesses
-        uncached.remote = pool
         out = uncached([image], **KWARGS)
         assert torch.equal(out["pixel_values"], local["pixel_values"])
-        assert pool.restarts == 1 and pool.done == 1
+        assert pool.restarts == 1 and pool.done == 2
         _ready(pool)
         uncached([image], **KWARGS)
-        assert pool.done == 2  # the new pool takes images again
+        assert pool.done == 3  # the new pool takes images again
 
         # a block gone before the worker read it (the request was cancelled): a 503
         shm_unlink(f"/{image.shared.name}")  # (the fixture's release is then a no-op)
