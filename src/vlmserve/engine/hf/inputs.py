@@ -16,18 +16,21 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
 from vlmserve.engine.hf.capabilities import Capabilities, processor_capabilities
 from vlmserve.engine.types import ChatMessage, GenerateRequest, ImagePart, TextPart, VideoPart
 from vlmserve.errors import InvalidRequest
+from vlmserve.media.workers.shared import LentImage
 
 __all__ = [
     "Prepared",
     "build_inputs",
     "check_media",
     "fit_image",
+    "frames_array",
     "metadata_for",
     "patch_factor",
     "render_prompt",
@@ -207,7 +210,7 @@ def run_processor(
     if images:
         kwargs["images"] = images
     if videos:
-        kwargs["videos"] = videos
+        kwargs["videos"] = [frames_array(frames) for frames in videos]
         kwargs["do_sample_frames"] = False  # frames were sampled (and bounded) by vlmserve.media
         if video_metadata is not None:
             kwargs["video_metadata"] = video_metadata
@@ -218,6 +221,22 @@ def run_processor(
     take_keys = getattr(getattr(processor, "image_processor", None), "take_keys", None)
     if images and take_keys is not None and (keys := take_keys()) is not None:
         out["image_keys"] = keys  # processor_cache: the vision cache's keys, already hashed
+    return out
+
+
+def frames_array(frames: list[Image.Image]) -> np.ndarray | list[Image.Image]:
+    """One video's frames as the [frames, height, width, 3] uint8 array transformers makes of
+    them (``convert_pil_frames_to_video``: ``np.stack`` of each frame's ``np.array``), made
+    once here: given the frames, a processor makes it three times (its input check, its
+    video step and the video processor's own), packing each frame out of PIL every time. A
+    frame in a shared block is copied into it from a mapping of the block. Frames that are
+    not all RGB of one size are passed as they are."""
+    if not frames or any(f.mode != "RGB" or f.size != frames[0].size for f in frames):
+        return frames
+    width, height = frames[0].size
+    out = np.empty((len(frames), height, width, 3), dtype=np.uint8)
+    for i, frame in enumerate(frames):
+        out[i] = frame.rgb() if isinstance(frame, LentImage) else np.asarray(frame)
     return out
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vlmserve.engine.hf.inputs import build_inputs, metadata_for, run_processor
+from vlmserve.engine.hf import inputs
+from vlmserve.engine.hf.inputs import build_inputs, frames_array, metadata_for, run_processor
 from vlmserve.engine.types import (
     ChatMessage,
     GenerateRequest,
@@ -30,11 +31,13 @@ from vlmserve.engine.types import (
 )
 from vlmserve.media import MediaPolicy, VideoFrames, decode_video
 from vlmserve.media.video import source_fps
+from vlmserve.media.workers.shared import LentImage, release_block, write_block
 from vlmserve.testing.families import FAMILIES
 from vlmserve.testing.media import mp4_bytes
 
 QUESTION = "What happens in this clip?"
 TIMED = ["qwen2_5_vl", "qwen3_vl", "smolvlm"]
+VIDEO = ["internvl", "llava_onevision", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "smolvlm"]
 
 
 @cache
@@ -133,6 +136,28 @@ def test_inputs_equal_the_processor_sampling_the_file_itself(
     pixels = "pixel_values_videos" if "pixel_values_videos" in want else "pixel_values"
     assert got[pixels].shape == want[pixels].shape
     assert float((got[pixels] - want[pixels]).abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("family", VIDEO)
+def test_frames_in_shared_blocks_give_the_inputs_of_the_frames_themselves(
+    family: str, sampled: VideoFrames, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The frames go to the processor as one array, copied from their blocks: the same
+    inputs as the frames given to the processor as PIL images."""
+    blocks = [write_block(frame) for frame in sampled.frames]
+    try:
+        lent = as_part(sampled)
+        lent.frames = [LentImage(block) for block in blocks]
+        assert isinstance(frames_array(lent.frames), np.ndarray)
+        got = ours(family, lent)
+        monkeypatch.setattr(inputs, "frames_array", lambda frames: frames)
+        want = ours(family, as_part(sampled))
+    finally:
+        for block in blocks:
+            release_block(block.name)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert np.array_equal(np.asarray(got[key]), np.asarray(value)), key
 
 
 def test_qwen2_5_vl_second_per_grid_ts_is_the_clips(sampled: VideoFrames, clip: Path) -> None:
