@@ -35,6 +35,18 @@ def _blocks() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("vlmserve_px_")}
 
 
+def _signal_workers(
+    pool: PreprocessPool, sig: signal.Signals, processor: CachedImageProcessor, image: LentImage
+) -> dict:
+    """``sig`` to every worker of ``pool``, then one image through ``processor``."""
+    executor = pool._executor
+    assert executor is not None
+    for pid in list(executor._processes):
+        os.kill(pid, sig)
+    time.sleep(0.5)
+    return processor([image], **KWARGS)
+
+
 @pytest.fixture(scope="module")
 def inner(tiny_dir: Path) -> object:
     return AutoProcessor.from_pretrained(tiny_dir).image_processor
@@ -96,23 +108,13 @@ def test_workers_preprocess_bit_identically_and_outlive_a_killed_one(
         # Ctrl-C on the terminal reaches the workers too: the engine stops them itself
         uncached = CachedImageProcessor(inner, 0)  # every call preprocesses
         uncached.remote = pool
-        executor = pool._executor
-        assert executor is not None
-        for pid in list(executor._processes):
-            os.kill(pid, signal.SIGINT)
-        time.sleep(0.5)
-        out = uncached([image], **KWARGS)
+        out = _signal_workers(pool, signal.SIGINT, uncached, image)
         assert torch.equal(out["pixel_values"], local["pixel_values"])
         assert pool.restarts == 0 and pool.done == 2
 
         # a worker killed with SIGKILL (as the OOM killer would): that image is done here,
         # with the same bytes, and the pool is restarted
-        executor = pool._executor
-        assert executor is not None
-        for pid in list(executor._processes):
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
-        out = uncached([image], **KWARGS)
+        out = _signal_workers(pool, signal.SIGKILL, uncached, image)
         assert torch.equal(out["pixel_values"], local["pixel_values"])
         assert pool.restarts == 1 and pool.done == 2
         _ready(pool)
