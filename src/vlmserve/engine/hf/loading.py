@@ -12,6 +12,7 @@ import torch
 
 from vlmserve.engine.configs import LoadOptions
 from vlmserve.engine.hf.templates import install_chat_template
+from vlmserve.engine.models.patch_embed import linear_patch_embeds
 from vlmserve.errors import ConfigError
 
 __all__ = [
@@ -322,6 +323,7 @@ def load_model(opts: LoadOptions) -> Loaded:
             trust_remote_code=opts.trust_remote_code,
             local_files_only=local,
         )
+        linear_patch_embeds(model)  # the Qwen towers' Conv3d as the GEMM it is
         model.to(device)
     except torch.OutOfMemoryError as exc:
         raise _oom_error(opts.source, device, exc) from exc
