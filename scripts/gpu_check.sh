@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, in one call of a lent GPU machine: tests/gpu, then benchmarks/gpu.py.
+# The GPU check, in one call of a lent GPU machine: tests/gpu, then benchmarks/gpu.py, then
+# benchmarks/vision_tower.py (the patch embedding as cuDNN's Conv3d and as the engine's GEMM).
 #
 # The machine has torch, transformers, pytest and httpx but not vlmserve's other core needs.
 # Before the call, download them here as py3.12 wheels into .whl/ (ignored by git, named
@@ -32,6 +33,10 @@ bench_start=$SECONDS
 timeout "${GPU_BENCH_S:-420}" python3 benchmarks/gpu.py --json "$out/gpu.json" "$@" 2>&1 \
     | grep --line-buffered -v -e 'Loading weights' -e 'Writing model' | tee "$out/bench.log"
 bench=$?
-echo "benchmark took $((SECONDS - bench_start))s; the check ${SECONDS}s"
+echo "benchmark took $((SECONDS - bench_start))s"
+timeout "${GPU_TOWER_S:-120}" python3 benchmarks/vision_tower.py --device cuda \
+    --json "$out/vision_tower.json" 2>&1 | grep -v -e 'Loading weights' -e 'Writing model' \
+    | tee "$out/vision_tower.log"
+echo "the check ${SECONDS}s"
 echo "tests exit $tests, benchmark exit $bench"
 [ "$tests" = 0 ] && [ "$bench" = 0 ]
