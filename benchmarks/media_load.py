@@ -169,10 +169,12 @@ async def under_flood(
     flooding = asyncio.create_task(flood(client, bodies, args.clients, stop, rate))
     await asyncio.sleep(1.0)  # the flood is on
     ttfts = await probe(client, model, args.probes, args.phases)
-    await asyncio.sleep(max(0.0, args.seconds - (time.perf_counter() - began)))
+    if flooding.done() or stop.is_set():
+        print("the flood ended before the probes did: pass a larger --images", file=sys.stderr)
+    await asyncio.wait([flooding], timeout=max(0.0, args.seconds - (time.perf_counter() - began)))
     stop.set()
     done = await flooding
-    return ttfts, done / (time.perf_counter() - began)
+    return ttfts, done / (time.perf_counter() - began)  # over the flood's own time
 
 
 async def measure(spec: ServerSpec, pid: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -316,7 +318,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4, help="flood loops")
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each flood")
     ap.add_argument("--probes", type=int, default=40, help="text TTFT probes per phase")
-    ap.add_argument("--images", type=int, default=600, help="distinct JPEGs made up front")
+    ap.add_argument("--images", type=int, default=1000, help="distinct JPEGs made up front")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument(
         "--phases", action="store_true", help="vlmserve: where each probe's TTFT went (p50 ms)"
