@@ -3,7 +3,8 @@
  * One query per head and row; each row's keys and values are read through its block table in
  * the cache's dtype (bfloat16, float16 or float32) and converted in registers, with float32
  * scores, softmax and sums (an online softmax, one block of keys at a time). Nothing is
- * gathered or copied.
+ * gathered or copied. A bfloat16 cache on a CPU with AVX512-BF16 is not converted at all:
+ * both products run on the bfloat16 dot-product instruction (tiles_bf16, below).
  *
  * Work is split between OpenMP threads by (row, KV head) pairs; everything about one pair --
  * every reduction over its keys -- runs on one thread in one fixed order, so a row's output
@@ -375,6 +376,230 @@ tiles(const v8 *restrict q, const void *k, const void *v, int kind, const int64_
     }
 }
 
+#if defined(__AVX512BF16__)
+/* The bfloat16 path, where the CPU has AVX512-BF16: both products on vdpbf16ps, which
+ * multiplies pairs of bfloat16 numbers exactly and sums them in float32, so the cache's keys
+ * and values are never converted to float32 (the tiled path's conversions and float32
+ * products were most of its instructions). Tiles of 16 tokens of one block:
+ *
+ *   keys: 16 tokens x 16 key pairs transposed in registers (a pair's 16 tokens in one
+ *   vector), so a query head's 16 scores are its query pairs broadcast against them, with no
+ *   horizontal sums;
+ *   values: two tokens' values interleaved in pairs (vpunpck[lh]wd, within 128-bit lanes),
+ *   against the two tokens' probabilities rounded to bfloat16 (as torch's attention rounds
+ *   them for bfloat16 inputs); the sums come out in that interleaved order of dimensions and
+ *   are put back in order once, at the end.
+ *
+ * Tokens past the row's length are zeros (masked scores, zero values), as on the tiled
+ * path; the online softmax is the same, in float32. */
+#define BT 16 /* keys a tile */
+#define MAX_BDIM 256
+
+/* 16 rows of 16 32-bit elements -> their transpose, in place. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16], c[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i + 0], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i + 0], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            c[8 * i + j] = _mm512_shuffle_i32x4(b[8 * i + j], b[8 * i + 4 + j], 0x88);
+            c[8 * i + 4 + j] = _mm512_shuffle_i32x4(b[8 * i + j], b[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(c[j], c[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(c[j], c[j + 8], 0xdd);
+    }
+}
+
+typedef float bf_v16 __attribute__((vector_size(64)));
+typedef int32_t bf_i16 __attribute__((vector_size(64)));
+
+/* e^x for x <= 0 on 16 lanes (exp_neg's steps and constants). */
+static inline __m512 exp_neg16(__m512 v) {
+    bf_v16 x = (bf_v16)v;
+    const bf_v16 low = x * 0.0f - 87.0f;
+    x = (bf_v16)_mm512_mask_blend_ps(_mm512_cmp_ps_mask((__m512)x, (__m512)low, _CMP_LT_OQ),
+                                     (__m512)x, (__m512)low); /* NaN stays NaN */
+    const bf_v16 t = x * 1.44269504088896341f;
+    const bf_v16 n = (t + 12582912.0f) - 12582912.0f;
+    bf_v16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    bf_v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const bf_i16 bits = (__builtin_convertvector(n, bf_i16) + 127) << 23;
+    return (__m512)(p * (bf_v16)bits);
+}
+
+/* Two query heads' 16 scores each: their dim / 2 query pairs (q0, q1) against the tile's
+ * transposed key pairs, four independent sums a head combined in a fixed order (a head's
+ * scores do not depend on the other head). */
+static inline __attribute__((always_inline)) void
+scores16x2(const uint32_t *q0, const uint32_t *q1, const __m512i *kt, const int64_t pairs,
+           __m512 *s0, __m512 *s1) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+#define DP(acc, qq, x) acc = _mm512_dpbf16_ps(acc, (__m512bh)kt[x], (__m512bh)_mm512_set1_epi32((int32_t)qq[x]))
+    for (int64_t x = 0; x < pairs; x += 4) {
+        DP(a0, q0, x);
+        DP(b0, q1, x);
+        DP(a1, q0, x + 1);
+        DP(b1, q1, x + 1);
+        DP(a2, q0, x + 2);
+        DP(b2, q1, x + 2);
+        DP(a3, q0, x + 3);
+        DP(b3, q1, x + 3);
+    }
+#undef DP
+    *s0 = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+    *s1 = _mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3));
+}
+
+/* o (nv vectors, interleaved order) = o x shrink + the tile's 8 token pairs of values (vi)
+ * against one query head's probability pairs (pp). */
+static inline __attribute__((always_inline)) void
+values16(const __m512i *vi, const uint32_t *pp, float shrink, float *restrict o,
+         const int64_t nv) {
+    __m512 acc[MAX_BDIM / 16];
+    const __m512 f = _mm512_set1_ps(shrink);
+    for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_mul_ps(_mm512_load_ps(o + c * 16), f);
+    for (int64_t i = 0; i < BT / 2; i++) {
+        const __m512bh pd = (__m512bh)_mm512_set1_epi32((int32_t)pp[i]);
+        for (int64_t c = 0; c < nv; c++)
+            acc[c] = _mm512_dpbf16_ps(acc[c], pd, (__m512bh)vi[i * nv + c]);
+    }
+    for (int64_t c = 0; c < nv; c++) _mm512_store_ps(o + c * 16, acc[c]);
+}
+
+/* values16 for two query heads in one pass (each head's sums in the same order as alone). */
+static inline __attribute__((always_inline)) void
+values16x2(const __m512i *vi, const uint32_t *p0, const uint32_t *p1, float s0, float s1,
+           float *restrict o0, float *restrict o1, const int64_t nv) {
+    __m512 a0[MAX_BDIM / 16], a1[MAX_BDIM / 16];
+    const __m512 f0 = _mm512_set1_ps(s0), f1 = _mm512_set1_ps(s1);
+    for (int64_t c = 0; c < nv; c++) {
+        a0[c] = _mm512_mul_ps(_mm512_load_ps(o0 + c * 16), f0);
+        a1[c] = _mm512_mul_ps(_mm512_load_ps(o1 + c * 16), f1);
+    }
+    for (int64_t i = 0; i < BT / 2; i++) {
+        const __m512bh d0 = (__m512bh)_mm512_set1_epi32((int32_t)p0[i]);
+        const __m512bh d1 = (__m512bh)_mm512_set1_epi32((int32_t)p1[i]);
+        for (int64_t c = 0; c < nv; c++) {
+            a0[c] = _mm512_dpbf16_ps(a0[c], d0, (__m512bh)vi[i * nv + c]);
+            a1[c] = _mm512_dpbf16_ps(a1[c], d1, (__m512bh)vi[i * nv + c]);
+        }
+    }
+    for (int64_t c = 0; c < nv; c++) {
+        _mm512_store_ps(o0 + c * 16, a0[c]);
+        _mm512_store_ps(o1 + c * 16, a1[c]);
+    }
+}
+
+/* A row's KV heads g0..g1-1 on the bfloat16 path (dim a multiple of 32, at most 256; block a
+ * multiple of 16): q [heads][dim] bfloat16 (the row's query heads from KV head g0's first)
+ * -> out [heads][dim] float32, in order. */
+static inline __attribute__((always_inline)) void
+tiles_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
+           int64_t length, int64_t g0, int64_t g1, int64_t rep, const int64_t dim,
+           int64_t block, int64_t token_stride, int64_t block_stride, float scale,
+           float *restrict out) {
+    const int64_t heads = (g1 - g0) * rep, pairs = dim / 2, nv = dim / 16;
+    const int64_t spread = (2 * BT + rep - 1) / rep; /* next-tile rows prefetched a head */
+    float m[MAX_HEADS], l[MAX_HEADS], shrinks[MAX_REP];
+    float o[MAX_HEADS_DIM] __attribute__((aligned(64))); /* interleaved order */
+    __m512i kt[MAX_BDIM / 2]; /* key pair x: the tile's 16 tokens */
+    __m512i vi[BT / 2 * MAX_BDIM / 16]; /* token pair i, dims c: interleaved values */
+    uint32_t pp[MAX_REP][BT / 2] __attribute__((aligned(64)));
+    __m512 sv[MAX_REP];
+    const __m512 floor = _mm512_set1_ps(-3.0e38f), sc = _mm512_set1_ps(scale);
+    for (int64_t h = 0; h < heads; h++) {
+        m[h] = -3.0e38f;
+        l[h] = 0.0f;
+    }
+    memset(o, 0, (size_t)(heads * dim) * 4);
+    for (int64_t start = 0; start < length; start += BT) {
+        const int64_t n = length - start < BT ? length - start : BT;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        const int64_t tile = table[start / block] * block_stride + (start % block) * token_stride;
+        const int64_t next = start + BT, ahead = length - next < BT ? length - next : BT;
+        const int64_t at =
+            ahead > 0 ? table[next / block] * block_stride + (next % block) * token_stride : 0;
+        for (int64_t g = g0; g < g1; g++) {
+            const int64_t base = tile + g * dim, h0 = (g - g0) * rep;
+            for (int64_t x = 0; x < pairs; x += 16) { /* keys: 16 pairs at a time */
+                __m512i r[16];
+                for (int64_t j = 0; j < BT; j++)
+                    r[j] = j < n ? _mm512_loadu_si512(k + base + j * token_stride + 2 * x)
+                                 : _mm512_setzero_si512();
+                transpose16(r);
+                for (int j = 0; j < 16; j++) kt[x + j] = r[j];
+            }
+            for (int64_t i = 0; i < BT / 2; i++) /* values: token pairs interleaved */
+                for (int64_t c = 0; c < nv / 2; c++) {
+                    const int64_t j = 2 * i;
+                    const __m512i a = j < n ? _mm512_loadu_si512(v + base + j * token_stride + 32 * c)
+                                            : _mm512_setzero_si512();
+                    const __m512i b = j + 1 < n
+                                          ? _mm512_loadu_si512(v + base + (j + 1) * token_stride + 32 * c)
+                                          : _mm512_setzero_si512();
+                    vi[i * nv + 2 * c] = _mm512_unpacklo_epi16(a, b);
+                    vi[i * nv + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+                }
+            for (int64_t r = 0; r < rep; r += 2) { /* scores, two heads at a time */
+                const int64_t r1 = r + 1 < rep ? r + 1 : r; /* an odd last head: twice */
+                scores16x2((const uint32_t *)(q + (h0 + r) * dim),
+                           (const uint32_t *)(q + (h0 + r1) * dim), kt, pairs, &sv[r], &sv[r1]);
+            }
+            for (int64_t r = 0; r < rep; r++) { /* online softmax updates */
+                const int64_t h = h0 + r;
+                const int64_t j0 = r * spread < 2 * ahead ? r * spread : 2 * ahead;
+                const int64_t j1 = j0 + spread < 2 * ahead ? j0 + spread : 2 * ahead;
+                for (int64_t j = j0; j < j1; j++) /* the next tile's key rows, then value rows */
+                    for (int64_t b = 0; b < dim * 2; b += 64)
+                        __builtin_prefetch((const char *)((j < ahead ? k : v) + at + g * dim +
+                                                          (j % ahead) * token_stride) + b, 0, 1);
+                const __m512 s = _mm512_mask_blend_ps(valid, floor, _mm512_mul_ps(sv[r], sc));
+                float top = _mm512_reduce_max_ps(s);
+                top = top > m[h] ? top : m[h];
+                const __m512 p = _mm512_maskz_mov_ps(valid, exp_neg16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+                shrinks[r] = exp_neg(m[h] - top);
+                l[h] = l[h] * shrinks[r] + _mm512_reduce_add_ps(p);
+                m[h] = top;
+                _mm256_store_si256((__m256i *)pp[r], (__m256i)_mm512_cvtneps_pbh(p));
+            }
+            int64_t r = 0; /* value sums */
+            if (nv <= 8)
+                for (; r + 1 < rep; r += 2)
+                    values16x2(vi, pp[r], pp[r + 1], shrinks[r], shrinks[r + 1],
+                               o + (h0 + r) * dim, o + (h0 + r + 1) * dim, nv);
+            for (; r < rep; r++) values16(vi, pp[r], shrinks[r], o + (h0 + r) * dim, nv);
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) { /* divide by l; back to the dimensions' order */
+        const float inv = 1.0f / l[h];
+        const float *oh = o + h * dim;
+        float *dst = out + h * dim;
+        for (int64_t c = 0; c < nv / 2; c++)
+            for (int64_t lane4 = 0; lane4 < 4; lane4++)
+                for (int64_t i = 0; i < 4; i++) {
+                    dst[32 * c + 8 * lane4 + i] = oh[(2 * c) * 16 + 4 * lane4 + i] * inv;
+                    dst[32 * c + 8 * lane4 + 4 + i] = oh[(2 * c + 1) * 16 + 4 * lane4 + i] * inv;
+                }
+    }
+}
+#endif
+
 /* q [rows, heads, dim]; k, v [blocks, block, kv_heads, dim] (one layer, contiguous); tables
  * [rows, width] block ids; lengths [rows] keys each row attends to (>= 1); out like q; kind
  * the element type of all four (F32, BF16, F16). Returns 0, or -1 for a shape past the
@@ -409,6 +634,23 @@ int paged_decode(const void *q, const void *k, const void *v, const int64_t *tab
         float *qf = (float *)qv, *of = (float *)ov; /* built with -fno-strict-aliasing */
         const int64_t head = (b * heads + g0 * rep) * dim, span = (g1 - g0) * rep * dim;
         const int64_t *table = tables + b * width;
+#if defined(__AVX512BF16__)
+        if (kind == BF16 && dim % 32 == 0 && dim <= MAX_BDIM && block % BT == 0) {
+            const uint16_t *qb = (const uint16_t *)q + head;
+            const uint16_t *kb = (const uint16_t *)k, *vb = (const uint16_t *)v;
+            if (dim == 64)
+                tiles_bf16(qb, kb, vb, table, lengths[b], g0, g1, rep, 64, block, token_stride,
+                           block_stride, scale, of);
+            else if (dim == 128)
+                tiles_bf16(qb, kb, vb, table, lengths[b], g0, g1, rep, 128, block, token_stride,
+                           block_stride, scale, of);
+            else
+                tiles_bf16(qb, kb, vb, table, lengths[b], g0, g1, rep, dim, block, token_stride,
+                           block_stride, scale, of);
+            store(out, head, kind, of, span);
+            continue;
+        }
+#endif
         load(q, head, kind, qf, span);
         if (dim == 64 && tiled)
             tiles(qv, k, v, kind, table, lengths[b], g0, g1, rep, 8, block, token_stride,

@@ -338,7 +338,7 @@ class DecoderRunner:
         self.compiled = kernel
         how = f"paged attention, CPU kernel ({kernel.seconds:.1f} s to load)"
         if self.dtype == torch.bfloat16 and kernel.prefills:
-            how += "; bf16 prefill kernel"
+            how += "; bf16 dot-product kernels for decode and prefill"
             if use_in_vision_tower(self.model, kernel):
                 how += " (and in the vision tower)"
         return how

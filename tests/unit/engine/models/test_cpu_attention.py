@@ -124,6 +124,8 @@ def _paged(
         (8, 1, 80, 32),
         (2, 8, 32, 8),
         (16, 8, 128, 16),  # more query heads x dim than one work unit holds
+        (2, 3, 256, 32),  # bf16 dot products: widest head, an odd head count
+        (1, 5, 96, 16),  # dim a multiple of 32 but not of 64
         (2, 2, 36, 12),  # dim and block not multiples of 8: the untiled loops
     ],
 )
