@@ -47,6 +47,7 @@ __all__ = ["CpuPagedAttention", "KernelBuildError", "build_library", "paged_deco
 log = logging.getLogger(__name__)
 
 _SOURCES = ("cpu_decode.c", "cpu_prefill.c")  # one library
+_HEADERS = ("cpu_bf16.h",)  # what they include: copied beside them and part of the key
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_decode.c's enum
 _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
 _PREFILL_ARGS = (
@@ -125,7 +126,10 @@ def _compiler() -> list[str]:
 def build_library() -> Path:
     """The kernel's shared library, built now or found in the cache -> its path. Raises
     ``KernelBuildError`` when there is no C compiler or it fails."""
-    sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in _SOURCES}
+    files = {
+        name: resources.files(__package__).joinpath(name).read_bytes()
+        for name in _SOURCES + _HEADERS
+    }
     cc = _compiler()
     flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-strict-aliasing"]
     flags += _isa_flags()
@@ -137,7 +141,7 @@ def build_library() -> Path:
         raise KernelBuildError(f"no working C compiler ({' '.join(cc)}; set CC): {exc}") from exc
     key = hashlib.sha256(
         b"\0".join(x.encode() for x in (version, " ".join(flags), _cpu_flags()))
-        + b"\0".join(sources.values())
+        + b"\0".join(files.values())
     ).hexdigest()[:24]
     folder = _cache_dir()
     target = folder / f"cpu_decode-{key}.so"
@@ -145,10 +149,9 @@ def build_library() -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as work:
-        paths = []
-        for name, text in sources.items():
-            paths.append(Path(work) / name)
-            paths[-1].write_bytes(text)
+        for name, text in files.items():
+            (Path(work) / name).write_bytes(text)
+        paths = [Path(work) / name for name in _SOURCES]
         built = Path(work) / target.name
         done = subprocess.run(
             [*cc, *flags, *map(str, paths), "-o", str(built)],

@@ -20,6 +20,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "cpu_bf16.h"
 
 static inline uint16_t bf16_store(float f) { /* round to nearest even, as torch does */
     uint32_t u;
@@ -417,29 +418,6 @@ static inline void transpose16(__m512i r[16]) {
         r[j] = _mm512_shuffle_i32x4(c[j], c[j + 8], 0x88);
         r[j + 8] = _mm512_shuffle_i32x4(c[j], c[j + 8], 0xdd);
     }
-}
-
-typedef float bf_v16 __attribute__((vector_size(64)));
-typedef int32_t bf_i16 __attribute__((vector_size(64)));
-
-/* e^x for x <= 0 on 16 lanes (exp_neg's steps and constants). */
-static inline __m512 exp_neg16(__m512 v) {
-    bf_v16 x = (bf_v16)v;
-    const bf_v16 low = x * 0.0f - 87.0f;
-    x = (bf_v16)_mm512_mask_blend_ps(_mm512_cmp_ps_mask((__m512)x, (__m512)low, _CMP_LT_OQ),
-                                     (__m512)x, (__m512)low); /* NaN stays NaN */
-    const bf_v16 t = x * 1.44269504088896341f;
-    const bf_v16 n = (t + 12582912.0f) - 12582912.0f;
-    bf_v16 r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    bf_v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const bf_i16 bits = (__builtin_convertvector(n, bf_i16) + 127) << 23;
-    return (__m512)(p * (bf_v16)bits);
 }
 
 /* Two query heads' 16 scores each: their dim / 2 query pairs (q0, q1) against the tile's
