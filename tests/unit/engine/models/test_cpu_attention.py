@@ -4,11 +4,12 @@ kernel ``cpu_decode.c``).
 Pinned on the tiny real Qwen2-VL's runner, in float32 and bfloat16: a decode step never
 gathers the rows' blocks (``PagedKVCache.gather`` raises); a row's logits are bit-identical
 alone, in a batch of 8 and of 32 rows of other lengths, and at 1 and 2 threads; the logits
-match the gathered path's within float rounding. On the kernel alone: it equals the
-float32 reference at real head layouts, block sizes and dtypes, past 4,096 keys and across
-block boundaries; a NaN in one row's keys poisons that row only; a table or length out of
-the cache's range is refused before anything is read. Without a C compiler decode gathers
-as before and says why; a built kernel is cached and found again.
+match the gathered path's within float rounding (bf16 with AVX512-BF16: within a stated
+bound, the same greedy token wherever the top two are further apart). On the kernel alone:
+it equals the float32 reference at real head layouts, block sizes and dtypes, past 4,096
+keys and across block boundaries; a NaN in one row's keys poisons that row only; a table or
+length out of the cache's range is refused before anything is read. Without a C compiler
+decode gathers as before and says why; a built kernel is cached and found again.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from vlmserve.engine.core.kv_cache import PagedKVCache
 from vlmserve.engine.models import cpu_attention
 from vlmserve.engine.models.cpu_attention import CpuPagedAttention, paged_decode
 from vlmserve.engine.models.runner import Qwen2VLRunner
+
+BF16_LOGITS = 0.1  # bf16 decode on AVX512-BF16 against float32 attention (docs/engine.md)
 
 
 def _runner(tiny_dir: Path, dtype: torch.dtype) -> Qwen2VLRunner:
@@ -82,6 +85,11 @@ def test_a_rows_logits_are_bit_identical_alone_in_8_and_in_32_rows_at_any_thread
 
 
 def test_kernel_logits_match_the_gathered_path(compiled: Qwen2VLRunner) -> None:
+    """float32: equal to float rounding. bf16: where the build has AVX512-BF16 the kernel
+    rounds the probabilities to bf16 for the value sums (as torch's and transformers' bf16
+    attention do) and the gathered path sums them in float32, so the logits are within
+    ``BF16_LOGITS`` (about three bf16 units at these magnitudes; 0.06 at most was seen) and
+    the greedy token is the same wherever the gathered path's top two are further apart."""
     step = prefilled(compiled, prompts(compiled, lengths_for(8)))
     attend = compiled.compiled
     with torch.inference_mode():
@@ -91,9 +99,15 @@ def test_kernel_logits_match_the_gathered_path(compiled: Qwen2VLRunner) -> None:
             want = compiled.decode(**step)  # writes the same token's K/V again
         finally:
             compiled.compiled = attend
-    tol = 1e-4 if compiled.dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    if compiled.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        return
+    assert float((got.float() - want.float()).abs().max()) <= BF16_LOGITS
+    top = want.float().topk(2, dim=-1).values
+    clear = top[:, 0] - top[:, 1] > BF16_LOGITS
+    assert clear.sum() >= 4  # most rows are decided: the check below is not vacuous
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 def _paged(
