@@ -12,7 +12,7 @@ loaded), so the kernel's threads are the calling thread's torch team, at its thr
 Where the CPU has bfloat16 dot-product instructions (AVX512-BF16), a bfloat16 cache's
 decode runs on them: keys and values are multiplied in pairs as they lie, never converted,
 and the probabilities are rounded to bfloat16 for the value sums (as torch's attention
-does for bfloat16 inputs); about 1.5x faster than converting to float32 at 8 rows of 4,096
+does for bfloat16 inputs); about 1.4x faster than converting to float32 at 8 rows of 4,096
 tokens. The same library holds ``cpu_prefill.c``: a prompt's causal attention in bfloat16
 on those instructions, twice as fast as torch's CPU flash attention, which computes in
 float32; elsewhere prefill keeps torch's kernel.
