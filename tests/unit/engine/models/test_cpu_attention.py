@@ -89,7 +89,9 @@ def test_kernel_logits_match_the_gathered_path(compiled: Qwen2VLRunner) -> None:
     rounds the probabilities to bf16 for the value sums (as torch's and transformers' bf16
     attention do) and the gathered path sums them in float32, so the logits are within
     ``BF16_LOGITS`` (about three bf16 units at these magnitudes; 0.06 at most was seen) and
-    the greedy token is the same wherever the gathered path's top two are further apart."""
+    the greedy token is the same wherever the gathered path's top two are more than twice
+    that apart (neither of two logits moving by more than the bound can swap them)."""
+    torch.manual_seed(0)  # ``prompts`` draws each row's next token from the global generator
     step = prefilled(compiled, prompts(compiled, lengths_for(8)))
     attend = compiled.compiled
     with torch.inference_mode():
@@ -105,8 +107,8 @@ def test_kernel_logits_match_the_gathered_path(compiled: Qwen2VLRunner) -> None:
         return
     assert float((got.float() - want.float()).abs().max()) <= BF16_LOGITS
     top = want.float().topk(2, dim=-1).values
-    clear = top[:, 0] - top[:, 1] > BF16_LOGITS
-    assert clear.sum() >= 4  # most rows are decided: the check below is not vacuous
+    clear = top[:, 0] - top[:, 1] > 2 * BF16_LOGITS
+    assert clear.sum() >= 2  # rows decided by more than the bound: the check is not vacuous
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
