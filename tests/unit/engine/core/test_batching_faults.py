@@ -69,9 +69,13 @@ def engine_of(backend: HFChatBackend) -> BatchEngine:
     return backend.engine
 
 
-async def until_running(engine: BatchEngine, rows: int) -> None:
+async def until_running(engine: BatchEngine, rows: int, queued: int = 0) -> None:
+    """Wait until ``rows`` rows decode together and ``queued`` more wait inside the engine
+    (submitted, so a fault reaches them rather than the state check a later submit meets)."""
     deadline = time.monotonic() + 30
-    while not (engine.gauges.running == rows and engine.steps > 2):
+    while not (
+        engine.gauges.running == rows and engine.gauges.queued == queued and engine.steps > 2
+    ):
         assert time.monotonic() < deadline, "the rows never ran together"
         await asyncio.sleep(0.005)
 
@@ -258,7 +262,7 @@ async def test_an_error_outside_a_forward_ends_every_request_within_seconds(
     engine = engine_of(backend)
     reqs = [request(f"r{i}", max_tokens=200) for i in range(6)]  # 3 run, 3 wait
     jobs = asyncio.gather(*(tokens(backend, r) for r in reqs), return_exceptions=True)
-    await until_running(engine, 3)
+    await until_running(engine, 3, queued=3)
     part, _, name = method.rpartition(".")
     setattr(getattr(engine, part) if part else engine, name, raising)
     injected = time.monotonic()
