@@ -220,6 +220,7 @@ def build_paging(
         mode = runner.use_compiled_attention()
     else:
         mode = "gathered attention"
+    runner.settle_linears(runner.compiled)  # packs what no kernel took (idempotent)
     return paging, mode
 
 

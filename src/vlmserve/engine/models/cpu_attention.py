@@ -46,7 +46,7 @@ __all__ = ["CpuPagedAttention", "KernelBuildError", "build_library", "paged_deco
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_decode.c", "cpu_prefill.c")  # one library
+_SOURCES = ("cpu_decode.c", "cpu_prefill.c", "cpu_linear.c")  # one library
 _HEADERS = ("cpu_bf16.h",)  # what they include: copied beside them and part of the key
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_decode.c's enum
 _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -57,6 +57,7 @@ _PREFILL_ARGS = (
     + [ctypes.c_int64] * 7
     + [ctypes.c_float, ctypes.c_int]
 )
+_LINEAR_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
 _KT = 32  # cpu_prefill.c's keys a tile: the packed keys' length is rounded up to it
 
 
@@ -179,6 +180,9 @@ class CpuPagedAttention:
         self._prefill = lib.prefill_attention
         self._prefill.argtypes, self._prefill.restype = _PREFILL_ARGS, ctypes.c_int
         self.prefills = bool(lib.has_prefill())  # the build has AVX512-BF16 (decode too)
+        self._linear = lib.linear_bf16
+        self._linear.argtypes, self._linear.restype = _LINEAR_ARGS, ctypes.c_int
+        self.linears = bool(lib.has_linear())  # the same: ``cpu_linear.c``'s product
         self._lib = lib
         self.seconds = time.perf_counter() - started
 
@@ -237,6 +241,47 @@ class CpuPagedAttention:
             torch.get_num_threads(),
         )
         return None if failed else out
+
+    def takes_weight(self, weight: torch.Tensor) -> bool:
+        """Whether ``linear`` computes products with this weight: a contiguous bf16
+        [out, in] CPU matrix with ``in`` a multiple of 32, in a build with AVX512-BF16."""
+        return (
+            self.linears
+            and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
+            and weight.dim() == 2
+            and weight.is_contiguous()
+            and weight.shape[1] % 32 == 0
+        )
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        """``out = x @ weight.T + bias`` in bf16 for a few rows (``cpu_linear.c``): x [rows,
+        in] and out [rows, out_features] with unit stride along a row (rows may be strided),
+        ``weight`` one ``takes_weight`` accepts, ``bias`` bf16 [out_features] or None. Each
+        row's result is the same whatever the other rows and the thread count."""
+        rows, width = x.shape
+        if not self.takes_weight(weight) or weight.shape[1] != width:
+            raise ValueError(f"the bf16 linear kernel takes no {tuple(weight.shape)} weight")
+        if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+            raise ValueError(f"inputs {x.dtype} and outputs {out.dtype} must be bfloat16")
+        if x.stride(1) != 1 or out.stride(1) != 1 or tuple(out.shape) != (rows, weight.shape[0]):
+            raise ValueError("inputs and outputs must be [rows, features] with unit stride")
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            bias = bias.to(torch.bfloat16).contiguous()
+        self._linear(
+            x.data_ptr(),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            weight.shape[0],
+            width,
+            x.stride(0),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
 
     def check(self, tables: torch.Tensor, lengths: torch.Tensor, blocks: int, block: int) -> None:
         """A ``ValueError`` unless every row's length is >= 1 and within its table and every

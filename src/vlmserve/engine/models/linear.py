@@ -40,15 +40,32 @@ PACK_MIN_ELEMENTS = 1 << 19  # 2 MiB of float32: smaller weights stay plain (``c
 class Linear:
     """``y = x @ W.T + b`` for ``x: [rows, in]`` (any rows; fewer than 4 are padded)."""
 
-    __slots__ = ("bias", "out_features", "packed", "weight")
+    __slots__ = ("bias", "kernel", "out_features", "packed", "pending", "weight")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, out_features: int
     ):
         self.weight, self.bias, self.packed = weight, bias, packed
         self.out_features = out_features
+        self.kernel: Any = None  # cpu_attention.CpuPagedAttention: its bf16 product (use_kernel)
+        self.pending: tuple[nn.Module, list[str], list[int]] | None = None  # packed by settle
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, lead: int = 0) -> torch.Tensor:
+        """``lead``: the first ``lead`` rows are decode rows (a step's running streams). With
+        a kernel attached (``use_kernel``) those rows are its product, which gives a row the
+        same result in any batch and reads the weight at memory speed; the others (prompt
+        tokens) take the BLAS product."""
+        if self.kernel is None or lead <= 0:
+            return self._blas(x)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        out = x.new_empty(rows, self.out_features) if lead >= rows else self._blas(x)
+        lead = min(lead, rows)
+        self.kernel.linear(x[:lead], self.weight, self.bias, out[:lead])
+        return out
+
+    def _blas(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows >= MIN_ROWS:
             return self._product(x)
@@ -59,6 +76,29 @@ class Linear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def use_kernel(self, kernel: Any) -> bool:
+        """Compute decode rows with ``kernel.linear`` (``cpu_linear.c``) where it takes this
+        weight (plain bf16, ``in`` a multiple of 32) -> whether it does."""
+        if self.packed or not kernel.takes_weight(self.weight):
+            return False
+        self.kernel, self.pending = kernel, None
+        return True
+
+    def settle(self) -> None:
+        """Pack a weight whose packing waited for a kernel that did not take it (``fuse``
+        with ``later``)."""
+        if self.pending is None:
+            return
+        owner, names, rows = self.pending
+        self.pending = None
+        try:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, MIN_ROWS)
+        except RuntimeError as exc:
+            log.info("oneDNN weight packing unavailable (%s); using plain weights", exc)
+            return
+        self.packed = True
+        _replace(owner, names, rows, self)  # the HF modules' views of the plain weight go
 
     def forward_any(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [..., in]`` (HF's modules pass [batch, tokens, in])."""
@@ -120,18 +160,24 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def fuse(owner: nn.Module, names: list[str], *, pack: bool = True) -> Linear:
+def fuse(owner: nn.Module, names: list[str], *, pack: bool = True, later: bool = False) -> Linear:
     """One ``Linear`` for the linears ``owner.<name>`` (their outputs concatenated in order).
 
     Packed: the HF modules are replaced by ``_Slice`` views of it (the weights are held
     once, packed). Plain: the fused tensor is new storage and each HF parameter is
-    re-pointed at its rows (also held once)."""
+    re-pointed at its rows (also held once). ``later``: a weight that would be packed stays
+    plain until ``settle`` (a kernel that reads plain weights may take it first)."""
     linears = [getattr(owner, name) for name in names]
     if not all(_plain(lin) for lin in linears):
         return ModuleLinear(linears)  # quantized (torchao, bitsandbytes, ...): their kernels
     weight = torch.cat([lin.weight.data for lin in linears], dim=0)
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias.data for lin in linears], dim=0) if has_bias else None
+    if pack and later and can_pack(weight):
+        _repoint(linears, weight, bias)
+        fused = Linear(weight, bias, False, weight.shape[0])
+        fused.pending = (owner, names, [lin.weight.shape[0] for lin in linears])
+        return fused
     if pack and can_pack(weight):
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, MIN_ROWS)

@@ -86,13 +86,13 @@ def _joined(
     return torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])
 
 
-def _lm_head(model: Any) -> Linear:
+def _lm_head(model: Any, later: bool) -> Linear:
     """The output projection; tied to the embeddings (Qwen2-VL-2B) it stays plain: packing
     would hold a second copy of the vocabulary matrix."""
     head = model.lm_head
     if head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr():
         return Linear(head.weight, None, False, head.weight.shape[0])
-    return fuse(model, ["lm_head"])
+    return fuse(model, ["lm_head"], later=later)
 
 
 class DecoderRunner:
@@ -120,7 +120,10 @@ class DecoderRunner:
         self.device = lm.embed_tokens.weight.device
         self.embed_weight = lm.embed_tokens.weight
         self.norm = lm.norm.weight
-        self.lm_head = _lm_head(model)
+        # CPU bf16: weights stay plain until ``settle_linears`` knows whether the C library's
+        # product takes them (``cpu_linear.c`` reads plain weights; oneDNN's need packing)
+        self.pack_later = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self.lm_head = _lm_head(model, self.pack_later)
         self.layers = [self._layer(layer) for layer in lm.layers]
         self.ropes = self._rotary(lm.rotary_emb, sections, interleaved)  # by layer kind
         self.cache: PagedKVCache | None = None  # allocate_cache(), once the budget is known
@@ -162,11 +165,11 @@ class DecoderRunner:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return _Layer(
             layer.input_layernorm.weight,
-            fuse(attn, ["q_proj", "k_proj", "v_proj"]),
-            fuse(attn, ["o_proj"]),
+            fuse(attn, ["q_proj", "k_proj", "v_proj"], later=self.pack_later),
+            fuse(attn, ["o_proj"], later=self.pack_later),
             layer.post_attention_layernorm.weight,
-            fuse(mlp, ["gate_proj", "up_proj"]),
-            fuse(mlp, ["down_proj"]),
+            fuse(mlp, ["gate_proj", "up_proj"], later=self.pack_later),
+            fuse(mlp, ["down_proj"], later=self.pack_later),
             None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight,
         )
@@ -184,11 +187,12 @@ class DecoderRunner:
         return weight * y.to(self.dtype)
 
     def _qkv(
-        self, x: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor, lead: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [N, hidden] -> q [N, H, D], k [N, KVH, D] (both rotated), v [N, KVH, D]."""
+        """x: [N, hidden] -> q [N, H, D], k [N, KVH, D] (both rotated), v [N, KVH, D]. The
+        first ``lead`` rows are decode rows (``Linear.__call__``)."""
         n, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = layer.qkv(self._norm(x, layer.ln1))
+        qkv = layer.qkv(self._norm(x, layer.ln1), lead)
         qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
         if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: per head, pre-RoPE
             qk = torch.cat(
@@ -197,13 +201,33 @@ class DecoderRunner:
         qk = RotaryTables.apply(qk, cos, sin)
         return qk[:, :h], qk[:, h:], qkv[:, (h + kvh) * d :].view(n, kvh, d)
 
-    def _mlp(self, x: torch.Tensor, attn: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        x = x + layer.o(attn)
-        gate, up = layer.gate_up(self._norm(x, layer.ln2)).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+    def _mlp(
+        self, x: torch.Tensor, attn: torch.Tensor, layer: _Layer, lead: int = 0
+    ) -> torch.Tensor:
+        x = x + layer.o(attn, lead)
+        gate, up = layer.gate_up(self._norm(x, layer.ln2), lead).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up, lead)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._norm(x, self.norm)).float()  # [rows, V]
+        """[rows, V]: every row (a step's decode rows and its prompts' last tokens) is one
+        the small-batch product takes, so a prompt's first token does not depend on its
+        companions either."""
+        return self.lm_head(self._norm(x, self.norm), x.shape[0]).float()
+
+    def _linears(self) -> list[Linear]:
+        return [self.lm_head, *(f for y in self.layers for f in (y.qkv, y.o, y.gate_up, y.down))]
+
+    def settle_linears(self, kernel: CpuPagedAttention | None = None) -> int:
+        """Decode rows' products on ``kernel``'s bf16 product (``cpu_linear.c``) where it takes
+        the weight; a weight still waiting for it (``pack_later``) is packed for oneDNN now.
+        -> how many linears the kernel took."""
+        took = 0
+        for linear in self._linears():
+            if kernel is not None and kernel.linears and linear.use_kernel(kernel):
+                took += 1
+            else:
+                linear.settle()
+        return took
 
     # --- steps ----------------------------------------------------------------------------
     def _kv(self) -> PagedKVCache:
@@ -239,12 +263,12 @@ class DecoderRunner:
             ropes = {kind: _joined(d.ropes[kind], p.ropes[kind]) for kind in self.ropes}  # type: ignore[union-attr]
         b = 0 if d is None else d.count
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, *ropes[layer.kind])  # q [N, H, D], k/v [N, KVH, D]
+            q, k, v = self._qkv(x, layer, *ropes[layer.kind], b)  # q [N, H, D], k/v [N, KVH, D]
             cache.write(li, slots, k, v)
             outs = [] if d is None else [self._decode_attend(li, layer, q[:b], d)]
             if p is not None:
                 outs.append(self._prefill_attend(li, layer, q[b:], k[b:], v[b:], p))
-            x = self._mlp(x, outs[0] if len(outs) == 1 else torch.cat(outs), layer)
+            x = self._mlp(x, outs[0] if len(outs) == 1 else torch.cat(outs), layer, b)
             if p is not None and p.deep is not None and li < p.deep.shape[0]:
                 # as Qwen3VLTextModel._deepstack_process
                 visual = p.visual if b == 0 else p.visual + b  # type: ignore[operator]
@@ -326,22 +350,25 @@ class DecoderRunner:
         kernel built now, or loaded from the kernel cache); where it does not apply or
         building fails, decode gathers each row's blocks as before. -> how decode runs, for
         the log."""
-        if not base_decode(self):
-            return "gathered attention (the model's own decode attention)"
         try:
             kernel = CpuPagedAttention()
         except (KernelBuildError, OSError) as exc:
+            self.settle_linears()
             log.warning("decode attention gathers each row's blocks: building failed (%s)", exc)
             return f"gathered attention (building the CPU kernel failed: {type(exc).__name__})"
+        took = self.settle_linears(kernel)
+        linears = f"; bf16 linears for decode rows ({took} weights)" if took else ""
+        if not base_decode(self):
+            return "gathered attention (the model's own decode attention)" + linears
         if not kernel.supports(self.dtype):
-            return f"gathered attention (the CPU kernel has no {self.dtype})"
+            return f"gathered attention (the CPU kernel has no {self.dtype})" + linears
         self.compiled = kernel
         how = f"paged attention, CPU kernel ({kernel.seconds:.1f} s to load)"
         if self.dtype == torch.bfloat16 and kernel.prefills:
             how += "; bf16 dot-product kernels for decode and prefill"
             if use_in_vision_tower(self.model, kernel):
                 how += " (and in the vision tower)"
-        return how
+        return how + linears
 
     def decode(
         self,

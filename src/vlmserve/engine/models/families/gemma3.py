@@ -87,11 +87,11 @@ class Gemma3Runner(DecoderRunner):
         attn, mlp = layer.self_attn, layer.mlp
         return _GemmaLayer(
             _scale(layer.input_layernorm),
-            fuse(attn, ["q_proj", "k_proj", "v_proj"]),
-            fuse(attn, ["o_proj"]),
+            fuse(attn, ["q_proj", "k_proj", "v_proj"], later=self.pack_later),
+            fuse(attn, ["o_proj"], later=self.pack_later),
             _scale(layer.pre_feedforward_layernorm),
-            fuse(mlp, ["gate_proj", "up_proj"]),
-            fuse(mlp, ["down_proj"]),
+            fuse(mlp, ["gate_proj", "up_proj"], later=self.pack_later),
+            fuse(mlp, ["down_proj"], later=self.pack_later),
             _scale(attn.q_norm),
             _scale(attn.k_norm),
             attn.layer_type,
@@ -107,11 +107,13 @@ class Gemma3Runner(DecoderRunner):
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return (y * weight).to(self.dtype)
 
-    def _mlp(self, x: torch.Tensor, attn: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    def _mlp(
+        self, x: torch.Tensor, attn: torch.Tensor, layer: _Layer, lead: int = 0
+    ) -> torch.Tensor:
         assert isinstance(layer, _GemmaLayer)
-        x = x + self._norm(layer.o(attn), layer.post_attn)  # type: ignore[arg-type]
-        gate, up = layer.gate_up(self._norm(x, layer.ln2)).chunk(2, dim=-1)
-        h = layer.down(F.gelu(gate, approximate="tanh") * up)
+        x = x + self._norm(layer.o(attn, lead), layer.post_attn)  # type: ignore[arg-type]
+        gate, up = layer.gate_up(self._norm(x, layer.ln2), lead).chunk(2, dim=-1)
+        h = layer.down(F.gelu(gate, approximate="tanh") * up, lead)
         return x + self._norm(h, layer.post_mlp)  # type: ignore[arg-type]
 
     def _prefill_masks(self, row: PrefillRow) -> dict[str, torch.Tensor]:
