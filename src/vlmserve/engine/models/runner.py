@@ -27,6 +27,10 @@ same weights itself (nano-vllm's ``model_runner``), with:
 - **fused projections**: q/k/v and gate/up are one matmul each. The fused weights are new
   storage and the HF parameters are re-pointed at views of it, so no memory is duplicated
   and ``model.generate`` keeps working on the same weights;
+- **decode rows' linears on a C kernel** for bfloat16 on CPUs with AVX512-BF16
+  (``cpu_linear.c``): the first ``lead`` rows of a step are its streams, and their
+  products read the plain weights at memory speed (``Linear.__call__``); prompt tokens
+  keep the BLAS product;
 - **batch invariance on CPU**: a row's result does not depend on its companions. Matmuls
   with fewer than 4 rows take another BLAS path (different rounding), so smaller batches
   are padded to 4; attention never sees padding; rotary angles come from tables.
