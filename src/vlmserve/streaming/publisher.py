@@ -40,6 +40,8 @@ class Publisher:
     _pending: deque[asyncio.Future[None]] = field(default_factory=deque)  # commits in flight
     _issued: int | None = None  # the last index handed out (None: record.last_index)
     _lost: tuple[int, int] | None = None  # a failed commit's index .. the last one issued then
+    _lost_error: BaseException | None = None  # why it failed: refuses the producer's next events
+    ending: bool = False  # the session's ending events (error, [DONE]) are being committed
     _append_now: AppendNow | None = None  # the store's append done when it returns: inline
     _gate: RowGate | None = None  # a new durable session: its events follow its row
 
@@ -52,7 +54,11 @@ class Publisher:
 
     async def commit(self, emit: Emit, final: SessionState | None = None) -> None:
         """Number ``emit`` and send it to the store; wait only when ``IN_FLIGHT`` commits
-        are under way, or for every one of them when the event is the terminal one."""
+        are under way, or for every one of them when the event is the terminal one. Once an
+        event's commit has failed, the producer's next events are refused with its error (a
+        listener would get the text with a piece missing); only the ending ones go on."""
+        if self._lost_error is not None and not self.ending:
+            raise self._lost_error
         index = (self.record.last_index if self._issued is None else self._issued) + 1
         self._issued = index
         event = Event(index, emit.data, emit.event, emit.meta, terminal=final is not None)
@@ -112,6 +118,12 @@ class Publisher:
         ending events (issued later) are."""
         if commit.cancelled() or commit.exception() is not None:
             self._lost = self._lost or (event.index, self._issued or event.index)
+            if self._lost_error is None:
+                self._lost_error = (
+                    commit.exception()
+                    if not commit.cancelled()
+                    else ConnectionError(f"event {event.index}'s commit was cancelled")
+                )
         elif self._lost is None or not self._lost[0] < event.index <= self._lost[1]:
             self._publish(event, final)
 

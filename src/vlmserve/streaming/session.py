@@ -156,6 +156,7 @@ class Session:
     async def finish(self, emits: list[Emit], state: SessionState) -> None:
         """Append ``emits`` and the terminal ``[DONE]`` event, then record ``state``."""
         self._finishing = True
+        self.publisher.ending = True
         self._stop_timers()
         try:
             for emit in emits:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from pathlib import Path
 
 import pytest
 from session_fakes import stalled
 
 from vlmserve.streaming import DONE, Event, SessionManager, SessionState, SQLiteStore
+from vlmserve.streaming.events import Emit, SessionRecord
+from vlmserve.streaming.publisher import Publisher
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -79,3 +82,41 @@ async def test_a_sqlite_session_makes_no_task_per_event(
     assert made <= copies + 10, f"{made} tasks for 201 events in {copies} copies"
     assert [e.index for e in await sqlite_store.events("s1", -1)] == list(range(201))
     await manager.close()
+
+
+class Deferred:
+    """A store whose appends finish when the test says (``append_nowait``'s futures)."""
+
+    def __init__(self) -> None:
+        self.commits: dict[int, asyncio.Future[None]] = {}
+
+    def append_nowait(self, session_id: str, event: Event) -> asyncio.Future[None]:
+        self.commits[event.index] = asyncio.get_running_loop().create_future()
+        return self.commits[event.index]
+
+
+async def test_after_a_lost_commit_the_producers_next_event_is_refused_not_published() -> None:
+    """The lost commit's callbacks can run before the session has stopped its producer (the
+    stop comes one callback later): an event issued in between must not reach listeners,
+    or they would read the text with event 5 missing from its middle."""
+    store = Deferred()
+    record = SessionRecord("s1", {}, SessionState.RUNNING, 0.0, 0.0)
+    lost: list[BaseException] = []
+    publisher = Publisher(record, store, deque(), lost.append)  # type: ignore[arg-type]
+    for i in range(7):
+        await publisher.commit(Emit(json.dumps({"i": i})))
+    for index, commit in store.commits.items():
+        if index == 5:
+            commit.set_exception(OSError(28, "No space left on device"))
+        else:
+            commit.set_result(None)
+    await asyncio.sleep(0)  # the commits' callbacks run
+    assert record.last_index == 4 and len(lost) == 1
+    with pytest.raises(OSError, match="No space left"):
+        await publisher.commit(Emit(json.dumps({"i": 7})))
+    assert 7 not in store.commits and [e.index for e in publisher.ring] == [0, 1, 2, 3, 4]
+    publisher.ending = True  # the session's error event and [DONE] still go out
+    await publisher.commit(Emit("failed", "error"))
+    store.commits[max(store.commits)].set_result(None)
+    await asyncio.sleep(0)
+    assert [e.data for e in publisher.ring][-1] == "failed"
