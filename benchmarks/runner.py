@@ -140,6 +140,7 @@ def load(ns: argparse.Namespace) -> tuple[Path, Any, torch.device, torch.dtype]:
 
 
 def run(ns: argparse.Namespace) -> Result:
+    from vlmserve.engine.models.cpu_kernels import settle_linears
     from vlmserve.engine.models.runner import Qwen2VLRunner
 
     ckpt, model, device, dtype = load(ns)
@@ -164,7 +165,7 @@ def run(ns: argparse.Namespace) -> Result:
         how = runner.use_paged_decode(ns.batch, graphs=mode == "graphs")
         if not how.startswith("paged") or (mode == "graphs") != ("CUDA graphs" in how):
             raise SystemExit(f"--mode {mode} is not available here: decode runs with {how}")
-    runner.settle_linears(runner.compiled)  # as the engine: pack what no kernel took
+    settle_linears(runner, runner.compiled)  # as the engine: pack what no kernel took
     with torch.inference_mode():
         fill(runner, tables, ns.context)
         tokens = torch.randint(0, model.config.get_text_config().vocab_size, (ns.batch,))

@@ -20,6 +20,7 @@ import torch
 from vlmserve.engine.core.block_manager import BlockManager
 from vlmserve.engine.core.kv_cache import GPU_MEMORY_UTILIZATION, KVBudget
 from vlmserve.engine.core.sequence import Sequence
+from vlmserve.engine.models.cpu_kernels import settle_linears
 from vlmserve.engine.models.profile import activation_peak
 from vlmserve.engine.models.runner import DecoderRunner, PrefillRow
 
@@ -219,8 +220,8 @@ def build_paging(
     elif _compiles_attention(runner, c):
         mode = runner.use_compiled_attention()
     else:
+        settle_linears(runner)  # no C library asked for: pack what waited for its kernel
         mode = "gathered attention"
-    runner.settle_linears(runner.compiled)  # packs what no kernel took (idempotent)
     return paging, mode
 
 

@@ -94,15 +94,15 @@ class Linear:
         return True
 
     def settle(self) -> None:
-        """Pack a weight whose packing waited for a kernel that did not take it (``fuse``
-        with ``later``)."""
+        """Pack a weight ``fuse`` meant to pack (at once, or with ``later`` once no kernel
+        took it); where oneDNN cannot, it stays plain."""
         if self.pending is None:
             return
         owner, names, rows = self.pending
         self.pending = None
         try:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, MIN_ROWS)
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # an unsupported shape or build: stay plain
             log.info("oneDNN weight packing unavailable (%s); using plain weights", exc)
             return
         self.packed = True
@@ -181,22 +181,13 @@ def fuse(owner: nn.Module, names: list[str], *, pack: bool = True, later: bool =
     weight = torch.cat([lin.weight.data for lin in linears], dim=0)
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias.data for lin in linears], dim=0) if has_bias else None
-    if pack and later and can_pack(weight):
-        _repoint(linears, weight, bias)
-        fused = Linear(weight, bias, False, weight.shape[0])
-        fused.pending = (owner, names, [lin.weight.shape[0] for lin in linears])
-        return fused
-    if pack and can_pack(weight):
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, MIN_ROWS)
-        except RuntimeError as exc:  # an unsupported shape or build: stay plain
-            log.info("oneDNN weight packing unavailable (%s); using plain weights", exc)
-        else:
-            fused = Linear(packed, bias, True, weight.shape[0])
-            _replace(owner, names, [lin.weight.shape[0] for lin in linears], fused)
-            return fused
     _repoint(linears, weight, bias)
-    return Linear(weight, bias, False, weight.shape[0])
+    fused = Linear(weight, bias, False, weight.shape[0])
+    if pack and can_pack(weight):
+        fused.pending = (owner, names, [lin.weight.shape[0] for lin in linears])
+        if not later:
+            fused.settle()
+    return fused
 
 
 def _replace(owner: nn.Module, names: list[str], rows: list[int], fused: Linear) -> None:

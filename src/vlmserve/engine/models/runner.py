@@ -38,7 +38,6 @@ same weights itself (nano-vllm's ``model_runner``), with:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,11 +53,10 @@ from vlmserve.engine.models.batch import (
     decode_inputs,
     prefill_inputs,
 )
-from vlmserve.engine.models.cpu_attention import CpuPagedAttention, KernelBuildError
-from vlmserve.engine.models.cpu_vision import use_in_vision_tower
+from vlmserve.engine.models.cpu_attention import CpuPagedAttention
+from vlmserve.engine.models.cpu_kernels import use_cpu_kernels
 from vlmserve.engine.models.graphs import (
     PagedDecode,
-    base_decode,
     graphs_unsupported,
     paged_supported,
 )
@@ -67,8 +65,6 @@ from vlmserve.engine.models.prefill_attention import prefill_attention
 from vlmserve.engine.models.rope import RotaryTables
 
 __all__ = ["DecodeRows", "DecoderRunner", "PrefillRow", "Qwen2VLRunner"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -124,8 +120,8 @@ class DecoderRunner:
         self.device = lm.embed_tokens.weight.device
         self.embed_weight = lm.embed_tokens.weight
         self.norm = lm.norm.weight
-        # CPU bf16: weights stay plain until ``settle_linears`` knows whether the C library's
-        # product takes them (``cpu_linear.c`` reads plain weights; oneDNN's need packing)
+        # CPU bf16: weights stay plain until ``cpu_kernels.settle_linears`` knows whether the C
+        # library's product takes them (``cpu_linear.c`` reads plain weights; oneDNN's packed)
         self.pack_later = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.lm_head = _lm_head(model, self.pack_later)
         self.layers = [self._layer(layer) for layer in lm.layers]
@@ -217,21 +213,6 @@ class DecoderRunner:
         the small-batch product takes, so a prompt's first token does not depend on its
         companions either."""
         return self.lm_head(self._norm(x, self.norm), x.shape[0]).float()
-
-    def _linears(self) -> list[Linear]:
-        return [self.lm_head, *(f for y in self.layers for f in (y.qkv, y.o, y.gate_up, y.down))]
-
-    def settle_linears(self, kernel: CpuPagedAttention | None = None) -> int:
-        """Decode rows' products on ``kernel``'s bf16 product (``cpu_linear.c``) where it takes
-        the weight; a weight still waiting for it (``pack_later``) is packed for oneDNN now.
-        -> how many linears the kernel took."""
-        took = 0
-        for linear in self._linears():
-            if kernel is not None and kernel.linears and linear.use_kernel(kernel):
-                took += 1
-            else:
-                linear.settle()
-        return took
 
     # --- steps ----------------------------------------------------------------------------
     def _kv(self) -> PagedKVCache:
@@ -350,29 +331,10 @@ class DecoderRunner:
         return f"paged attention, eager ({why})"
 
     def use_compiled_attention(self) -> str:
-        """CPU: decode attention reads the cache in place through ``CpuPagedAttention`` (a C
-        kernel built now, or loaded from the kernel cache); where it does not apply or
-        building fails, decode gathers each row's blocks as before. -> how decode runs, for
-        the log."""
-        try:
-            kernel = CpuPagedAttention()
-        except (KernelBuildError, OSError) as exc:
-            self.settle_linears()
-            log.warning("decode attention gathers each row's blocks: building failed (%s)", exc)
-            return f"gathered attention (building the CPU kernel failed: {type(exc).__name__})"
-        took = self.settle_linears(kernel)
-        linears = f"; bf16 linears for decode rows ({took} weights)" if took else ""
-        if not base_decode(self):
-            return "gathered attention (the model's own decode attention)" + linears
-        if not kernel.supports(self.dtype):
-            return f"gathered attention (the CPU kernel has no {self.dtype})" + linears
-        self.compiled = kernel
-        how = f"paged attention, CPU kernel ({kernel.seconds:.1f} s to load)"
-        if self.dtype == torch.bfloat16 and kernel.prefills:
-            how += "; bf16 dot-product kernels for decode and prefill"
-            if use_in_vision_tower(self.model, kernel):
-                how += " (and in the vision tower)"
-        return how + linears
+        """CPU: decode attention reads the cache in place, and the C library's other kernels
+        take what they can (``cpu_kernels.use_cpu_kernels``). -> how decode runs, for the
+        log."""
+        return use_cpu_kernels(self)
 
     def decode(
         self,

@@ -24,6 +24,7 @@ from transformers import AutoModelForImageTextToText
 
 from vlmserve.engine.models.batch import DecodeRows, PrefillRow
 from vlmserve.engine.models.cpu_attention import CpuPagedAttention
+from vlmserve.engine.models.cpu_kernels import linears_of
 from vlmserve.engine.models.linear import Linear, _Slice, can_pack, fuse
 from vlmserve.engine.models.runner import Qwen2VLRunner
 
@@ -145,7 +146,7 @@ def runner(tiny_dir: Path, kernel: CpuPagedAttention) -> Qwen2VLRunner:
     r = Qwen2VLRunner(model)
     r.allocate_cache(num_blocks=40 * 12 + 1, block_size=BLOCK)
     how = r.use_compiled_attention()
-    linears = r._linears()
+    linears = linears_of(r)
     assert f"bf16 linears for decode rows ({len(linears)} weights)" in how, how
     assert all(lin.kernel is not None for lin in linears)
     return r
