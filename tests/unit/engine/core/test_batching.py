@@ -450,10 +450,12 @@ async def test_a_busy_batch_streams_tokens_in_groups_of_stream_interval(
             backend.close()
         assert all(sum(s) == 48 for s in sizes)  # grouping never drops or repeats a token
         means[interval] = sum(map(sum, sizes)) / sum(map(len, sizes))
-    assert means[4] >= 2.5 * means[1], means  # fewer, larger events under load
-    # (not 4: the rows join over several steps and finish at the same one, and below 4 rows
-    # every step is sent at once)
+    # Fewer, larger events under load: not 4 tokens an event, because the rows join over
+    # several steps and finish at the same one, and below 4 rows every step is sent at once.
+    # With an interval of 1 a reader that falls behind on a slow machine also gets merged
+    # events, so the interval-1 mean is a bound below, not a fixed 1.
     assert means[4] >= 2.5, means
+    assert means[4] > means[1], means
 
 
 async def test_no_token_waits_longer_than_the_group_wait_for_its_group(
