@@ -8,10 +8,13 @@ under a text flood of the same request rate and prompt length; image requests/s;
 Per server: ``--probes`` streamed text requests one at a time, idle; then ``--clients`` loops
 sending never-repeated 1280x960 JPEGs (``max_tokens`` 1) for ``--seconds`` while the probes
 run; then the same number of loops sending text whose prompt has the image request's token
-count, paced to the image flood's request rate, with the probes again. Peak RSS is the sum
-of VmHWM over the server's process group, reset before each flood. Results: a table and
-``--out`` JSON. ``--pool-only`` decodes data-URL JPEGs in ``MediaPool(n)`` (no model, no
-HTTP): images/s for each worker count (0 = a thread of this process).
+count, paced to the image flood's request rate, with the probes again. Each flood runs in a
+process of its own (as other users' clients would), so the probes' event loop times the
+server, not the flood's uploads (``--same-process-flood`` puts it back in the probes' loop).
+Peak RSS is the sum of VmHWM over the server's process group, reset before each flood.
+Results: a table and ``--out`` JSON. ``--pool-only`` decodes data-URL JPEGs in
+``MediaPool(n)`` (no model, no HTTP): images/s for each worker count (0 = a thread of this
+process).
 
 ``--phases`` (vlmserve only) asks each probe for its timings (``include_metrics``) and prints
 where its time to first token went, p50 ms per phase: ``media`` (arrival until the engine
@@ -28,6 +31,7 @@ import base64
 import contextlib
 import io
 import json
+import os
 import random
 import statistics
 import sys
@@ -163,7 +167,8 @@ def reset_peaks(pids: list[int]) -> None:
 async def under_flood(
     client: httpx.AsyncClient, model: str, bodies: Any, args: argparse.Namespace, rate: float
 ) -> tuple[Probes, float]:
-    """Probe TTFTs while ``bodies`` flood the server; -> (TTFTs, flood requests/s)."""
+    """Probe TTFTs while ``bodies`` flood the server from this event loop; -> (TTFTs, flood
+    requests/s)."""
     stop = asyncio.Event()
     began = time.perf_counter()
     flooding = asyncio.create_task(flood(client, bodies, args.clients, stop, rate))
@@ -177,10 +182,79 @@ async def under_flood(
     return ttfts, done / (time.perf_counter() - began)  # over the flood's own time
 
 
+async def under_child_flood(
+    client: httpx.AsyncClient, model: str, plan: dict[str, Any], args: argparse.Namespace
+) -> tuple[Probes, float]:
+    """Probe TTFTs while a child process (``--flood-child``) floods the server as ``plan``
+    says; -> (TTFTs, flood requests/s). The child makes its bodies first, then floods from
+    "go" until "stop" (or ``--seconds``)."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        "--flood-child",
+        json.dumps(plan),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        if (await child.stdout.readline()).strip() != b"ready":
+            raise RuntimeError("the flood process did not start (see its stderr above)")
+        child.stdin.write(b"go\n")
+        await child.stdin.drain()
+        began = time.perf_counter()
+        await asyncio.sleep(1.0)  # the flood is on
+        ttfts = await probe(client, model, args.probes, args.phases)
+        await asyncio.sleep(max(0.0, args.seconds - (time.perf_counter() - began)))
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # ran out: gone
+            child.stdin.write(b"stop\n")
+            await child.stdin.drain()
+        result = json.loads(await child.stdout.readline())
+    finally:
+        if child.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+        await child.wait()
+    if result["ran_out"]:
+        print("the flood ended before the probes did: pass a larger --images", file=sys.stderr)
+    return ttfts, result["done"] / result["seconds"]
+
+
+def flood_child(plan: dict[str, Any]) -> None:
+    """``--flood-child``: make the plan's bodies, say "ready", flood from "go" until "stop",
+    then print ``{"done", "seconds", "ran_out"}`` as one JSON line."""
+    model = plan["model"]
+    if plan["kind"] == "image":
+        urls = photos(plan["images"], seed=plan["seed"])
+        bodies: Any = iter(image_body(model, u) for u in urls)
+    else:
+        bodies = iter(lambda: text_body(model, plan["tokens"]), None)
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+
+    async def run() -> dict[str, Any]:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        waiting = loop.run_in_executor(None, sys.stdin.readline)
+        waiting.add_done_callback(lambda _: loop.call_soon_threadsafe(stop.set))
+        began = time.perf_counter()
+        async with httpx.AsyncClient(base_url=plan["url"], timeout=300) as client:
+            done = await flood(client, bodies, plan["clients"], stop, plan["rate"])
+        seconds = time.perf_counter() - began
+        ran_out = not waiting.done()  # stopped before the parent said so: bodies ran out
+        return {"done": done, "seconds": seconds, "ran_out": ran_out}
+
+    result = asyncio.run(run())
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # the stdin reader thread may still wait
+
+
 async def measure(spec: ServerSpec, pid: int, args: argparse.Namespace) -> dict[str, Any]:
-    images = iter(image_body(spec.model, u) for u in photos(args.images, seed=args.seed))
+    # the warm-up image comes from another seed than the flood's: none is ever sent twice
+    warm = image_body(spec.model, photos(1, seed=args.seed + 1_000_003)[0])
     async with httpx.AsyncClient(base_url=spec.url, timeout=300) as client:
-        r = await client.post("/v1/chat/completions", json=next(images))
+        r = await client.post("/v1/chat/completions", json=warm)
         r.raise_for_status()
         tokens = r.json()["usage"]["prompt_tokens"]
         phases = args.phases and spec.name.startswith("vlmserve")
@@ -188,13 +262,24 @@ async def measure(spec: ServerSpec, pid: int, args: argparse.Namespace) -> dict[
         _, pids = group_hwm_mib(pid)
         reset_peaks(pids)
         flood_args = argparse.Namespace(**{**vars(args), "phases": phases})
-        flooded, image_rate = await under_flood(client, spec.model, images, flood_args, 0)
+        plan = {"url": spec.url, "model": spec.model, "clients": args.clients}
+        plan |= {"images": args.images, "seed": args.seed, "tokens": tokens}
+
+        async def flooded_by(kind: str, rate: float) -> tuple[Probes, float]:
+            if not args.same_process_flood:
+                kind_plan = {**plan, "kind": kind, "rate": rate}
+                return await under_child_flood(client, spec.model, kind_plan, flood_args)
+            if kind == "image":
+                urls = photos(args.images, seed=args.seed)
+                bodies: Any = iter(image_body(spec.model, u) for u in urls)
+            else:
+                bodies = iter(lambda: text_body(spec.model, tokens), None)
+            return await under_flood(client, spec.model, bodies, flood_args, rate)
+
+        flooded, image_rate = await flooded_by("image", 0.0)
         peak, _ = group_hwm_mib(pid)
-        texts = iter(lambda: text_body(spec.model, tokens), None)
         wait_idle(args.settle)
-        text_flooded, text_rate = await under_flood(
-            client, spec.model, texts, flood_args, image_rate
-        )
+        text_flooded, text_rate = await flooded_by("text", image_rate)
     conditions = {"idle": idle, "image_flood": flooded, "text_flood": text_flooded}
     return {
         "server": spec.name,
@@ -327,7 +412,16 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=10.0, help="max seconds to wait for idle CPUs")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument(
+        "--same-process-flood",
+        action="store_true",
+        help="send the floods from the probes' own event loop (not a process of their own)",
+    )
+    ap.add_argument("--flood-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.flood_child:
+        flood_child(json.loads(args.flood_child))
+        return
     results = pool_only(args) if args.pool_only else run_servers(args)
     report(results)
     if args.out:

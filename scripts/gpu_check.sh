@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, in one call of a lent GPU machine: tests/gpu, then benchmarks/gpu.py, then
-# benchmarks/vision_tower.py (the patch embedding as cuDNN's Conv3d and as the engine's GEMM).
+# benchmarks/vision_tower.py (the patch embedding as cuDNN's Conv3d and as the engine's GEMM),
+# then benchmarks/rerank.py (the tiny reranker's pairs/s batched and one pair at a time).
 #
 # The machine has torch, transformers, pytest and httpx but not vlmserve's other core needs.
 # Before the call, download them here as py3.12 wheels into .whl/ (ignored by git, named
@@ -37,6 +38,9 @@ echo "benchmark took $((SECONDS - bench_start))s"
 timeout "${GPU_TOWER_S:-120}" python3 benchmarks/vision_tower.py --device cuda \
     --json "$out/vision_tower.json" 2>&1 | grep -v -e 'Loading weights' -e 'Writing model' \
     | tee "$out/vision_tower.log"
+timeout "${GPU_RERANK_S:-90}" python3 benchmarks/rerank.py --device cuda \
+    --json "$out/rerank.json" 2>&1 | grep -v -e 'Loading weights' -e 'Writing model' \
+    | tee "$out/rerank.log"
 echo "the check ${SECONDS}s"
 echo "tests exit $tests, benchmark exit $bench"
 [ "$tests" = 0 ] && [ "$bench" = 0 ]

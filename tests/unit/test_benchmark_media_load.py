@@ -66,3 +66,37 @@ async def test_probes_with_phases_carry_the_servers_timings(live_server) -> None
         assert {"media_ms", "queue_time_ms", "vision_ms", "prefill_ms"} <= metrics.keys()
     phases = load().phase_p50(timed.metrics)
     assert phases["prefill"] > 0 and phases["media"] > 0
+
+
+async def test_a_flood_from_its_own_process_is_paced_and_the_probes_still_run(
+    live_server,
+) -> None:
+    import httpx
+
+    from support import MODEL
+
+    bench = load()
+    server = live_server()
+    args = argparse.Namespace(probes=3, phases=False, seconds=2.0)
+    plan = {"url": server.url, "model": MODEL, "clients": 2, "kind": "text", "tokens": 12}
+    plan |= {"images": 0, "seed": 0, "rate": 10.0}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        ttfts, rate = await bench.under_child_flood(client, MODEL, plan, args)
+    assert len(ttfts) == 3 and all(t > 0 for t in ttfts)
+    assert 3.0 <= rate <= 11.0  # paced to 10 requests/s, answered by the server
+
+
+async def test_a_flood_that_runs_out_of_images_says_so(live_server, capsys) -> None:
+    import httpx
+
+    from support import MODEL
+
+    bench = load()
+    server = live_server()
+    args = argparse.Namespace(probes=1, phases=False, seconds=3.0)
+    plan = {"url": server.url, "model": MODEL, "clients": 2, "kind": "image", "tokens": 0}
+    plan |= {"images": 2, "seed": 0, "rate": 0.0}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        ttfts, rate = await bench.under_child_flood(client, MODEL, plan, args)
+    assert len(ttfts) == 1 and rate > 0
+    assert "pass a larger --images" in capsys.readouterr().err
