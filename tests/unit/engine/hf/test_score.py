@@ -15,6 +15,7 @@ from PIL import Image
 from vlmserve.engine.configs import RerankConfig
 from vlmserve.engine.hf.loading import LoadOptions
 from vlmserve.engine.hf.score.backend import HFRerankBackend
+from vlmserve.engine.models.prefill_only import SHARED_MIN, shared_prefix
 from vlmserve.engine.types import EmbedInput, ScorePair
 from vlmserve.errors import InvalidRequest
 from vlmserve.testing.families.rerankers import build_jina_reranker, build_qwen3_vl_reranker
@@ -142,6 +143,10 @@ def test_qwen3_scores_equal_p_yes_for_text_image_and_video_mixed(qwen3: HFRerank
     scored = qwen3.score_sync(pairs)
     assert scored.scores == pytest.approx(expected, abs=TOL)
     assert [qwen3.score_sync([p]).scores[0] for p in pairs] == pytest.approx(expected, abs=TOL)
+    with torch.inference_mode():  # the batch ran the query's part once (DeepStack after it)
+        rows = qwen3._rows(qwen3._loaded, qwen3._head, pairs)
+    assert any(row.deepstack is not None for row in rows)
+    assert shared_prefix(qwen3._runner, rows) >= SHARED_MIN
     assert scored.prompt_tokens > 0
     assert qwen3.capabilities() == frozenset({"vision", "video"})
 

@@ -1,5 +1,6 @@
 """Prefill-only rows (``last_hidden``): each packed row's last-token final hidden state equals
-transformers' forward of that prompt alone, and no KV cache is needed, written or kept."""
+transformers' forward of that prompt alone, and no KV cache is needed, written or kept; rows
+that begin alike run that beginning once and still give each prompt's own state."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from vlmserve.engine.models import prefill_only
 from vlmserve.engine.models.architectures import build
-from vlmserve.engine.models.prefill_only import last_hidden
+from vlmserve.engine.models.prefill_only import SHARED_MIN, last_hidden, shared_prefix
 from vlmserve.engine.models.vision_cache import VisionCache
 from vlmserve.testing.media import gradient_image
 
@@ -80,3 +82,75 @@ def test_a_row_after_a_cached_prefix_is_refused(tiny_dir: Path) -> None:
     row.cached = 4
     with pytest.raises(ValueError, match="cached prefix"):
         last_hidden(runner, [row])
+
+
+def alike(processor: Any) -> list[dict[str, Any]]:
+    """Prompts that begin alike (an image, then an instruction) and end apart, as a
+    reranker's pairs of one query do; the last is the second with more after it."""
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    picture = gradient_image(64, 48, seed=3)
+    begin = f"{image}judge whether the document fits the query about the red car: "
+    ends = ["the dog runs", "a blue sky over the city at night", "a blue sky over the river"]
+    return [
+        dict(processor(text=[begin + end], images=[picture], return_tensors="pt")) for end in ends
+    ]
+
+
+def test_rows_that_begin_alike_share_it_and_each_gets_its_own_state(tiny_dir: Path) -> None:
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tiny_dir)
+    inputs = alike(processor)
+    ids = [i["input_ids"][0] for i in inputs]
+    common = next(j for j in range(ids[0].shape[0]) if len({int(x[j]) for x in ids}) > 1)
+    expected = torch.stack([reference(model, i) for i in inputs])
+    runner, embedder = build(model, VisionCache(1 << 20))
+    with torch.inference_mode():
+        rows = [embedder.build(i).row for i in inputs]
+        assert shared_prefix(runner, rows) == common > SHARED_MIN  # the image and instruction
+        assert shared_prefix(runner, rows[1:]) > common  # those two go on alike for longer
+        packed = last_hidden(runner, rows)
+        pair = last_hidden(runner, rows[1:])
+        alone = torch.cat([last_hidden(runner, [row]) for row in rows])
+    assert (packed - expected).abs().max() < TOL
+    assert (pair - expected[1:]).abs().max() < TOL
+    assert (alone - expected).abs().max() < TOL
+
+
+def test_the_shared_beginning_is_computed_once(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tiny_dir)
+    runner, embedder = build(model, VisionCache(1 << 20))
+    seen: list[int] = []
+    qkv = runner._qkv
+
+    def counting(x: torch.Tensor, *args: Any) -> Any:
+        seen.append(x.shape[0])
+        return qkv(x, *args)
+
+    monkeypatch.setattr(runner, "_qkv", counting)
+    with torch.inference_mode():
+        rows = [embedder.build(i).row for i in alike(processor)]
+        shared = shared_prefix(runner, rows)
+        last_hidden(runner, rows)
+    lengths = [row.embeds.shape[0] for row in rows]
+    assert seen[0] == shared + sum(n - shared for n in lengths) < sum(lengths)
+
+
+def test_short_or_absent_common_beginnings_are_not_shared(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tiny_dir)
+    runner, embedder = build(model, VisionCache(1 << 20))
+    with torch.inference_mode():
+        rows = [embedder.build(i).row for i in alike(processor)]
+        different = [embedder.build(i).row for i in prompts(processor)]
+        assert shared_prefix(runner, rows[:1]) == 0  # one row: nothing to share with
+        assert shared_prefix(runner, different) == 0
+        same = [rows[0], rows[0]]  # identical rows keep their last token each
+        assert shared_prefix(runner, same) == rows[0].embeds.shape[0] - 1
+        common = shared_prefix(runner, rows)
+        monkeypatch.setattr(prefill_only, "SHARED_MIN", common + 1)
+        assert shared_prefix(runner, rows) == 0

@@ -44,7 +44,7 @@ from vlmserve.engine.hf.score.heads import ScoreHead, load_head
 from vlmserve.engine.hf.score.prompts import JINA, build_batch, check_pair, pair_inputs
 from vlmserve.engine.models.architectures import build, supports
 from vlmserve.engine.models.batch import PrefillRow
-from vlmserve.engine.models.prefill_only import last_hidden
+from vlmserve.engine.models.prefill_only import last_hidden, shared_prefix
 from vlmserve.engine.models.vision_cache import VisionCache
 from vlmserve.engine.types import BackendStats, ModelState, Scored, ScorePair, Serves
 from vlmserve.errors import InvalidRequest
@@ -168,7 +168,11 @@ class HFRerankBackend(HFModel):
         with torch.inference_mode():
             rows = self._rows(loaded, head, pairs)
             lengths = [row.embeds.shape[0] for row in rows]
-            for pack in _packs(lengths, self.max_batch, self.max_batched_tokens):
+            # a beginning every row has alike runs once a forward (``shared_prefix``): the
+            # token budget counts it once, and each row by its own tokens
+            shared = shared_prefix(self._runner, rows)
+            own = [length - shared for length in lengths]
+            for pack in _packs(own, self.max_batch, self.max_batched_tokens - shared):
                 self.forward_passes += 1
                 last = last_hidden(self._runner, [rows[i] for i in pack])
                 scores += head(last).cpu().tolist()
