@@ -34,6 +34,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -188,36 +189,42 @@ async def under_child_flood(
     """Probe TTFTs while a child process (``--flood-child``) floods the server as ``plan``
     says; -> (TTFTs, flood requests/s). The child makes its bodies first, then floods from
     "go" until "stop" (or ``--seconds``)."""
-    child = await asyncio.create_subprocess_exec(
-        sys.executable,
-        __file__,
-        "--flood-child",
-        json.dumps(plan),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--flood-child", json.dumps(plan)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert child.stdin is not None and child.stdout is not None
     try:
-        if (await child.stdout.readline()).strip() != b"ready":
+        if (await asyncio.to_thread(child.stdout.readline)).strip() != "ready":
             raise RuntimeError("the flood process did not start (see its stderr above)")
-        child.stdin.write(b"go\n")
-        await child.stdin.drain()
+        _say(child, "go")
         began = time.perf_counter()
         await asyncio.sleep(1.0)  # the flood is on
         ttfts = await probe(client, model, args.probes, args.phases)
         await asyncio.sleep(max(0.0, args.seconds - (time.perf_counter() - began)))
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # ran out: gone
-            child.stdin.write(b"stop\n")
-            await child.stdin.drain()
-        result = json.loads(await child.stdout.readline())
+        with contextlib.suppress(BrokenPipeError):  # it ran out of bodies and is gone
+            _say(child, "stop")
+        line = await asyncio.to_thread(child.stdout.readline)
+        if not line:
+            raise RuntimeError("the flood process ended without its count (see its stderr)")
+        result = json.loads(line)
     finally:
-        if child.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.kill()
-        await child.wait()
+        try:
+            await asyncio.to_thread(child.wait, 30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
     if result["ran_out"]:
         print("the flood ended before the probes did: pass a larger --images", file=sys.stderr)
     return ttfts, result["done"] / result["seconds"]
+
+
+def _say(child: subprocess.Popen[str], word: str) -> None:
+    assert child.stdin is not None
+    child.stdin.write(word + "\n")
+    child.stdin.flush()
 
 
 def flood_child(plan: dict[str, Any]) -> None:
