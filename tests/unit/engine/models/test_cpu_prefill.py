@@ -26,6 +26,7 @@ from transformers import AutoModelForImageTextToText
 from vlmserve.engine.core.block_manager import BlockManager
 from vlmserve.engine.models.batch import PrefillRow
 from vlmserve.engine.models.cpu_attention import CpuPagedAttention
+from vlmserve.engine.models.prefill_only import last_hidden, shared_prefix
 from vlmserve.engine.models.runner import Qwen2VLRunner
 from vlmserve.testing.tiny import TinySpec, build_qwen2_vl
 
@@ -187,3 +188,21 @@ def test_a_bf16_vision_tower_runs_the_kernel_and_matches_torchs_attention(
     assert "aten::scaled_dot_product_attention" not in {e.key for e in prof.key_averages()}
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.float(), w.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_rows_that_begin_alike_share_it_on_the_kernel(
+    bf16_runner: Qwen2VLRunner, kernel: CpuPagedAttention
+) -> None:
+    """Prefill-only rows sharing a beginning attend over its keys with the kernel's ``first``
+    offset, and give each row what it gets alone."""
+    gen = torch.Generator().manual_seed(9)
+    begin = (torch.randn(40, bf16_runner.hidden, generator=gen) * 0.5).bfloat16()
+    ends = [(torch.randn(n, bf16_runner.hidden, generator=gen) * 0.5).bfloat16() for n in (7, 19)]
+    rows = [PrefillRow(torch.cat([begin, end]), None) for end in ends]
+    with torch.inference_mode():
+        assert shared_prefix(bf16_runner, rows) == 40
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            together = last_hidden(bf16_runner, rows)
+        alone = torch.cat([last_hidden(bf16_runner, [row]) for row in rows])
+    assert "aten::scaled_dot_product_attention" not in {e.key for e in prof.key_averages()}
+    torch.testing.assert_close(together.float(), alone.float(), rtol=3e-2, atol=3e-2)
