@@ -13,6 +13,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmserve.engine.models import prefill_only
 from vlmserve.engine.models.architectures import build
+from vlmserve.engine.models.batch import PrefillRow
 from vlmserve.engine.models.prefill_only import SHARED_MIN, last_hidden, shared_prefix
 from vlmserve.engine.models.vision_cache import VisionCache
 from vlmserve.testing.media import gradient_image
@@ -154,3 +155,48 @@ def test_short_or_absent_common_beginnings_are_not_shared(
         common = shared_prefix(runner, rows)
         monkeypatch.setattr(prefill_only, "SHARED_MIN", common + 1)
         assert shared_prefix(runner, rows) == 0
+
+
+def _rows_alike(runner: Any, common: int, ends: tuple[int, ...]) -> list[PrefillRow]:
+    """Random rows with their first ``common`` embeddings equal and the rest apart."""
+    gen = torch.Generator().manual_seed(common)
+    begin = torch.randn(common, runner.hidden, generator=gen)
+    return [
+        PrefillRow(torch.cat([begin, torch.randn(n, runner.hidden, generator=gen)]), None)
+        for n in ends
+    ]
+
+
+def test_the_common_length_is_shared_from_the_threshold_on(tiny_dir: Path) -> None:
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    runner, _ = build(model, VisionCache(0))
+    assert shared_prefix(runner, _rows_alike(runner, SHARED_MIN, (3, 5))) == SHARED_MIN
+    assert shared_prefix(runner, _rows_alike(runner, SHARED_MIN - 1, (3, 5))) == 0
+
+
+def test_equal_embeddings_at_other_positions_are_not_shared(tiny_dir: Path) -> None:
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    runner, _ = build(model, VisionCache(0))
+    rows = _rows_alike(runner, 40, (3, 5))
+    t = rows[1].embeds.shape[0]
+    moved = torch.arange(t).expand(3, t).clone()
+    moved[:, 30:] += 7  # as if a picture before token 30 took more positions in this row
+    rows[1].positions = moved
+    assert shared_prefix(runner, rows) == 30
+    with torch.inference_mode():
+        together = last_hidden(runner, rows)
+        alone = torch.cat([last_hidden(runner, [row]) for row in rows])
+    assert (together - alone).abs().max() < TOL
+
+
+def test_rows_with_a_family_mask_are_not_shared(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    runner, _ = build(model, VisionCache(0))
+    rows = _rows_alike(runner, 40, (3, 5))
+    masked = rows[1]
+    monkeypatch.setattr(
+        runner, "_prefill_masks", lambda row: {"sliding": torch.ones(1)} if row is masked else {}
+    )
+    assert shared_prefix(runner, rows) == 0
