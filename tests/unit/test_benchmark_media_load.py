@@ -7,6 +7,7 @@ import argparse
 import base64
 import io
 from types import ModuleType
+from typing import Any
 
 from PIL import Image
 
@@ -68,35 +69,30 @@ async def test_probes_with_phases_carry_the_servers_timings(live_server) -> None
     assert phases["prefill"] > 0 and phases["media"] > 0
 
 
-async def test_a_flood_from_its_own_process_is_paced_and_the_probes_still_run(
-    live_server,
-) -> None:
+async def _child_flood(live_server, probes: int, seconds: float, **plan: Any) -> tuple:
+    """``under_child_flood`` against a live tiny server with ``plan``'s kind, count and rate."""
     import httpx
 
     from support import MODEL
 
-    bench = load()
     server = live_server()
-    args = argparse.Namespace(probes=3, phases=False, seconds=2.0)
-    plan = {"url": server.url, "model": MODEL, "clients": 2, "kind": "text", "tokens": 12}
-    plan |= {"images": 0, "seed": 0, "rate": 10.0}
+    args = argparse.Namespace(probes=probes, phases=False, seconds=seconds)
+    plan = {"url": server.url, "model": MODEL, "clients": 2, "seed": 0, **plan}
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        ttfts, rate = await bench.under_child_flood(client, MODEL, plan, args)
+        return await load().under_child_flood(client, MODEL, plan, args)
+
+
+async def test_a_flood_from_its_own_process_is_paced_and_the_probes_still_run(
+    live_server,
+) -> None:
+    plan = {"kind": "text", "tokens": 12, "images": 0, "rate": 10.0}
+    ttfts, rate = await _child_flood(live_server, 3, 2.0, **plan)
     assert len(ttfts) == 3 and all(t > 0 for t in ttfts)
     assert 3.0 <= rate <= 11.0  # paced to 10 requests/s, answered by the server
 
 
 async def test_a_flood_that_runs_out_of_images_says_so(live_server, capsys) -> None:
-    import httpx
-
-    from support import MODEL
-
-    bench = load()
-    server = live_server()
-    args = argparse.Namespace(probes=1, phases=False, seconds=3.0)
-    plan = {"url": server.url, "model": MODEL, "clients": 2, "kind": "image", "tokens": 0}
-    plan |= {"images": 2, "seed": 0, "rate": 0.0}
-    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        ttfts, rate = await bench.under_child_flood(client, MODEL, plan, args)
+    plan = {"kind": "image", "tokens": 0, "images": 2, "rate": 0.0}
+    ttfts, rate = await _child_flood(live_server, 1, 3.0, **plan)
     assert len(ttfts) == 1 and rate > 0
     assert "pass a larger --images" in capsys.readouterr().err

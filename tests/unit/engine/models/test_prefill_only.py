@@ -21,6 +21,13 @@ from vlmserve.testing.media import gradient_image
 TOL = 1e-4
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_dir: Path) -> tuple[Any, Any]:
+    """The tiny Qwen2-VL in float32 (eval) and its processor, loaded once for the module."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(tiny_dir)
+
+
 def prompts(processor: Any) -> list[dict[str, Any]]:
     """A text prompt, an image prompt and a longer text prompt, each processed alone."""
     image = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -44,10 +51,9 @@ def reference(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
 
 
 def test_packed_rows_give_each_prompts_own_last_hidden_state_without_a_cache(
-    tiny_dir: Path,
+    tiny: tuple[Any, Any],
 ) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tiny_dir)
+    model, processor = tiny
     inputs = prompts(processor)
     expected = torch.stack([reference(model, i) for i in inputs])
     runner, embedder = build(model, VisionCache(1 << 20))
@@ -61,9 +67,8 @@ def test_packed_rows_give_each_prompts_own_last_hidden_state_without_a_cache(
     assert (alone - expected).abs().max() < TOL
 
 
-def test_an_allocated_cache_is_neither_read_nor_written(tiny_dir: Path) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tiny_dir)
+def test_an_allocated_cache_is_neither_read_nor_written(tiny: tuple[Any, Any]) -> None:
+    model, processor = tiny
     runner, embedder = build(model, VisionCache(0))
     cache = runner.allocate_cache(8, 16)
     cache.k.fill_(float("nan"))  # any read of it would turn the outputs into NaN
@@ -75,10 +80,9 @@ def test_an_allocated_cache_is_neither_read_nor_written(tiny_dir: Path) -> None:
     assert cache.k.isnan().all() and cache.v.isnan().all()  # nothing written
 
 
-def test_a_row_after_a_cached_prefix_is_refused(tiny_dir: Path) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+def test_a_row_after_a_cached_prefix_is_refused(tiny: tuple[Any, Any]) -> None:
+    model, processor = tiny
     runner, embedder = build(model, VisionCache(0))
-    processor = AutoProcessor.from_pretrained(tiny_dir)
     row = embedder.build(prompts(processor)[0]).row
     row.cached = 4
     with pytest.raises(ValueError, match="cached prefix"):
@@ -97,9 +101,8 @@ def alike(processor: Any) -> list[dict[str, Any]]:
     ]
 
 
-def test_rows_that_begin_alike_share_it_and_each_gets_its_own_state(tiny_dir: Path) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tiny_dir)
+def test_rows_that_begin_alike_share_it_and_each_gets_its_own_state(tiny: tuple[Any, Any]) -> None:
+    model, processor = tiny
     inputs = alike(processor)
     ids = [i["input_ids"][0] for i in inputs]
     common = next(j for j in range(ids[0].shape[0]) if len({int(x[j]) for x in ids}) > 1)
@@ -118,10 +121,9 @@ def test_rows_that_begin_alike_share_it_and_each_gets_its_own_state(tiny_dir: Pa
 
 
 def test_the_shared_beginning_is_computed_once(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tiny_dir)
+    model, processor = tiny
     runner, embedder = build(model, VisionCache(1 << 20))
     seen: list[int] = []
     qkv = runner._qkv
@@ -140,10 +142,9 @@ def test_the_shared_beginning_is_computed_once(
 
 
 def test_short_or_absent_common_beginnings_are_not_shared(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tiny_dir)
+    model, processor = tiny
     runner, embedder = build(model, VisionCache(1 << 20))
     with torch.inference_mode():
         rows = [embedder.build(i).row for i in alike(processor)]
@@ -167,15 +168,15 @@ def _rows_alike(runner: Any, common: int, ends: tuple[int, ...]) -> list[Prefill
     ]
 
 
-def test_the_common_length_is_shared_from_the_threshold_on(tiny_dir: Path) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+def test_the_common_length_is_shared_from_the_threshold_on(tiny: tuple[Any, Any]) -> None:
+    model, _ = tiny
     runner, _ = build(model, VisionCache(0))
     assert shared_prefix(runner, _rows_alike(runner, SHARED_MIN, (3, 5))) == SHARED_MIN
     assert shared_prefix(runner, _rows_alike(runner, SHARED_MIN - 1, (3, 5))) == 0
 
 
-def test_equal_embeddings_at_other_positions_are_not_shared(tiny_dir: Path) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+def test_equal_embeddings_at_other_positions_are_not_shared(tiny: tuple[Any, Any]) -> None:
+    model, _ = tiny
     runner, _ = build(model, VisionCache(0))
     rows = _rows_alike(runner, 40, (3, 5))
     t = rows[1].embeds.shape[0]
@@ -190,9 +191,9 @@ def test_equal_embeddings_at_other_positions_are_not_shared(tiny_dir: Path) -> N
 
 
 def test_rows_with_a_family_mask_are_not_shared(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    model, _ = tiny
     runner, _ = build(model, VisionCache(0))
     rows = _rows_alike(runner, 40, (3, 5))
     masked = rows[1]
