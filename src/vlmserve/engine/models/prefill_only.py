@@ -10,7 +10,7 @@ tokens' states are read, so the final layer computes attention and MLP for those
 
 Rows that begin alike share that beginning's forward: a reranker's pairs of one query under
 an instruction-and-query-first template (Qwen3-VL-Reranker's: system prompt, instruction,
-query, then the document) repeat the same 100-200 tokens in every row. Where every row's
+query, then the document) repeat all of that in every row. Where every row's
 first ``P`` embeddings and positions are equal (no family mask, and DeepStack features only
 after them), those ``P`` tokens run once as a row of their own and each row runs only its
 remaining tokens, attending over the shared keys and then its own, as a prompt after a
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from vlmserve.engine.models.batch import PrefillInputs, PrefillRow
 from vlmserve.engine.models.runner import DecoderRunner
 
-__all__ = ["last_hidden"]
+__all__ = ["SHARED_MIN", "last_hidden", "shared_prefix"]
 
 
 SHARED_MIN = 16  # shorter common beginnings are not worth a row of their own
