@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,14 @@ async def under_child_flood(
     return ttfts, result["done"] / result["seconds"]
 
 
+def flood_bodies(model: str, kind: str, images: int, seed: int, tokens: int) -> Iterator[Any]:
+    """A flood's request bodies: ``images`` never-repeated photos, or endless text prompts of
+    ``tokens`` words."""
+    if kind == "image":
+        return iter(image_body(model, u) for u in photos(images, seed=seed))
+    return iter(lambda: text_body(model, tokens), None)
+
+
 def _say(child: subprocess.Popen[str], word: str) -> None:
     assert child.stdin is not None
     child.stdin.write(word + "\n")
@@ -230,12 +239,7 @@ def _say(child: subprocess.Popen[str], word: str) -> None:
 def flood_child(plan: dict[str, Any]) -> None:
     """``--flood-child``: make the plan's bodies, say "ready", flood from "go" until "stop",
     then print ``{"done", "seconds", "ran_out"}`` as one JSON line."""
-    model = plan["model"]
-    if plan["kind"] == "image":
-        urls = photos(plan["images"], seed=plan["seed"])
-        bodies: Any = iter(image_body(model, u) for u in urls)
-    else:
-        bodies = iter(lambda: text_body(model, plan["tokens"]), None)
+    bodies = flood_bodies(plan["model"], plan["kind"], plan["images"], plan["seed"], plan["tokens"])
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
@@ -276,11 +280,7 @@ async def measure(spec: ServerSpec, pid: int, args: argparse.Namespace) -> dict[
             if not args.same_process_flood:
                 kind_plan = {**plan, "kind": kind, "rate": rate}
                 return await under_child_flood(client, spec.model, kind_plan, flood_args)
-            if kind == "image":
-                urls = photos(args.images, seed=args.seed)
-                bodies: Any = iter(image_body(spec.model, u) for u in urls)
-            else:
-                bodies = iter(lambda: text_body(spec.model, tokens), None)
+            bodies = flood_bodies(spec.model, kind, args.images, args.seed, tokens)
             return await under_flood(client, spec.model, bodies, flood_args, rate)
 
         flooded, image_rate = await flooded_by("image", 0.0)
