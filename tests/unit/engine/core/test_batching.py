@@ -454,7 +454,8 @@ async def test_a_busy_batch_streams_tokens_in_groups_of_stream_interval(
     # several steps and finish at the same one, and below 4 rows every step is sent at once.
     # With an interval of 1 a reader that falls behind on a slow machine also gets merged
     # events, so the interval-1 mean is a bound below, not a fixed 1.
-    assert means[4] >= 2.5, means
+    # 2.29 seen on a loaded machine with the interval kept; ignored, it is 1-1.4
+    assert means[4] >= 2.0, means
     assert means[4] > means[1], means
 
 
