@@ -195,7 +195,8 @@ class EngineLifecycle:
         try:
             self._run()
             if self._closed:
-                self._release()
+                with contextlib.suppress(ReferenceError):  # freed with its caches already
+                    self._release()
                 self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
         except BaseException as exc:  # outside a forward: the engine's state is not trusted
             self._die(exc)
