@@ -29,6 +29,12 @@ import pytest
 from support import MODEL, make_settings
 from upstreams import serve_asgi
 from vlmserve.api.app import build_app
+from vlmserve.engine.types import (
+    ChatMessage,
+    GenerateRequest,
+    SamplingParams,
+    TextPart,
+)
 from vlmserve.registry.manager import ModelManager
 from vlmserve.testing.media import image_bytes
 
@@ -163,6 +169,40 @@ async def test_a_cancelled_stream_stops_in_the_engine_process(tiny_dir: Path) ->
         assert rest[-1]["choices"][0]["finish_reason"] == "cancelled"
         # the engine process dropped it (its 20,000 tokens would take most of a minute)
         await until(lambda: backend.stats().running == 0, timeout=5)
+        after = await client.post("/v1/chat/completions", json=chat("still there?"))
+    assert after.status_code == 200
+
+
+def ask(text: str, max_tokens: int, **sampling: Any) -> GenerateRequest:
+    message = ChatMessage(role="user", content=[TextPart(text=text)])
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+    return GenerateRequest(request_id=text, messages=[message], sampling=params)
+
+
+async def generated(backend: Any, prepared: Any) -> tuple[list[int], str | None]:
+    chunks = [chunk async for chunk in backend.generate(prepared)]
+    return [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason
+
+
+async def test_a_prepared_request_starts_before_its_chunks_are_asked_for(tiny_dir: Path) -> None:
+    """The engine process starts a request once it is prepared: the chunks it makes before
+    the API process asks for them are held, none lost; a prepared request discarded instead
+    stops there."""
+    async with serving(tiny_dir, engine_process=True) as (client, models):
+        backend = models.resolve(MODEL).backend
+        at_once = await generated(backend, await backend.prepare(ask("held", 12)))
+        queried = backend.stats().prefix_cache[0]
+        prepared = await backend.prepare(ask("held", 12))
+        # admitted (its prompt queried against the prefix cache) with nobody reading yet
+        await until(lambda: backend.stats().prefix_cache[0] > queried, timeout=10)
+        await asyncio.sleep(0.2)  # its 12 tokens are made by now, and held
+        assert await generated(backend, prepared) == at_once
+        assert len(at_once[0]) == 12 and at_once[1] == "length"
+
+        endless = await backend.prepare(ask("on and on", 20000, ignore_eos=True))
+        await until(lambda: backend.stats().running == 1, timeout=10)  # running, unasked
+        await backend.discard(endless)
+        await until(lambda: backend.stats().running == 0, timeout=10)
         after = await client.post("/v1/chat/completions", json=chat("still there?"))
     assert after.status_code == 200
 

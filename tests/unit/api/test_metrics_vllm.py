@@ -54,3 +54,12 @@ def test_without_engine_phases_the_clock_splits_at_the_first_token() -> None:
         "e2e": 3.5,
     }
     assert server_timing(phases).startswith("media;dur=500.0, queue;dur=0.0, vision;dur=0.0")
+
+
+def test_engine_phases_that_began_before_the_prepare_was_answered_shorten_media() -> None:
+    clock = RequestClock(opened=10.0, prepared=10.5)
+    engine = {"queue": 0.2, "vision": 0.1, "prefill": 0.4, "decode": 2.0}
+    started_early = clock.phases(engine, now=13.0)  # the engine's 2.7 s began at 10.3
+    assert started_early["media"] == pytest.approx(0.3)
+    assert sum(v for k, v in started_early.items() if k != "e2e") == pytest.approx(3.0)
+    assert clock.phases(engine, now=13.5)["media"] == pytest.approx(0.5)  # hops after it

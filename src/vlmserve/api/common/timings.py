@@ -83,7 +83,12 @@ class RequestClock:
                 "prefill": first - start,
                 "decode": (self.last or first) - first,
             }
-        return {"media": start - self.opened, **engine, "e2e": now - self.opened}
+        # An engine process starts a request before its answer to the prepare gets here: the
+        # engine's phases then begin inside what this side saw as media, and media is cut to
+        # what they leave of the whole, so the phases never add up to more than it.
+        e2e = now - self.opened
+        media = max(0.0, min(start - self.opened, e2e - sum(engine.values())))
+        return {"media": media, **engine, "e2e": e2e}
 
     def time_to_first_token(self, now: float) -> float:
         """From arrival to the first token (to ``now`` when none came)."""

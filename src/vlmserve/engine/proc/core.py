@@ -4,11 +4,18 @@ Started by ``EngineProcClient`` (``client.py``) as ``python -m vlmserve.engine.p
 event loop runs the backend exactly as the API process would (``prepare``, ``generate``), so
 batching, grammars, stop strings and the caches behave the same; what it sends back is the
 chunks, one list per loop turn (a decode step's chunks of every stream in one send), and the
-backend's stats twice a second. It exits when the API process says ``close`` or goes away
-(end of file on the connection), and ignores Ctrl-C and SIGTERM: the API process decides when
-it stops. A stop of the whole service (SIGTERM to every process of its group or cgroup, as
-systemd and ``timeout`` send) thus lets the API process finish its streams, then close the
-engine; SIGKILL stops an engine process alone.
+backend's stats twice a second.
+
+A request starts generating as soon as it is prepared: its chunks are held here until the API
+process asks for them (``generate``), so the prepare's answer on its way back and ``generate``
+on its way in overlap the request's queueing and prefill instead of preceding them (on a busy
+2-core CPU each of those hops waits for a core); ``discard`` or ``cancel`` stops it.
+
+It exits when the API process says ``close`` or goes away (end of file on the connection), and
+ignores Ctrl-C and SIGTERM: the API process decides when it stops. A stop of the whole service
+(SIGTERM to every process of its group or cgroup, as systemd and ``timeout`` send) thus lets
+the API process finish its streams, then close the engine; SIGKILL stops an engine process
+alone.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ class EngineCore:
         self.prepared: dict[int, Any] = {}  # rid -> what backend.prepare returned
         self.preparing: dict[int, asyncio.Task[None]] = {}  # rid -> its prepare, until done
         self.tasks: dict[int, asyncio.Task[None]] = {}  # rid -> its generate task
+        self.held: dict[int, list[Any]] = {}  # rid -> its chunks, until the API asks for them
         self.outbox: list[Any] = []
         self.closing = asyncio.Event()
         self.receiver: ThreadPoolExecutor | None = None  # media_nice threads: pixels read in
@@ -106,11 +114,11 @@ class EngineCore:
         if kind == "close":
             self.closing.set()
         elif kind == "prepare":
-            self.preparing[message[1]] = self._spawn(
-                message[1], self._prepare(message[1], message[2])
+            self.preparing[message[1]] = self.loop.create_task(
+                self._prepare(message[1], message[2])
             )
         elif kind == "generate":
-            self.tasks[message[1]] = self.loop.create_task(self._generate(message[1]))
+            self._release(message[1])
         elif kind == "cancel":
             self._cancel(message[1])
         elif kind == "discard":
@@ -137,13 +145,32 @@ class EngineCore:
         return self.loop.create_task(answer())
 
     async def _prepare(self, rid: int, request: Any) -> None:
+        """Prepare ``rid``, answer (sent now, ahead of the model's work), then start it."""
         assert self.backend is not None
         try:
             if has_media(request):  # out of the API process's shared blocks (pixels.py)
                 request = await self.loop.run_in_executor(self.receiver, receive, request)
             self.prepared[rid] = await self.backend.prepare(request)
+        except Exception as exc:
+            self._emit(("error", rid, encode_error(exc)))
+            return
         finally:
             self.preparing.pop(rid, None)
+        self._emit(("done", rid, None))
+        self._flush()
+        self.held[rid] = []
+        self.tasks[rid] = self.loop.create_task(self._generate(rid))
+
+    def _release(self, rid: int) -> None:
+        """The API process reads ``rid``'s chunks now: those held go out, the rest as they
+        come. A rid with nothing held (its prepare failed) gets an error, as it would have
+        from a generate that found nothing prepared."""
+        held = self.held.pop(rid, None)
+        if held is None:
+            self._emit(("error", rid, encode_error(KeyError(f"request {rid} is not prepared"))))
+            return
+        for message in held:
+            self._emit(message)
 
     async def _tokenize(self, what: Any, add_special_tokens: bool) -> Any:
         assert self.backend is not None
@@ -161,6 +188,10 @@ class EngineCore:
         pending = self.preparing.get(rid)
         if pending is not None:
             await asyncio.wait([pending])
+        self.held.pop(rid, None)
+        task = self.tasks.pop(rid, None)
+        if task is not None:  # started early: the backend drops it when its task is cancelled
+            task.cancel()  # (one cancelled before its first step leaves it prepared: below)
         prepared = self.prepared.pop(rid, None)
         if prepared is not None and self.backend is not None:
             await self.backend.discard(prepared)
@@ -170,17 +201,26 @@ class EngineCore:
         prepared = self.prepared.pop(rid)
         try:
             async for chunk in self.backend.generate(prepared):
-                self._emit(("chunk", rid, chunk))
+                self._answer(rid, ("chunk", rid, chunk))
         except asyncio.CancelledError:
             return  # the API process cancelled it and expects nothing more
         except Exception as exc:
-            self._emit(("error", rid, encode_error(exc)))
+            self._answer(rid, ("error", rid, encode_error(exc)))
         else:
-            self._emit(("end", rid))
+            self._answer(rid, ("end", rid))
         finally:
             self.tasks.pop(rid, None)
 
+    def _answer(self, rid: int, message: Any) -> None:
+        """A message of ``rid``'s stream: held while the API process has not asked for it."""
+        held = self.held.get(rid)
+        if held is not None:
+            held.append(message)
+        else:
+            self._emit(message)
+
     def _cancel(self, rid: int) -> None:
+        self.held.pop(rid, None)
         task = self.tasks.pop(rid, None)
         if task is not None:
             task.cancel()  # before it started, too: then its request is still prepared
@@ -195,6 +235,8 @@ class EngineCore:
 
     def _flush(self) -> None:
         batch, self.outbox = self.outbox, []
+        if not batch:  # sent already, ahead of its turn (a prepare's answer)
+            return
         try:
             self.conn.send(batch)
         except (OSError, ValueError):  # the API process is gone
