@@ -148,7 +148,7 @@ class EngineLifecycle:
             self._closed = True
             idle = not self._active and self.failure is None  # a failed engine ended them all
         if idle:
-            self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
+            self._abort_all(_unloaded())
 
     # --- called by the step loop (engine thread) ---------------------------------------------
     def take_inbox(self) -> bool:
@@ -195,9 +195,14 @@ class EngineLifecycle:
         try:
             self._run()
             if self._closed:
-                with contextlib.suppress(ReferenceError):  # freed with its caches already
-                    self._release()
-                self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
+                self._release()
+                self._abort_all(_unloaded())
+        except ReferenceError:
+            if not self._closed:
+                raise
+            # unloaded with rows still in it (a stream stopped a moment before), and the
+            # engine freed meanwhile: they end as an unload, not as a failure
+            self._end_live(_unloaded())
         except BaseException as exc:  # outside a forward: the engine's state is not trusted
             self._die(exc)
 
@@ -210,7 +215,7 @@ class EngineLifecycle:
             if cause is None:
                 return
         if self._closed:
-            self._abort_all(ServiceUnavailable("the model was unloaded; retry", retry_after=5))
+            self._abort_all(_unloaded())
         else:
             self._die(cause)
 
@@ -234,9 +239,6 @@ class EngineLifecycle:
             self.failure = EngineFailed(self.model_id, cause)
             self._active = False
             live = [*self._live]
-            self._live.clear()
-            self.inbox.clear()
-            _fail_calls(self.calls, self.failure)
         log.error(
             "%s: the engine failed; ending its %d requests",
             self.model_id,
@@ -248,15 +250,28 @@ class EngineLifecycle:
                 self._on_fatal(cause, live[0].loop if live else None)
             except Exception:
                 log.exception("%s: the engine failure handler failed", self.model_id)
+        self._end_live(self.failure)
+        with contextlib.suppress(Exception):
+            self._release()
+
+    def _end_live(self, error: BaseException) -> None:
+        """End every request in flight with ``error`` through its own queue only (nothing of
+        the engine is touched: it may be broken or freed); calls not run fail with it."""
+        with self._lock:
+            self._active = False
+            live = [*self._live]
+            self._live.clear()
+            self.inbox.clear()
+            _fail_calls(self.calls, error)
         self._outbox.clear()
         for seq in live:
             seq.status = SeqStatus.FINISHED
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
-                seq.loop.call_soon_threadsafe(
-                    deliver, [(seq.queue, self.failure), (seq.queue, END)]
-                )
-        with contextlib.suppress(Exception):
-            self._release()
+                seq.loop.call_soon_threadsafe(deliver, [(seq.queue, error), (seq.queue, END)])
+
+
+def _unloaded() -> ServiceUnavailable:
+    return ServiceUnavailable("the model was unloaded; retry", retry_after=5)
 
 
 def _fail_calls(calls: deque[tuple[Callable[[], Any], Future[Any]]], exc: BaseException) -> None:

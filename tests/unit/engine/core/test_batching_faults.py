@@ -9,6 +9,7 @@ seconds (never a hang), marks the model failed, and the engine refuses new work.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -372,6 +373,24 @@ async def test_closing_the_model_ends_queued_requests_without_a_reload(
     got = await asyncio.wait_for(jobs, FAST)
     assert all(isinstance(g, ServiceUnavailable | list) for g in got), got
     assert told == []
+
+
+async def test_closing_right_after_a_stream_stopped_is_quiet(
+    backend: HFChatBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream closed a moment before the model is: its row is still in the engine when the
+    engine is freed; that ends it as an unload, not as an engine failure."""
+    told: list[Any] = []
+    backend.on_engine_failure = told.append
+    stream = backend.generate(await backend.prepare(request("stopped", 2000)))
+    async for _ in stream:
+        break
+    await stream.aclose()  # the row leaves at the engine's next step
+    with caplog.at_level(logging.ERROR):
+        await backend.aclose()
+        await asyncio.sleep(0.3)  # the loop's end, on the model's thread
+    assert told == [] and backend.engine_failures == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def test_a_client_error_found_in_the_engine_stays_a_client_error(
