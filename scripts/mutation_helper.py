@@ -34,6 +34,8 @@ except ModuleNotFoundError:  # Python 3.10
 # Module glob -> test paths (globs allowed; paths that match nothing are dropped).
 # The first matching entry wins; a module with none falls back to tests/unit/<subpackage>.
 TESTS_BY_MODULE: dict[str, list[str]] = {
+    # the engine process's request handling (early start, held chunks, discard, cancel)
+    "src/vlmserve/engine/proc/core.py": ["tests/unit/engine/proc/test_engine_core.py"],
     "src/vlmserve/media/netguard.py": [
         "tests/unit/media/test_media_netguard.py",
         "tests/robustness/test_ssrf.py",

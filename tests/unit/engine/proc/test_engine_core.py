@@ -23,10 +23,12 @@ from vlmserve.engine.types import (
 
 
 class Backend:
-    """``prepare`` refuses the text "bad"; ``generate`` yields a chunk per ``step`` set."""
+    """``prepare`` refuses the id "bad" and waits for ``preparing`` on "slow"; ``generate``
+    yields a chunk per ``step`` set (for "fails", one chunk, then an error)."""
 
     def __init__(self) -> None:
         self.step = asyncio.Event()
+        self.preparing = asyncio.Event()
         self.generating: list[str] = []
         self.stopped: list[str] = []
         self.discarded: list[str] = []
@@ -34,6 +36,8 @@ class Backend:
     async def prepare(self, request: GenerateRequest) -> str:
         if request.request_id == "bad":
             raise ValueError("bad request")
+        if request.request_id == "slow":
+            await self.preparing.wait()
         return request.request_id
 
     async def generate(self, prepared: str) -> AsyncIterator[Chunk]:
@@ -43,6 +47,8 @@ class Backend:
                 await self.step.wait()
                 self.step.clear()
                 yield Chunk(text=f"{prepared}{i}", token_ids=[i])
+                if prepared == "fails":
+                    raise RuntimeError("the model broke")
         except asyncio.CancelledError:
             self.stopped.append(prepared)
             raise
@@ -65,6 +71,11 @@ class Conn:
 def text(rid: str) -> GenerateRequest:
     message = ChatMessage(role="user", content=[TextPart(text="hi")])
     return GenerateRequest(request_id=rid, messages=[message], sampling=SamplingParams())
+
+
+def idle(engine: EngineCore) -> bool:
+    """Nothing of any request is left (its prepare, chunks, task or prepared input)."""
+    return not (engine.preparing or engine.held or engine.tasks or engine.prepared)
 
 
 async def settle() -> None:
@@ -98,7 +109,7 @@ async def test_chunks_made_before_generate_are_held_then_sent_in_order(core: Any
     assert conn.kinds(1) == ["done", "chunk", "chunk", "end"]
     texts = [m[2].text for m in conn.sent if m[0] == "chunk"]
     assert texts == ["a0", "a1"]
-    assert not engine.held and not engine.tasks and not engine.prepared
+    assert idle(engine)
 
 
 async def test_a_failed_prepare_answers_its_error_and_starts_nothing(core: Any) -> None:
@@ -131,7 +142,7 @@ async def test_discard_or_cancel_of_a_started_request_stops_it_unsent(core: Any,
     await settle()
     assert backend.stopped == ["c"]
     assert "chunk" not in conn.kinds(3)  # the held chunk never went out
-    assert not engine.held and not engine.tasks and not engine.prepared
+    assert idle(engine)
 
 
 async def test_a_request_cancelled_before_its_first_step_is_discarded_in_the_backend(
@@ -144,4 +155,66 @@ async def test_a_request_cancelled_before_its_first_step_is_discarded_in_the_bac
     engine._handle(("cancel", 4))
     await settle()
     assert backend.discarded == ["d"] and backend.generating == []
-    assert not engine.held and not engine.tasks and not engine.prepared
+    assert idle(engine)
+
+
+async def test_an_error_after_a_chunk_is_held_behind_it_and_sent_in_order(core: Any) -> None:
+    engine, backend, conn = core
+    engine._handle(("prepare", 5, text("fails")))
+    await settle()
+    backend.step.set()
+    await settle()
+    assert conn.kinds(5) == ["done"]
+    engine._handle(("generate", 5))
+    await settle()
+    assert conn.kinds(5) == ["done", "chunk", "error"]
+    assert "the model broke" in str(decode_error(conn.sent[-1][2]))
+    assert idle(engine)
+
+
+async def test_a_discard_during_the_prepare_waits_for_it_and_starts_nothing_unsent(
+    core: Any,
+) -> None:
+    engine, backend, conn = core
+    engine._handle(("prepare", 6, text("slow")))
+    await settle()
+    engine._handle(("discard", 6))  # the API process gave up waiting for the prepare
+    await settle()
+    assert 6 in engine.preparing
+    backend.preparing.set()
+    backend.step.set()
+    await settle()
+    assert backend.stopped == ["slow"] or backend.discarded == ["slow"]
+    assert "chunk" not in conn.kinds(6)
+    assert idle(engine)
+
+
+async def test_a_cancel_for_a_request_that_already_ended_is_ignored(core: Any) -> None:
+    engine, backend, conn = core
+    engine._handle(("prepare", 7, text("g")))
+    await settle()
+    engine._handle(("generate", 7))
+    for _ in range(2):
+        await settle()
+        backend.step.set()
+    await settle()
+    assert conn.kinds(7)[-1] == "end"
+    sent = len(conn.sent)
+    engine._handle(("cancel", 7))
+    engine._handle(("cancel", 99))
+    await settle()
+    assert len(conn.sent) == sent and idle(engine)
+
+
+async def test_a_request_that_ended_before_it_was_asked_for_sends_it_all_then(core: Any) -> None:
+    engine, backend, conn = core
+    engine._handle(("prepare", 8, text("h")))
+    for _ in range(2):
+        await settle()
+        backend.step.set()
+    await settle()
+    assert conn.kinds(8) == ["done"] and 8 not in engine.tasks  # ended, all of it held
+    engine._handle(("generate", 8))
+    await settle()
+    assert conn.kinds(8) == ["done", "chunk", "chunk", "end"]
+    assert idle(engine)
