@@ -83,6 +83,15 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def prepared(engine: EngineCore, backend: Backend, rid: int, name: str, steps: int) -> None:
+    """Prepare the request ``name`` as ``rid``, then let its generation take ``steps`` steps."""
+    engine._handle(("prepare", rid, text(name)))
+    await settle()
+    for _ in range(steps):
+        backend.step.set()
+        await settle()
+
+
 @pytest.fixture
 async def core() -> tuple[EngineCore, Backend, Conn]:
     conn = Conn()
@@ -134,10 +143,7 @@ async def test_generate_for_a_request_never_prepared_is_an_error_not_a_hang(core
 @pytest.mark.parametrize("how", ["discard", "cancel"])
 async def test_discard_or_cancel_of_a_started_request_stops_it_unsent(core: Any, how: str) -> None:
     engine, backend, conn = core
-    engine._handle(("prepare", 3, text("c")))
-    await settle()
-    backend.step.set()
-    await settle()
+    await prepared(engine, backend, 3, "c", steps=1)
     engine._handle((how, 3))
     await settle()
     assert backend.stopped == ["c"]
@@ -160,10 +166,7 @@ async def test_a_request_cancelled_before_its_first_step_is_discarded_in_the_bac
 
 async def test_an_error_after_a_chunk_is_held_behind_it_and_sent_in_order(core: Any) -> None:
     engine, backend, conn = core
-    engine._handle(("prepare", 5, text("fails")))
-    await settle()
-    backend.step.set()
-    await settle()
+    await prepared(engine, backend, 5, "fails", steps=1)
     assert conn.kinds(5) == ["done"]
     engine._handle(("generate", 5))
     await settle()
@@ -191,8 +194,7 @@ async def test_a_discard_during_the_prepare_waits_for_it_and_starts_nothing_unse
 
 async def test_a_cancel_for_a_request_that_already_ended_is_ignored(core: Any) -> None:
     engine, backend, conn = core
-    engine._handle(("prepare", 7, text("g")))
-    await settle()
+    await prepared(engine, backend, 7, "g", steps=0)
     engine._handle(("generate", 7))
     for _ in range(2):
         await settle()
@@ -208,11 +210,7 @@ async def test_a_cancel_for_a_request_that_already_ended_is_ignored(core: Any) -
 
 async def test_a_request_that_ended_before_it_was_asked_for_sends_it_all_then(core: Any) -> None:
     engine, backend, conn = core
-    engine._handle(("prepare", 8, text("h")))
-    for _ in range(2):
-        await settle()
-        backend.step.set()
-    await settle()
+    await prepared(engine, backend, 8, "h", steps=2)
     assert conn.kinds(8) == ["done"] and 8 not in engine.tasks  # ended, all of it held
     engine._handle(("generate", 8))
     await settle()
