@@ -188,10 +188,7 @@ class EngineCore:
         pending = self.preparing.get(rid)
         if pending is not None:
             await asyncio.wait([pending])
-        self.held.pop(rid, None)
-        task = self.tasks.pop(rid, None)
-        if task is not None:  # started early: the backend drops it when its task is cancelled
-            task.cancel()  # (one cancelled before its first step leaves it prepared: below)
+        self._stop(rid)  # one cancelled before its first step is still prepared: below
         prepared = self.prepared.pop(rid, None)
         if prepared is not None and self.backend is not None:
             await self.backend.discard(prepared)
@@ -219,11 +216,16 @@ class EngineCore:
         else:
             self._emit(message)
 
-    def _cancel(self, rid: int) -> None:
+    def _stop(self, rid: int) -> None:
+        """Stop ``rid``'s generation (the backend drops it when its task is cancelled); what
+        it had made and the API process had not asked for is dropped."""
         self.held.pop(rid, None)
         task = self.tasks.pop(rid, None)
         if task is not None:
             task.cancel()  # before it started, too: then its request is still prepared
+
+    def _cancel(self, rid: int) -> None:
+        self._stop(rid)
         if rid in self.prepared:
             self._spawn(rid, self._discard(rid))
 
