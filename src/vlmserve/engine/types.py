@@ -205,6 +205,12 @@ class GenerateRequest:
     cache_salt: str | None = None
     media: MediaOptions = field(default_factory=lambda: MediaOptions())
 
+    @property
+    def has_media(self) -> bool:
+        """Whether any message carries an image or a video (its prompt needs the vision
+        tower)."""
+        return any(isinstance(p, ImagePart | VideoPart) for m in self.messages for p in m.content)
+
 
 @dataclass(slots=True)
 class MediaOptions:

@@ -70,6 +70,7 @@ class Handoff:
             queue,
             req.sampling.max_tokens - len(req.prefix_token_ids),
             priority=req.priority,
+            media=req.has_media,
         )
         seq.index = index
         seq.run = OutputTracker(

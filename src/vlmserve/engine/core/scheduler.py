@@ -6,8 +6,15 @@ Bounds: at most ``max_num_seqs`` rows decode together, one step prefills at most
 forward; a prompt longer than that is admitted alone, never starved), and with a
 ``BlockManager`` a request is admitted only when the KV blocks of its prompt (plus the
 tokens it had generated before a preemption) are free, with one block to spare per
-running row. The head of the queue waits for
-room; nobody overtakes it.
+running row. The head of the queue waits for room; nobody overtakes it but text passing
+media, below.
+
+Text before pictures: when text prompts and media prompts wait together, a step admits the
+text ones and the media ones follow in the next step. The vision tower runs while a step's
+prompts are embedded, so a text prompt admitted beside a photo would wait for the photo's
+encoder before its own first token; the photo waits one short step instead. Only text of
+the same or a better priority goes first, at most ``MEDIA_DEFERRALS`` times per media
+prompt, never past a preempted one.
 
 Priorities: a request of a lower ``priority`` value (interactive: 0) is queued ahead of
 waiting requests of a higher one (batch work: 1), unless the waiting one has already been
@@ -29,7 +36,11 @@ from collections.abc import Callable
 from vlmserve.engine.core.block_manager import BlockManager
 from vlmserve.engine.core.sequence import SeqStatus, Sequence
 
-__all__ = ["Scheduler"]
+__all__ = ["MEDIA_DEFERRALS", "Scheduler"]
+
+# Steps a media prompt may wait for text prompts queued behind it: under a steady stream of
+# text it still starts within this many steps.
+MEDIA_DEFERRALS = 4
 
 
 class Scheduler:
@@ -77,21 +88,53 @@ class Scheduler:
     def schedule(self, used: int = 0) -> list[Sequence]:
         """Move the requests that fit from ``waiting`` to ``running``; return them (to prefill).
         ``used``: prompt tokens this step already computes (chunks of long prompts). A prompt
-        longer than ``max_num_batched_tokens`` costs one chunk of that size per step."""
+        longer than ``max_num_batched_tokens`` costs one chunk of that size per step.
+
+        Media prompts wait a step for the text prompts of their priority or a better one
+        queued behind them (``_passed_over``): their vision tower would otherwise run in the
+        step that gives those text prompts their first token."""
+        passed = self._passed_over()
+        admitted = self._admit(used, passed)
+        if passed and not admitted:  # nothing behind them fits now: they go ahead after all
+            admitted = self._admit(used, set())
+        else:
+            for seq in self.waiting:
+                seq.deferred += id(seq) in passed
+        return admitted
+
+    def _admit(self, used: int, passed: set[int]) -> list[Sequence]:
+        """Admit from the front, stepping over the requests in ``passed`` (ids); the first
+        one that does not fit stops the rest."""
         admitted: list[Sequence] = []
-        tokens = used
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        tokens, i = used, 0
+        while i < len(self.waiting) and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if id(seq) in passed:
+                i += 1
+                continue
             cost = min(seq.prompt_len, self.max_num_batched_tokens)
             if (admitted or used) and tokens + cost > self.max_num_batched_tokens:
                 break
             if self.blocks is not None and not self._reserve(seq):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             tokens += cost
             self._start(seq)
             admitted.append(seq)
         return admitted
+
+    def _passed_over(self) -> set[int]:
+        """Ids of the waiting media prompts this step steps over: those with a text prompt of
+        the same or a better priority waiting too. A media prompt is passed over at most
+        ``MEDIA_DEFERRALS`` times, and one recomputed after a preemption never."""
+        best = min((s.priority for s in self.waiting if not s.media), default=None)
+        if best is None:
+            return set()
+        return {
+            id(s)
+            for s in self.waiting
+            if s.media and best <= s.priority and not s.preempted and s.deferred < MEDIA_DEFERRALS
+        }
 
     def _reserve(self, seq: Sequence) -> bool:
         """Give ``seq`` the blocks it needs (its cached prefix shared, the rest allocated) if

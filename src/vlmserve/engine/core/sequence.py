@@ -62,6 +62,8 @@ class Sequence:
     seen: torch.Tensor | None = None  # [V] bool: tokens in prompt + output (repetition penalty)
     priority: int = 0  # GenerateRequest.priority: 0 interactive, higher waits (batch work)
     overtaken: int = 0  # times a higher-priority request was queued ahead of it
+    media: bool = False  # its prompt has images or video: embedding it runs the vision tower
+    deferred: int = 0  # steps it waited for text prompts queued behind it (``Scheduler``)
     counts: torch.Tensor | None = None  # [V] float32: generated tokens by id (presence/frequency)
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: (ids [k], values [k])
     allowed: torch.Tensor | None = None  # allowed_token_ids: [k] long, the only ids it samples

@@ -63,7 +63,7 @@ class Blocks:
 
 
 def has_media(request: GenerateRequest) -> bool:
-    return any(isinstance(p, ImagePart | VideoPart) for m in request.messages for p in m.content)
+    return request.has_media
 
 
 def ship(request: GenerateRequest) -> tuple[GenerateRequest, Blocks]:
