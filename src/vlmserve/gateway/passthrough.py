@@ -28,7 +28,7 @@ response), work that shares the 2 cores with the worker's prefill.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import parse_qs
@@ -82,6 +82,9 @@ class Models(Protocol):
     """The served models (the registry's manager), as the pass-through uses them."""
 
     def resolve(self, name: str) -> _Held: ...
+
+    @property
+    def handles(self) -> Sequence[_Held]: ...
 
     async def acquire(
         self, name: str | None, role: str, serves: Serves, needs: frozenset[str] = ...
@@ -161,7 +164,7 @@ class PassthroughMiddleware:
             await self._forward(resumed, scope, body, receive, send)
             return
         try:
-            plan = None if given is not None else self._plan(body, scope)
+            plan = None if given is not None or not self._proxies() else self._plan(body, scope)
         except VlmserveError as exc:  # a session_id a passed stream has
             await self.errors(exc)(scope, receive, send)
             return
@@ -179,6 +182,11 @@ class PassthroughMiddleware:
         except VlmserveError:
             return None  # the full path answers the 400
         return self.streams.get(session_id, owner)
+
+    def _proxies(self) -> bool:
+        """Whether a served model is proxied: without one nothing is passed, and the body
+        (an image request's is hundreds of KB) is not parsed here as well."""
+        return any(handle.backend.proxied for handle in self.models.handles)
 
     def _plan(self, body: bytes, scope: Scope) -> _Plan | None:
         """What to pass, or None for the full path (which answers any 4xx of its own)."""

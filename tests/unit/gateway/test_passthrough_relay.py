@@ -355,3 +355,42 @@ def test_a_passed_stream_is_found_only_with_the_key_that_started_it() -> None:
     now[0] = 10.0  # s1 expires exactly now: the next add drops it from memory
     streams.add(["s3"], "backend", "http://c")
     assert len(streams) == 1 and streams.get("s3").replica_url == "http://c"
+
+
+@pytest.mark.parametrize("proxied", [False, True])
+async def test_a_chat_body_is_read_for_a_pass_only_where_a_model_is_proxied(proxied) -> None:
+    """Without a proxied model nothing can be passed: the full path gets the body without the
+    pass-through parsing it first (an image request's body is hundreds of KB)."""
+    from types import SimpleNamespace
+
+    from vlmserve.config import Settings
+    from vlmserve.gateway.passthrough import PassthroughMiddleware
+
+    seen: list[bytes] = []
+
+    async def full_path(scope: Any, receive: Any, send: Any) -> None:
+        seen.append((await receive())["body"])
+
+    local = SimpleNamespace(backend=SimpleNamespace(proxied=False))
+    remote = SimpleNamespace(backend=SimpleNamespace(proxied=True))
+    middleware = PassthroughMiddleware(
+        full_path,
+        settings=Settings(),
+        sessions=SimpleNamespace(durable=False),  # type: ignore[arg-type]
+        models=SimpleNamespace(handles=[local, remote] if proxied else [local]),  # type: ignore[arg-type]
+        metrics=SimpleNamespace(),  # type: ignore[arg-type]
+        errors=print,  # type: ignore[arg-type]
+    )
+    planned: list[bytes] = []
+    middleware._plan = lambda body, scope: planned.append(body)  # type: ignore[method-assign]
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+    messages = [{"type": "http.request", "body": body}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions"}
+    scope.update(headers=[], query_string=b"")
+    await middleware(scope, receive, print)
+    assert seen == [body]
+    assert planned == ([body] if proxied else [])
