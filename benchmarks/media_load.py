@@ -12,9 +12,11 @@ count, paced to the image flood's request rate, with the probes again. Each floo
 process of its own (as other users' clients would), so the probes' event loop times the
 server, not the flood's uploads (``--same-process-flood`` puts it back in the probes' loop).
 Peak RSS is the sum of VmHWM over the server's process group, reset before each flood.
-Results: a table and ``--out`` JSON. ``--pool-only`` decodes data-URL JPEGs in
-``MediaPool(n)`` (no model, no HTTP): images/s for each worker count (0 = a thread of this
-process).
+Results: a row per server and run, then per server the medians over the runs (each run's
+image/text-flood and image/idle ratios, then their median; ``--media-workers 2``'s image
+requests/s over ``0``'s), and ``--out`` JSON (the runs). ``--pool-only`` decodes data-URL
+JPEGs in ``MediaPool(n)`` (no model, no HTTP): images/s for each worker count (0 = a thread
+of this process).
 
 ``--phases`` (vlmserve only) asks each probe for its timings (``include_metrics``) and prints
 where its time to first token went, p50 ms per phase: ``media`` (arrival until the engine
@@ -378,6 +380,50 @@ def p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
+def medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per server, the median over its runs of each run's figures: text TTFT p50 idle and
+    under each flood, the image flood's p50 over the text flood's and over idle (each run's
+    own ratio, then their median), image requests/s and peak RSS."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        runs.setdefault(r["server"], []).append(r)
+    out = []
+    for server, rs in runs.items():
+        p50 = {k: [p(r[k], 50) for r in rs] for k in ("idle", "image_flood", "text_flood")}
+        out.append(
+            {
+                "server": server,
+                "runs": len(rs),
+                **{k: statistics.median(v) for k, v in p50.items()},
+                "image_vs_text": statistics.median(
+                    i / t for i, t in zip(p50["image_flood"], p50["text_flood"], strict=True)
+                ),
+                "image_vs_idle": statistics.median(
+                    i / t for i, t in zip(p50["image_flood"], p50["idle"], strict=True)
+                ),
+                "image_rps": statistics.median(r["image_rps"] for r in rs),
+                "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rs),
+            }
+        )
+    return out
+
+
+def report_medians(rows: list[dict[str, Any]]) -> None:
+    """The medians table, and the issue's comparisons: image/text flood <= 1.2x, image/idle
+    <= 1.5x, and ``--media-workers 2``'s image requests/s against ``0``'s."""
+    print(f"\nmedians of {max(r['runs'] for r in rows)} run(s), text TTFT p50 ms:")
+    print("server            idle  image flood  text flood  image/text  image/idle   img/s")
+    for r in rows:
+        print(
+            f"{r['server']:<16} {r['idle']:5.1f}  {r['image_flood']:11.1f}  {r['text_flood']:10.1f}"
+            f"  {r['image_vs_text']:9.2f}x  {r['image_vs_idle']:9.2f}x  {r['image_rps']:6.1f}"
+        )
+    rps = {r["server"]: r["image_rps"] for r in rows}
+    if "vlmserve-w0" in rps and "vlmserve-w2" in rps:
+        ratio = rps["vlmserve-w2"] / rps["vlmserve-w0"]
+        print(f"image requests/s, --media-workers 2 over 0: {ratio:.2f}x")
+
+
 def report(results: list[dict[str, Any]]) -> None:
     if results and "images_per_s" in results[0]:
         for r in results:
@@ -397,6 +443,7 @@ def report(results: list[dict[str, Any]]) -> None:
         for condition, phases in (r.get("phases") or {}).items():
             cells = "  ".join(f"{name} {ms:5.1f}" for name, ms in phases.items())
             print(f"{r['server']:<16}  {condition:<12} TTFT p50 by phase, ms: {cells}")
+    report_medians(medians(results))
 
 
 def main() -> None:

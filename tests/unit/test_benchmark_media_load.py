@@ -52,6 +52,38 @@ def test_phases_split_each_probes_ttft_and_the_rest_is_other() -> None:
     assert bench.phase_p50([]) == {}
 
 
+def test_medians_take_each_runs_own_ratios_then_their_median(capsys) -> None:
+    bench = load()
+
+    def run(server: str, idle: float, image: float, text: float, rps: float) -> dict[str, Any]:
+        return {
+            "server": server,
+            "idle": [idle] * 3,
+            "image_flood": [image] * 3,
+            "text_flood": [text] * 3,
+            "image_rps": rps,
+            "text_rps": rps,
+            "peak_rss_mib": 100.0,
+        }
+
+    results = [
+        run("vlmserve-w0", 10.0, 30.0, 10.0, 40.0),
+        run("vlmserve-w2", 10.0, 12.0, 10.0, 44.0),
+        run("vlmserve-w0", 10.0, 20.0, 20.0, 50.0),
+        run("vlmserve-w2", 20.0, 20.0, 10.0, 46.0),
+        run("vlmserve-w0", 10.0, 25.0, 5.0, 45.0),
+        run("vlmserve-w2", 10.0, 15.0, 10.0, 42.0),
+    ]
+    rows = {r["server"]: r for r in bench.medians(results)}
+    w0, w2 = rows["vlmserve-w0"], rows["vlmserve-w2"]
+    assert w0["runs"] == 3 and (w0["idle"], w0["image_flood"], w0["text_flood"]) == (10, 25, 10)
+    assert w0["image_vs_text"] == 3.0  # runs: 3.0, 1.0, 5.0 (not 25 / 10)
+    assert w2["image_vs_idle"] == 1.2  # runs: 1.2, 1.0, 1.5
+    assert (w0["image_rps"], w2["image_rps"]) == (45.0, 44.0)
+    bench.report(results)
+    assert "--media-workers 2 over 0: 0.98x" in capsys.readouterr().out
+
+
 async def test_probes_with_phases_carry_the_servers_timings(live_server) -> None:
     import httpx
 
