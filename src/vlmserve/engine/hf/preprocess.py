@@ -56,9 +56,16 @@ _inner: Any = None  # the worker's copy of the image processor
 
 
 class PreprocessPool:
-    """``workers`` processes ``nice`` below the thread that starts them (the first image's
-    media thread, itself ``nice`` below the engine: at the default 10, nice 19), each with
-    ``inner`` (the model's image processor, pickled); ``CachedImageProcessor.remote``."""
+    """``workers`` processes twice ``nice`` below the engine (below its media threads too;
+    at the default 10, nice 19), each with ``inner`` (the model's image processor, pickled);
+    ``CachedImageProcessor.remote``.
+
+    The executor's own threads (its manager, its call queue's feeder) pickle and unpickle
+    under the GIL, and a thread takes the OS priority of the thread that starts it. Started
+    by the first image's media thread they would run ``nice`` below the engine, and on a
+    busy CPU one could be kept off it while it holds the GIL, every thread of the engine
+    process waiting with it. So they are started by a thread of this pool's own, made with
+    the pool (at the engine's priority) and woken by the first image."""
 
     def __init__(self, inner: Any, workers: int, nice: int):
         self._blob = pickle.dumps(inner)
@@ -67,25 +74,35 @@ class PreprocessPool:
         self._ready = False
         self._lock = threading.Lock()
         self._closed = False
+        self._asked = threading.Event()  # start (or restart) the workers
         self.done = 0  # images preprocessed in the workers
         self.restarts = 0  # pools replaced after a worker died
+        threading.Thread(
+            target=self._starter, name="vlmserve-preprocess-start", daemon=True
+        ).start()
 
     def start(self) -> None:
         """Spawn the workers; they take images once each has loaded (in the background).
         Called by the first image: a server that never sees one never starts them."""
-        with self._lock:
-            if self._closed or self._executor is not None:
-                return
-            executor = ProcessPoolExecutor(
-                self.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init,
-                initargs=(self._blob, self.nice, os.getpid()),
-            )
-            self._executor, self._ready = executor, False
-        threading.Thread(
-            target=self._warm, args=(executor,), name="vlmserve-preprocess-start", daemon=True
-        ).start()
+        self._asked.set()
+
+    def _starter(self) -> None:
+        while True:
+            self._asked.wait()
+            self._asked.clear()
+            with self._lock:
+                if self._closed:
+                    return
+                if self._executor is not None:
+                    continue
+                executor = ProcessPoolExecutor(
+                    self.workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_init,
+                    initargs=(self._blob, min(19, 2 * self.nice), os.getpid()),
+                )
+                self._executor, self._ready = executor, False
+            self._warm(executor)
 
     def _warm(self, executor: ProcessPoolExecutor) -> None:
         began = time.perf_counter()
@@ -163,6 +180,7 @@ class PreprocessPool:
     def close(self) -> None:
         with self._lock:
             executor, self._executor, self._ready, self._closed = self._executor, None, False, True
+        self._asked.set()  # the starter thread ends
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from _posixshmem import shm_unlink  # type: ignore[import-not-found]
 from collections.abc import Iterator
@@ -84,7 +85,6 @@ def test_workers_preprocess_bit_identically_and_outlive_a_killed_one(
     cached.remote = pool
     assert pool._executor is None  # nothing spawned before an image comes
     assert pool(image.shared, KWARGS) is None  # the first one starts them; it is done here
-    assert pool._executor is not None
     try:
         assert not cached.preprocessed_elsewhere()  # not up yet
         _ready(pool)
@@ -129,3 +129,32 @@ def test_workers_preprocess_bit_identically_and_outlive_a_killed_one(
     finally:
         pool.close()
     assert pool(image.shared, KWARGS) is None  # closed: the engine process does it
+
+
+def test_the_pools_threads_keep_the_engines_priority_whoever_starts_it(
+    inner: object, lent: tuple[LentImage, object]
+) -> None:
+    """The first image comes from a media thread ``nice`` below the engine; the executor's
+    own threads (they take the GIL) still run at the engine's priority, the workers below."""
+    image, _ = lent
+    pool = PreprocessPool(inner, workers=1, nice=10)
+    engine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def media_thread() -> None:
+        os.nice(10)  # this thread only (Linux)
+        assert pool(image.shared, KWARGS) is None
+
+    first = threading.Thread(target=media_thread)
+    first.start()
+    first.join()
+    try:
+        _ready(pool)
+        executor = pool._executor
+        assert executor is not None
+        helpers = [executor._executor_manager_thread, executor._call_queue._thread]
+        niceness = [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in helpers]
+        assert niceness == [engine, engine]
+        workers = [os.getpriority(os.PRIO_PROCESS, pid) for pid in executor._processes]
+        assert workers == [min(19, engine + 20)]
+    finally:
+        pool.close()
