@@ -97,7 +97,7 @@ class Scheduler:
         admitted = self._admit(used, passed)
         if passed and not admitted:  # nothing behind them fits now: they go ahead after all
             admitted = self._admit(used, set())
-        else:
+        elif passed:
             for seq in self.waiting:
                 seq.deferred += id(seq) in passed
         return admitted

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.unit.engine.core.test_batching import drain, make_backend, request
+from tests.unit.engine.core.test_batching import drain, make_backend, request, wait_for
 
 from vlmserve.engine.core.block_manager import BlockManager
 from vlmserve.engine.core.scheduler import MEDIA_DEFERRALS, Scheduler
@@ -146,10 +146,18 @@ async def test_the_engine_gives_text_its_first_token_before_the_photo_queued_ahe
             return admitted
 
         engine.scheduler.schedule = recording  # type: ignore[method-assign]
-        gate = threading.Event()
-        held = engine.call(gate.wait)  # the engine thread waits: both requests queue up
-        tasks = [asyncio.create_task(drain(backend, p)) for p in (photo, text)]
-        await asyncio.sleep(0.2)
+        entered, gate = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            entered.set()
+            gate.wait()
+
+        held = engine.call(hold)  # the engine thread waits: both requests queue up
+        await wait_for(entered.is_set)
+        tasks = []
+        for queued, prepared in enumerate((photo, text), start=1):  # the photo first
+            tasks.append(asyncio.create_task(drain(backend, prepared)))
+            await wait_for(lambda n=queued: engine.gauges.queued == n)
         gate.set()
         await asyncio.wrap_future(held)
         outcomes = await asyncio.gather(*tasks)
