@@ -411,6 +411,8 @@ def medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def report_medians(rows: list[dict[str, Any]]) -> None:
     """The medians table, and the issue's comparisons: image/text flood <= 1.2x, image/idle
     <= 1.5x, and ``--media-workers 2``'s image requests/s against ``0``'s."""
+    if not rows:
+        return
     print(f"\nmedians of {max(r['runs'] for r in rows)} run(s), text TTFT p50 ms:")
     print("server            idle  image flood  text flood  image/text  image/idle   img/s")
     for r in rows:

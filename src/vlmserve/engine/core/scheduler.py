@@ -103,13 +103,17 @@ class Scheduler:
         return admitted
 
     def _admit(self, used: int, passed: set[int]) -> list[Sequence]:
-        """Admit from the front, stepping over the requests in ``passed`` (ids); the first
-        one that does not fit stops the rest."""
+        """Admit from the front, stepping over the requests in ``passed`` (ids) and whatever
+        of a worse priority than one of them queued behind it; the first one that does not
+        fit stops the rest."""
         admitted: list[Sequence] = []
         tokens, i = used, 0
+        floor: int | None = None  # the best priority passed over so far
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             if id(seq) in passed:
+                floor = seq.priority if floor is None else min(floor, seq.priority)
+            if id(seq) in passed or (floor is not None and seq.priority > floor):
                 i += 1
                 continue
             cost = min(seq.prompt_len, self.max_num_batched_tokens)

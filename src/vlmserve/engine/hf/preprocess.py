@@ -95,12 +95,16 @@ class PreprocessPool:
                     return
                 if self._executor is not None:
                     continue
-                executor = ProcessPoolExecutor(
-                    self.workers,
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_init,
-                    initargs=(self._blob, min(19, 2 * self.nice), os.getpid()),
-                )
+                try:
+                    executor = ProcessPoolExecutor(
+                        self.workers,
+                        mp_context=multiprocessing.get_context("spawn"),
+                        initializer=_init,
+                        initargs=(self._blob, min(19, 2 * self.nice), os.getpid()),
+                    )
+                except Exception as exc:  # the next image asks again
+                    log.warning("image preprocessing workers could not be made: %s", exc)
+                    continue
                 self._executor, self._ready = executor, False
             self._warm(executor)
 

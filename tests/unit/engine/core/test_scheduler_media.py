@@ -68,6 +68,15 @@ def test_batch_text_does_not_pass_an_interactive_photo() -> None:
     assert photo.deferred == 0
 
 
+def test_batch_text_waits_behind_an_interactive_photo_that_interactive_text_passes() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=100)
+    photo, line, text = row(True), row(False, BATCH_PRIORITY), row(False)
+    queue(scheduler, photo, line, text)
+    assert list(scheduler.waiting) == [photo, text, line]
+    assert scheduler.schedule() == [text]  # the batch line keeps its place behind the photo
+    assert scheduler.schedule() == [photo, line]
+
+
 def test_interactive_text_passes_a_batch_photo() -> None:
     scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=100)
     photo, text = row(True, BATCH_PRIORITY), row(False)
