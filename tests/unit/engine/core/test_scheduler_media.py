@@ -77,6 +77,25 @@ def test_batch_text_waits_behind_an_interactive_photo_that_interactive_text_pass
     assert scheduler.schedule() == [photo, line]
 
 
+def test_only_photos_of_the_texts_priority_or_a_worse_one_wait_for_it() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=100)
+    photo, batch_photo, line = row(True), row(True, BATCH_PRIORITY), row(False, BATCH_PRIORITY)
+    queue(scheduler, photo, batch_photo, line)
+    assert scheduler.schedule() == [photo, line]  # the interactive photo is not held back
+    assert scheduler.schedule() == [batch_photo]
+
+
+def test_batch_text_stays_behind_every_interactive_photo_passed_over() -> None:
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=100)
+    photo, text = row(True), row(False)
+    batch_photo, line = row(True, BATCH_PRIORITY), row(False, BATCH_PRIORITY)
+    queue(scheduler, photo, text, batch_photo, line)
+    assert list(scheduler.waiting) == [photo, text, batch_photo, line]
+    assert scheduler.schedule() == [text]  # the line is behind the interactive photo
+    assert scheduler.schedule() == [photo, line]
+    assert scheduler.schedule() == [batch_photo]
+
+
 def test_interactive_text_passes_a_batch_photo() -> None:
     scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=100)
     photo, text = row(True, BATCH_PRIORITY), row(False)
