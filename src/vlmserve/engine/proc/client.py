@@ -37,7 +37,7 @@ from typing import Any
 import vlmserve
 from vlmserve.engine.admission import QueuePlaces
 from vlmserve.engine.coalesce import END, coalesced
-from vlmserve.engine.proc.pixels import Blocks, has_media, shipped
+from vlmserve.engine.proc.pixels import Blocks, shipped
 from vlmserve.engine.proc.wire import Ready, Sender, decode_error, read_forever
 from vlmserve.engine.protocol import Backend
 from vlmserve.engine.types import (
@@ -189,7 +189,7 @@ class EngineProcClient(Backend):
         self.check_ready()
         rid = next(self._ids)
         blocks = Blocks()
-        if has_media(request):  # pixels go in shared memory (pixels.py), not the pickle
+        if request.has_media:  # pixels go in shared memory (pixels.py), not the pickle
             request, blocks = await shipped(request, self._shipper)
         try:
             await self._call(rid, ("prepare", rid, request))
@@ -209,7 +209,7 @@ class EngineProcClient(Backend):
         self.check_ready()
         rid = next(self._ids)
         blocks = Blocks()
-        if isinstance(what, GenerateRequest) and has_media(what):
+        if isinstance(what, GenerateRequest) and what.has_media:
             what, blocks = await shipped(what, self._shipper)
         try:
             result: Tokenized = await self._call(rid, ("tokenize", rid, what, add_special_tokens))

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from vlmserve import heap
-from vlmserve.engine.proc.pixels import has_media, receive
+from vlmserve.engine.proc.pixels import receive
 from vlmserve.engine.proc.wire import Ready, encode_error, read_forever
 from vlmserve.engine.protocol import Backend
 from vlmserve.media.workers.priority import low_priority_executor
@@ -148,7 +148,7 @@ class EngineCore:
         """Prepare ``rid``, answer (sent now, ahead of the model's work), then start it."""
         assert self.backend is not None
         try:
-            if has_media(request):  # out of the API process's shared blocks (pixels.py)
+            if request.has_media:  # out of the API process's shared blocks (pixels.py)
                 request = await self.loop.run_in_executor(self.receiver, receive, request)
             self.prepared[rid] = await self.backend.prepare(request)
         except Exception as exc:
@@ -174,7 +174,7 @@ class EngineCore:
 
     async def _tokenize(self, what: Any, add_special_tokens: bool) -> Any:
         assert self.backend is not None
-        if not isinstance(what, str) and has_media(what):
+        if not isinstance(what, str) and what.has_media:
             what = await self.loop.run_in_executor(self.receiver, receive, what)
         return await self.backend.tokenize(what, add_special_tokens=add_special_tokens)
 

@@ -39,7 +39,7 @@ from vlmserve.media.workers.shared import (
     write_block,
 )
 
-__all__ = ["Blocks", "has_media", "receive", "release", "ship", "shipped"]
+__all__ = ["Blocks", "receive", "release", "ship", "shipped"]
 
 
 @dataclass(slots=True)
@@ -60,10 +60,6 @@ class Blocks:
             release_block(name)
         for image in lent:
             image.give_back()
-
-
-def has_media(request: GenerateRequest) -> bool:
-    return request.has_media
 
 
 def ship(request: GenerateRequest) -> tuple[GenerateRequest, Blocks]:

@@ -99,8 +99,8 @@ def test_an_image_read_after_its_block_is_gone_is_a_503_not_a_crash() -> None:
 
 def test_a_request_without_media_is_not_shipped() -> None:
     request = _request()
-    assert not pixels.has_media(request)
-    assert pixels.has_media(_request(ImagePart(gradient_image(8, 8))))
+    assert not request.has_media
+    assert _request(ImagePart(gradient_image(8, 8))).has_media
 
 
 def test_blocks_the_engine_never_took_are_unlinked_by_release() -> None:
