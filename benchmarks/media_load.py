@@ -8,9 +8,11 @@ under a text flood of the same request rate and prompt length; image requests/s;
 Per server: ``--probes`` streamed text requests one at a time, idle; then ``--clients`` loops
 sending never-repeated 1280x960 JPEGs (``max_tokens`` 1) for ``--seconds`` while the probes
 run; then the same number of loops sending text whose prompt has the image request's token
-count, paced to the image flood's request rate, with the probes again. Each flood runs in a
-process of its own (as other users' clients would), so the probes' event loop times the
-server, not the flood's uploads (``--same-process-flood`` puts it back in the probes' loop).
+count, paced to the image flood's request rate (the loops take turns, as the unpaced image
+loops fall into doing, rather than sending in bursts), with the probes again. Each flood
+runs in a process of its own (as other users' clients would), so the probes' event loop
+times the server, not the flood's uploads (``--same-process-flood`` puts it back in the
+probes' loop).
 Peak RSS is the sum of VmHWM over the server's process group, reset before each flood.
 Results: a row per server and run, then per server the medians over the runs (each run's
 image/text-flood and image/idle ratios, then their median; ``--media-workers 2``'s image
@@ -131,13 +133,16 @@ async def flood(
     client: httpx.AsyncClient, bodies: Any, clients: int, stop: asyncio.Event, rate: float = 0
 ) -> int:
     """``clients`` loops posting ``next(bodies)`` until ``stop`` (or ``bodies`` runs out: more
-    ``--images`` needed, said on stderr); at most ``rate`` requests/s in all when given.
-    -> requests answered 200."""
+    ``--images`` needed, said on stderr); at most ``rate`` requests/s in all when given, the
+    loops' requests spread evenly over each interval (started together, they would arrive
+    in bursts of ``clients``, a harsher load than the unpaced flood's). -> requests
+    answered 200."""
     done = 0
     interval = clients / rate if rate else 0.0
 
-    async def loop() -> None:
+    async def loop(index: int) -> None:
         nonlocal done
+        await asyncio.sleep(index * interval / clients)
         while not stop.is_set():
             body = next(bodies, None)
             if body is None:
@@ -149,7 +154,7 @@ async def flood(
             done += r.status_code == 200
             await asyncio.sleep(max(0.0, interval - (time.perf_counter() - began)))
 
-    await asyncio.gather(*(loop() for _ in range(clients)))
+    await asyncio.gather(*(loop(i) for i in range(clients)))
     return done
 
 

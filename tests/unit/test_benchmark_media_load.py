@@ -4,11 +4,15 @@ worker pool measured alone (no model, no HTTP)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import io
+import itertools
+import time
 from types import ModuleType
 from typing import Any
 
+import httpx
 from PIL import Image
 
 from support import import_benchmark
@@ -128,3 +132,23 @@ async def test_a_flood_that_runs_out_of_images_says_so(live_server, capsys) -> N
     ttfts, rate = await _child_flood(live_server, 1, 3.0, **plan)
     assert len(ttfts) == 1 and rate > 0
     assert "pass a larger --images" in capsys.readouterr().err
+
+
+async def test_a_paced_floods_loops_send_in_turn_not_in_bursts() -> None:
+    bench = load()
+    sent: list[float] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(time.perf_counter())
+        return httpx.Response(200, json={})
+
+    stop = asyncio.Event()
+    transport = httpx.MockTransport(answer)
+    async with httpx.AsyncClient(transport=transport, base_url="http://bench") as client:
+        task = asyncio.create_task(bench.flood(client, iter(lambda: {}, None), 4, stop, 16.0))
+        await asyncio.sleep(0.6)  # 4 loops at 16/s in all: one request each 62.5 ms
+        stop.set()
+        assert await task == len(sent)
+    gaps = [b - a for a, b in itertools.pairwise(sent)]
+    assert len(sent) >= 8
+    assert min(gaps[:8]) > 0.01, gaps  # started together, 3 of every 4 gaps would be ~0
