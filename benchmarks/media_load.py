@@ -20,6 +20,14 @@ requests/s over ``0``'s), and ``--out`` JSON (the runs). ``--pool-only`` decodes
 JPEGs in ``MediaPool(n)`` (no model, no HTTP): images/s for each worker count (0 = a thread
 of this process).
 
+``--controls`` adds floods at the image flood's request rate that each keep one part of an
+image request and drop the rest, to tell what a text request waits for under the image
+flood: ``text-photo-body`` (the text flood's prompts in request bodies as large as a
+photo's, the padding in the OpenAI ``user`` field: the body's upload, read and parse alone)
+and ``same-photo`` (one photo sent again and again: the decode, the hand-offs between the
+server's processes and threads and the request's own answer, with the processor, vision
+and prefix caches hit). Each prints its TTFT p50 over the text flood's.
+
 ``--phases`` (vlmserve only) asks each probe for its timings (``include_metrics``) and prints
 where its time to first token went, p50 ms per phase: ``media`` (arrival until the engine
 may start: body, template, tokenizer), ``queue``, ``vision``, ``prefill``, and ``other``
@@ -76,6 +84,13 @@ def photos(n: int, seed: int = 0) -> list[str]:
 def image_body(model: str, url: str) -> dict[str, Any]:
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]
     return {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
+
+
+def padded(body: dict[str, Any], size: int) -> dict[str, Any]:
+    """``body`` grown to ``size`` bytes of JSON by a ``user`` string (OpenAI's end-user id:
+    the server takes it and the answer does not depend on it)."""
+    bare = {**body, "user": ""}
+    return {**body, "user": "u" * max(0, size - len(json.dumps(bare)))}
 
 
 def text_body(model: str, words: int, stream: bool = False) -> dict[str, Any]:
@@ -229,11 +244,23 @@ async def under_child_flood(
     return ttfts, result["done"] / result["seconds"]
 
 
+CONTROLS = ("text-photo-body", "same-photo")
+
+
 def flood_bodies(model: str, kind: str, images: int, seed: int, tokens: int) -> Iterator[Any]:
-    """A flood's request bodies: ``images`` never-repeated photos, or endless text prompts of
-    ``tokens`` words."""
+    """A flood's request bodies: ``image``: ``images`` never-repeated photos; ``text``:
+    endless text prompts of ``tokens`` words; ``CONTROLS``: those prompts in photo-sized
+    bodies, or one photo (of ``seed``) again and again."""
     if kind == "image":
         return iter(image_body(model, u) for u in photos(images, seed=seed))
+    if kind == "same-photo":
+        body = image_body(model, photos(1, seed=seed)[0])
+        return iter(lambda: body, None)
+    if kind == "text-photo-body":
+        size = len(json.dumps(image_body(model, photos(1, seed=seed)[0])))
+        return iter(lambda: padded(text_body(model, tokens), size), None)
+    if kind != "text":
+        raise ValueError(f"no flood of kind {kind!r}")
     return iter(lambda: text_body(model, tokens), None)
 
 
@@ -294,13 +321,18 @@ async def measure(spec: ServerSpec, pid: int, args: argparse.Namespace) -> dict[
         peak, _ = group_hwm_mib(pid)
         wait_idle(args.settle)
         text_flooded, text_rate = await flooded_by("text", image_rate)
-    conditions = {"idle": idle, "image_flood": flooded, "text_flood": text_flooded}
+        controls = {}
+        for kind in args.controls:
+            wait_idle(args.settle)
+            controls[kind], _ = await flooded_by(kind, image_rate)
+    conditions = {"idle": idle, "image_flood": flooded, "text_flood": text_flooded, **controls}
     return {
         "server": spec.name,
         "prompt_tokens": tokens,
         "idle": idle,
         "image_flood": flooded,
         "text_flood": text_flooded,
+        "controls": controls,
         "image_rps": image_rate,
         "text_rps": text_rate,
         "peak_rss_mib": peak,
@@ -406,6 +438,13 @@ def medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "image_vs_idle": statistics.median(
                     i / t for i, t in zip(p50["image_flood"], p50["idle"], strict=True)
                 ),
+                "controls_vs_text": {
+                    kind: statistics.median(
+                        p(r["controls"][kind], 50) / t
+                        for r, t in zip(rs, p50["text_flood"], strict=True)
+                    )
+                    for kind in rs[0].get("controls") or {}
+                },
                 "image_rps": statistics.median(r["image_rps"] for r in rs),
                 "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rs),
             }
@@ -425,6 +464,9 @@ def report_medians(rows: list[dict[str, Any]]) -> None:
             f"{r['server']:<16} {r['idle']:5.1f}  {r['image_flood']:11.1f}  {r['text_flood']:10.1f}"
             f"  {r['image_vs_text']:9.2f}x  {r['image_vs_idle']:9.2f}x  {r['image_rps']:6.1f}"
         )
+    for r in rows:
+        for kind, ratio in r.get("controls_vs_text", {}).items():
+            print(f"{r['server']:<16} {kind} flood / text flood: {ratio:.2f}x")
     rps = {r["server"]: r["image_rps"] for r in rows}
     if "vlmserve-w0" in rps and "vlmserve-w2" in rps:
         ratio = rps["vlmserve-w2"] / rps["vlmserve-w0"]
@@ -447,6 +489,10 @@ def report(results: list[dict[str, Any]]) -> None:
             f"  {r['image_rps']:6.1f} {r['text_rps']:6.1f}  {r['peak_rss_mib']:8.0f}"
         )
     for r in results:
+        for kind, ttfts in (r.get("controls") or {}).items():
+            cells = f"{p(ttfts, 50):6.1f}/{p(ttfts, 90):6.1f}"
+            print(f"{r['server']:<16}  {kind} flood p50/p90 {cells}")
+    for r in results:
         for condition, phases in (r.get("phases") or {}).items():
             cells = "  ".join(f"{name} {ms:5.1f}" for name, ms in phases.items())
             print(f"{r['server']:<16}  {condition:<12} TTFT p50 by phase, ms: {cells}")
@@ -468,6 +514,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument(
         "--phases", action="store_true", help="vlmserve: where each probe's TTFT went (p50 ms)"
+    )
+    ap.add_argument(
+        "--controls",
+        nargs="*",
+        choices=CONTROLS,
+        default=[],
+        help="more floods at the image flood's rate, each keeping one part of an image "
+        "request: its body's size, or one photo again and again (caches hit)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settle", type=float, default=10.0, help="max seconds to wait for idle CPUs")

@@ -8,11 +8,13 @@ import asyncio
 import base64
 import io
 import itertools
+import json
 import time
 from types import ModuleType
 from typing import Any
 
 import httpx
+import pytest
 from PIL import Image
 
 from support import import_benchmark
@@ -28,6 +30,19 @@ def test_the_flood_images_are_distinct_1280x960_jpegs() -> None:
     data = base64.b64decode(urls[0].split(",", 1)[1])
     with Image.open(io.BytesIO(data)) as image:
         assert (image.format, image.size) == ("JPEG", (1280, 960))
+
+
+def test_the_control_floods_keep_a_photo_requests_body_size_or_its_one_photo() -> None:
+    bench = load()
+    photo = bench.image_body("m", bench.photos(1, seed=7)[0])
+    padded = list(itertools.islice(bench.flood_bodies("m", "text-photo-body", 0, 7, 20), 2))
+    assert all(abs(len(json.dumps(b)) - len(json.dumps(photo))) <= 2 for b in padded)
+    assert all(isinstance(b["messages"][0]["content"], str) for b in padded)  # no image
+    assert len(padded[0]["messages"][0]["content"].split()) == 20
+    same = list(itertools.islice(bench.flood_bodies("m", "same-photo", 0, 7, 20), 3))
+    assert same == [photo] * 3
+    with pytest.raises(ValueError, match="no flood of kind 'video'"):
+        bench.flood_bodies("m", "video", 0, 7, 20)
 
 
 def test_pool_only_reports_images_per_second_for_each_worker_count() -> None:
@@ -88,6 +103,29 @@ def test_medians_take_each_runs_own_ratios_then_their_median(capsys) -> None:
     assert "--media-workers 2 over 0: 0.98x" in capsys.readouterr().out
 
 
+def test_each_control_flood_is_set_against_its_own_runs_text_flood(capsys) -> None:
+    bench = load()
+
+    def run(text: float, same: float) -> dict[str, Any]:
+        return {
+            "server": "vlmserve-w1",
+            "idle": [10.0],
+            "image_flood": [20.0],
+            "text_flood": [text],
+            "controls": {"same-photo": [same]},
+            "image_rps": 40.0,
+            "text_rps": 40.0,
+            "peak_rss_mib": 100.0,
+        }
+
+    rows = bench.medians([run(10.0, 15.0), run(20.0, 20.0), run(5.0, 10.0)])
+    assert rows[0]["controls_vs_text"] == {"same-photo": 1.5}  # runs 1.5, 1.0, 2.0
+    bench.report([run(10.0, 15.0)])
+    out = capsys.readouterr().out
+    assert "same-photo flood p50/p90   15.0/  15.0" in out
+    assert "same-photo flood / text flood: 1.50x" in out
+
+
 async def test_probes_with_phases_carry_the_servers_timings(live_server) -> None:
     import httpx
 
@@ -125,6 +163,13 @@ async def test_a_flood_from_its_own_process_is_paced_and_the_probes_still_run(
     ttfts, rate = await _child_flood(live_server, 3, 2.0, **plan)
     assert len(ttfts) == 3 and all(t > 0 for t in ttfts)
     assert 3.0 <= rate <= 11.0  # paced to 10 requests/s, answered by the server
+
+
+async def test_a_photo_sized_text_body_is_answered_as_the_text_is(live_server) -> None:
+    plan = {"kind": "text-photo-body", "tokens": 12, "images": 0, "rate": 10.0}
+    ttfts, rate = await _child_flood(live_server, 2, 2.0, **plan)
+    assert len(ttfts) == 2
+    assert rate >= 3.0  # each padded request answered 200: the padding is taken as it is
 
 
 async def test_a_flood_that_runs_out_of_images_says_so(live_server, capsys) -> None:
