@@ -243,7 +243,7 @@ def run(settings: Settings, models: ModelManager | None = None) -> None:
     import uvicorn
 
     from vlmserve.api.app import build_app
-    from vlmserve.media.workers.memory import API, return_large_buffers
+    from vlmserve.media.workers.memory import API, set_malloc_policy
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -256,7 +256,7 @@ def run(settings: Settings, models: ModelManager | None = None) -> None:
     # default, so after each torch call the engine could wait up to 5 ms for the loop's SSE work;
     # at 1 ms it gets it back sooner (measured: +18% output tokens/s at 8 concurrent streams).
     sys.setswitchinterval(0.001)
-    return_large_buffers(API)  # a media burst's large buffers leave RSS when freed
+    set_malloc_policy(API)  # a media burst's large buffers leave RSS when freed
     # httptools (C) with the request head capped here: h11 (pure Python) capped it itself but
     # cost ~1.7x the CPU per request and per SSE event (cli/http_protocol.py has the figures).
     from vlmserve.cli.http_protocol import with_head_timeout

@@ -10,9 +10,10 @@ __all__ = ["page_faults", "rss_given_back"]
 
 
 def page_faults(size: int, count: int = 5, rounds: int = 20, thread: bool = False) -> float:
-    """Minor page faults per round of making ``count`` zeroed buffers of ``size`` bytes (a
-    small object made between them, as a server's requests do) and freeing them, after two
-    such rounds to warm up; on a thread of its own (its own malloc arena) with ``thread``."""
+    """Minor page faults per round of making ``count`` zeroed buffers of ``size`` bytes and
+    freeing them, a small object kept after each round (as a server's requests leave some),
+    after two such rounds to warm up; on a thread of its own (its own malloc arena) with
+    ``thread``."""
     if thread:
         out: list[float] = []
         worker = threading.Thread(target=lambda: out.append(page_faults(size, count, rounds)))

@@ -23,18 +23,13 @@ def _measured_under(policy: str, measures: list[str]) -> list[float]:
     """``measures`` (calls of ``vlmserve.testing.memory``'s functions) in a fresh process that
     set ``policy`` as the server does."""
     code = (
-        "import json, sys\n"
+        "import json\n"
         "from vlmserve.media.workers import memory\n"
         "from vlmserve.testing.memory import page_faults, rss_given_back\n"
-        f"assert memory.return_large_buffers(memory.{policy})\n"
-        "print(json.dumps([eval(m) for m in json.loads(sys.argv[1])]))\n"
+        f"assert memory.set_malloc_policy(memory.{policy})\n"
+        f"print(json.dumps([{', '.join(measures)}]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(measures)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return [float(x) for x in json.loads(out.stdout)]
 
 

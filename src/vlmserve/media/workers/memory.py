@@ -31,7 +31,7 @@ import ctypes.util
 import sys
 from dataclasses import dataclass
 
-__all__ = ["API", "WORKER", "MallocPolicy", "return_large_buffers"]
+__all__ = ["API", "WORKER", "MallocPolicy", "set_malloc_policy"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -48,7 +48,7 @@ API = MallocPolicy(mmap_threshold=1 * MiB, trim_threshold=8 * MiB)
 WORKER = MallocPolicy(mmap_threshold=32 * MiB, trim_threshold=64 * MiB)
 
 
-def return_large_buffers(policy: MallocPolicy = API) -> bool:
+def set_malloc_policy(policy: MallocPolicy) -> bool:
     """Fix glibc's thresholds to ``policy`` in this process; whether they were set (glibc on
     Linux)."""
     if not sys.platform.startswith("linux"):

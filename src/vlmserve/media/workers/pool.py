@@ -29,7 +29,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from vlmserve.errors import ServiceUnavailable
-from vlmserve.media.workers.memory import WORKER, return_large_buffers
+from vlmserve.media.workers.memory import WORKER, set_malloc_policy
 from vlmserve.media.workers.shared import held, release, to_shared
 
 __all__ = ["MediaPool", "default_workers"]
@@ -51,7 +51,7 @@ def _start_worker(nice: int) -> None:
     # handler and on Python 3.11 checks it back by formatting the finished task, result
     # included: 24 ms for the bytes of a 1.5 MB video.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return_large_buffers(WORKER)  # one item at a time: its heap may keep its buffers
+    set_malloc_policy(WORKER)  # one item at a time: its heap may keep its buffers
     parent = os.getppid()
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     if nice > 0:
